@@ -1,0 +1,27 @@
+// The one place where dsv4's op schemas are defined. Each kernel family's launcher
+// binds its CUDA entries next to its argument checks (TORCH_LIBRARY_IMPL in
+// csrc/<family>/*.cu). dsv4/_ops.py mirrors these strings for installs without the
+// extension; tests/test_ops_registry.py checks that the two agree.
+#include <Python.h>
+#include <torch/library.h>
+
+// `import dsv4._C` loads this library, which runs the registrations. The module
+// itself is empty: no pybind, so the extension is abi3 (one build serves every
+// Python >= 3.10).
+extern "C" PyObject* PyInit__C(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}
+
+TORCH_LIBRARY(dsv4, m) {
+  // csrc/quantize
+  m.def("quantize_nvfp4(Tensor x, Tensor global_scale) -> (Tensor, Tensor)");
+  // csrc/attention
+  m.def(
+      "sparse_mqa_decode(Tensor q, Tensor kv_cache, Tensor indices, Tensor? topk_length, "
+      "Tensor? attn_sink, float softmax_scale, Tensor? extra_kv_cache, Tensor? extra_indices, "
+      "Tensor? extra_topk_length, Tensor(a!) out) -> Tensor");
+  m.def(
+      "sparse_mqa_prefill(Tensor q, Tensor kv, Tensor indices, Tensor? topk_length, "
+      "Tensor? attn_sink, float softmax_scale, Tensor(a!) out) -> Tensor");
+}

@@ -1,0 +1,55 @@
+"""Loads the CUDA extension and makes sure every dsv4 op exists.
+
+With the extension (``dsv4._C``), the schemas come from csrc/registration.cpp and
+the CUDA kernels are bound there. Without it (pure-Python install: no CUDA torch or
+no nvcc at build time), the same schemas are defined here so that the CPU kernels,
+fake kernels and torch.compile keep working, and a CUDA call raises an error that
+says how to build. tests/test_ops_registry.py checks the two schema lists agree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Mirror of csrc/registration.cpp, used only when the extension is missing.
+SCHEMAS = {
+    "quantize_nvfp4": "(Tensor x, Tensor global_scale) -> (Tensor, Tensor)",
+    "sparse_mqa_decode": (
+        "(Tensor q, Tensor kv_cache, Tensor indices, Tensor? topk_length, Tensor? attn_sink, "
+        "float softmax_scale, Tensor? extra_kv_cache, Tensor? extra_indices, "
+        "Tensor? extra_topk_length, Tensor(a!) out) -> Tensor"
+    ),
+    "sparse_mqa_prefill": (
+        "(Tensor q, Tensor kv, Tensor indices, Tensor? topk_length, Tensor? attn_sink, "
+        "float softmax_scale, Tensor(a!) out) -> Tensor"
+    ),
+}
+
+BUILD_HINT = (
+    "dsv4 was installed without its CUDA extension (dsv4._C), so its CUDA kernels are "
+    "unavailable. Rebuild against a CUDA-enabled torch with nvcc on PATH: "
+    "`pip install nvidia-cutlass ninja && DSV4_CUDA=1 pip install --no-build-isolation .` "
+    "(see README.md, 'Install')."
+)
+
+try:
+    from . import _C  # noqa: F401  (registers the schemas and CUDA kernels)
+
+    HAS_CUDA_EXTENSION = True
+    EXTENSION_ERROR: str | None = None
+except ImportError as e:
+    HAS_CUDA_EXTENSION = False
+    EXTENSION_ERROR = str(e)
+    _lib = torch.library.Library("dsv4", "DEF")
+    for _name, _schema in SCHEMAS.items():
+        _lib.define(_name + _schema)
+
+        def _no_extension(*args, _name=_name, **kwargs):
+            raise RuntimeError(f"dsv4::{_name}: {BUILD_HINT} (import error: {EXTENSION_ERROR})")
+
+        _lib.impl(_name, _no_extension, "CUDA")
+
+
+def op(name: str):
+    """The registered ``torch.ops.dsv4.<name>`` overload packet."""
+    return getattr(torch.ops.dsv4, name)

@@ -1,0 +1,63 @@
+"""NVFP4 activation quantization: ``dsv4.quantize_nvfp4``.
+
+Output layout (what the NVFP4 MoE kernels read): for x [M, K] bf16,
+``codes`` uint8 [M, K/2], dense row-major, two e2m1 codes per byte with the even
+element in the low nibble; ``scales`` float8_e4m3fn [M, K/16], dense row-major,
+one scale per 16 consecutive elements of a row. Dequantized value =
+e2m1(code) * scale * global_scale. Rounding rules: dsv4.formats.quantize_nvfp4
+(the CPU kernel *is* that function, and the CUDA kernel is tested bit-exact to it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import formats
+from ._ops import op
+
+
+def _check(x: torch.Tensor, global_scale: torch.Tensor) -> None:
+    # Same rules and wording as csrc/quantize/quantize_nvfp4.cu, for CPU and fake calls.
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"dsv4: x must have dtype torch.bfloat16, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"dsv4: x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if global_scale.dtype != torch.float32:
+        raise ValueError(f"dsv4: global_scale must have dtype torch.float32, got {global_scale.dtype}")
+    if global_scale.numel() != 1:
+        raise ValueError(f"dsv4: global_scale must hold exactly 1 element, got shape {tuple(global_scale.shape)}")
+    if global_scale.device != x.device:
+        raise ValueError(f"dsv4: global_scale is on {global_scale.device} but x is on {x.device}; they must be on the same device")
+    k = x.shape[1]
+    if k <= 0 or k % 16:
+        raise ValueError(f"dsv4: x.shape[1] (K) must be a positive multiple of 16, got {k}")
+
+
+@torch.library.register_fake("dsv4::quantize_nvfp4")
+def _(x, global_scale):
+    _check(x, global_scale)
+    m, k = x.shape
+    return x.new_empty((m, k // 2), dtype=torch.uint8), x.new_empty((m, k // 16), dtype=torch.float8_e4m3fn)
+
+
+@torch.library.impl("dsv4::quantize_nvfp4", "CPU")
+def _(x, global_scale):
+    _check(x, global_scale)
+    return formats.quantize_nvfp4(x, global_scale)
+
+
+def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize activations to NVFP4.
+
+    Args:
+        x: bf16 [M, K], K a multiple of 16; unit stride along K (rows may be strided,
+            16-byte aligned on CUDA).
+        global_scale: fp32 tensor with one element on x's device (or a Python float),
+            the dequant multiplier g (a checkpoint's ``input_scale``). Must be > 0.
+
+    Returns:
+        (codes uint8 [M, K/2], scales float8_e4m3fn [M, K/16]); see the module docstring.
+    """
+    if not isinstance(global_scale, torch.Tensor):
+        global_scale = torch.tensor([float(global_scale)], dtype=torch.float32, device=x.device)
+    return op("quantize_nvfp4")(x, global_scale)

@@ -1,0 +1,591 @@
+"""Float32 reference implementations of the dsv4 ops.
+
+These are the ground truth the CUDA kernels are tested against and double as
+the CPU implementations. They favour clarity over speed, work on CPU and CUDA
+tensors alike, and do all arithmetic in float32.
+
+Attention convention (DeepSeek V4), for query token t, head h and visible key
+set I(t) with a per-head learned sink logit ``sink[h]``::
+
+    s_j     = scale * <q[t, h], k_j>
+    o[t, h] = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sink[h] - m))
+    lse     = log(sum_j exp(s_j))          # natural log, EXCLUDES the sink
+
+``sink = -inf`` means no sink, ``sink = +inf`` forces the output to exactly
+zero, and an empty visible set gives a zero output with ``lse = -inf``. No
+combination of these produces NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["sparse_mqa", "dense_fmha", "swiglu", "nvfp4_moe"]
+
+_NEG_INF = float("-inf")
+
+
+# ---------------------------------------------------------------------------
+# validation helpers
+# ---------------------------------------------------------------------------
+
+
+def _check_tensor(name: str, t, ndim: Optional[int] = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+
+
+def _check_float(name: str, t, ndim: Optional[int] = None) -> None:
+    _check_tensor(name, t, ndim)
+    if not t.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+
+
+def _check_int(name: str, t, ndim: Optional[int] = None) -> None:
+    _check_tensor(name, t, ndim)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+
+
+def _check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(
+            f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}"
+        )
+
+
+def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+
+
+def _check_scale(name: str, scale) -> float:
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"{name} must be a scalar, got shape {tuple(scale.shape)}")
+        scale = scale.item()
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"{name} must be a real number, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"{name} must be finite, got {scale}")
+    return scale
+
+
+def _check_sink(sink, num_heads: int, device: torch.device) -> Optional[torch.Tensor]:
+    if sink is None:
+        return None
+    _check_float("sink", sink, 1)
+    _check_shape("sink", sink, (num_heads,))
+    _check_device("sink", sink, device)
+    return sink.float()
+
+
+# ---------------------------------------------------------------------------
+# softmax with an attention sink
+# ---------------------------------------------------------------------------
+
+
+def _softmax_with_sink(
+    s: torch.Tensor, sink: Optional[torch.Tensor]
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sink-aware softmax over the last axis.
+
+    Args:
+        s: float32 [..., H, K] scores, ``-inf`` at masked keys.
+        sink: float32 [H] sink logits or None.
+
+    Returns:
+        (p [..., H, K], lse [..., H]) where ``p`` are the normalized key weights
+        (the sink's share is simply not returned) and ``lse`` excludes the sink.
+    """
+    lse = torch.logsumexp(s, dim=-1)  # -inf for an all-masked (or K=0) row
+    total = lse if sink is None else torch.logaddexp(lse, sink)
+    # Subtract the full log-denominator only where it is finite: -inf means
+    # every s is -inf (weights are exp(-inf) = 0 either way), +inf means an
+    # infinite sink that takes all the mass (weights forced to 0 below).
+    shift = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
+    p = torch.exp(s - shift.unsqueeze(-1))
+    p = torch.where(torch.isposinf(total).unsqueeze(-1), torch.zeros_like(p), p)
+    return p, lse
+
+
+# ---------------------------------------------------------------------------
+# sparse MQA
+# ---------------------------------------------------------------------------
+
+
+def _gather_scores(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    lengths: Optional[torch.Tensor],
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Scores and values for one (cache, index list) pair.
+
+    Returns (s [T, H, topk] with -inf at unused slots, values [T, topk, D]).
+    """
+    T, topk = indices.shape
+    N = kv.shape[0]
+    slot = torch.arange(topk, device=indices.device)
+    valid = (indices >= 0) & (indices < N)
+    if lengths is not None:
+        valid &= slot.unsqueeze(0) < lengths.long().unsqueeze(1)
+    if N == 0:
+        vals = kv.new_zeros(T, topk, kv.shape[1], dtype=torch.float32)
+    else:
+        safe = torch.where(valid, indices, torch.zeros_like(indices)).long()
+        vals = kv[safe].float()  # [T, topk, D]; row 0 stands in for masked slots
+    s = torch.einsum("thd,tkd->thk", q, vals)
+    s = s.masked_fill(~valid.unsqueeze(1), _NEG_INF)
+    return s, vals
+
+
+def sparse_mqa(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    lengths: Optional[torch.Tensor],
+    sink: Optional[torch.Tensor],
+    scale: float,
+    extra_kv: Optional[torch.Tensor] = None,
+    extra_indices: Optional[torch.Tensor] = None,
+    extra_lengths: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sparse multi-query attention over per-token index lists (K == V).
+
+    Args:
+        q: [T, H, D] float (any float dtype), queries.
+        kv: [N, D] float, already-dequantized cache rows; each row is both the
+            key and the value (one shared KV head).
+        indices: [T, topk] integer, kv row ids per query token.
+        lengths: [T] integer or None. Entry i of token t's list is used iff
+            ``i < lengths[t]`` (None = all topk) and ``0 <= indices[t, i] < N``;
+            so -1 padding and out-of-range ids are skipped. Duplicated ids count
+            as separate keys.
+        sink: [H] float32 sink logits or None (no sink).
+        scale: softmax scale applied to q.k.
+        extra_kv: [N2, D] float or None, a second cache.
+        extra_indices: [T, topk2] integer, required iff extra_kv is given;
+            same rules as ``indices`` against ``extra_kv``.
+        extra_lengths: [T] integer or None, lengths for ``extra_indices``.
+
+    Both key sets share one softmax (and one sink).
+
+    Returns:
+        out: float32 [T, H, D].
+        lse: float32 [T, H], natural-log sum of exp(scores) excluding the sink;
+            -inf for tokens with no visible key (whose output is zero).
+    """
+    _check_float("q", q, 3)
+    T, H, D = q.shape
+    device = q.device
+    _check_float("kv", kv, 2)
+    if kv.shape[1] != D:
+        raise ValueError(f"kv must have shape [N, {D}] to match q, got {tuple(kv.shape)}")
+    _check_device("kv", kv, device)
+    _check_int("indices", indices, 2)
+    if indices.shape[0] != T:
+        raise ValueError(f"indices must have shape [{T}, topk], got {tuple(indices.shape)}")
+    _check_device("indices", indices, device)
+    if lengths is not None:
+        _check_int("lengths", lengths, 1)
+        _check_shape("lengths", lengths, (T,))
+        _check_device("lengths", lengths, device)
+    sink = _check_sink(sink, H, device)
+    scale = _check_scale("scale", scale)
+
+    if (extra_kv is None) != (extra_indices is None):
+        raise ValueError("extra_kv and extra_indices must be given together")
+    if extra_kv is None and extra_lengths is not None:
+        raise ValueError("extra_lengths given without extra_kv / extra_indices")
+    if extra_kv is not None:
+        _check_float("extra_kv", extra_kv, 2)
+        if extra_kv.shape[1] != D:
+            raise ValueError(
+                f"extra_kv must have shape [N2, {D}] to match q, got {tuple(extra_kv.shape)}"
+            )
+        _check_device("extra_kv", extra_kv, device)
+        _check_int("extra_indices", extra_indices, 2)
+        if extra_indices.shape[0] != T:
+            raise ValueError(
+                f"extra_indices must have shape [{T}, topk2], got {tuple(extra_indices.shape)}"
+            )
+        _check_device("extra_indices", extra_indices, device)
+        if extra_lengths is not None:
+            _check_int("extra_lengths", extra_lengths, 1)
+            _check_shape("extra_lengths", extra_lengths, (T,))
+            _check_device("extra_lengths", extra_lengths, device)
+
+    qs = q.float() * scale
+    s, vals = _gather_scores(qs, kv, indices, lengths)
+    if extra_kv is not None:
+        s2, vals2 = _gather_scores(qs, extra_kv, extra_indices, extra_lengths)
+        s = torch.cat([s, s2], dim=-1)
+        vals = torch.cat([vals, vals2], dim=1)
+
+    p, lse = _softmax_with_sink(s, sink)
+    out = torch.einsum("thk,tkd->thd", p, vals)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------
+# dense (ragged, windowed, compressed-prefix) FMHA
+# ---------------------------------------------------------------------------
+
+
+def _visible_mask(
+    tq: int,
+    n_comp: int,
+    n_win: int,
+    start: int,
+    window: int,
+    causal: bool,
+    ratio: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """[tq, n_comp + n_win] bool mask of kv rows each query may see."""
+    if not causal:
+        return torch.ones(tq, n_comp + n_win, dtype=torch.bool, device=device)
+    # Queries are bottom-right aligned to the window part of the kv rows.
+    p = start + n_win - tq + torch.arange(tq, device=device)  # [tq]
+    u = start + torch.arange(n_win, device=device)  # [n_win]
+    win = u.unsqueeze(0) <= p.unsqueeze(1)
+    if window > 0:
+        win &= u.unsqueeze(0) >= (p - window + 1).unsqueeze(1)
+    # Floor division; for p + 1 <= 0 it is <= 0, i.e. no compressed entry.
+    n_vis = torch.div(p + 1, ratio, rounding_mode="floor")
+    w = torch.arange(n_comp, device=device)
+    comp = w.unsqueeze(0) < n_vis.unsqueeze(1)
+    return torch.cat([comp, win], dim=1)
+
+
+def dense_fmha(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_kv: torch.Tensor,
+    n_comp: torch.Tensor,
+    *,
+    window: int,
+    causal: bool,
+    ratio: int = 1,
+    seq_start_pos: Optional[torch.Tensor] = None,
+    sink: Optional[torch.Tensor] = None,
+    scale: float,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Ragged-batch attention over [compressed | sliding-window] kv rows.
+
+    Args:
+        q: [Tq, Hq, D] float, queries of all sequences concatenated.
+        k: [Nkv, Hkv, D] float, keys of all sequences concatenated.
+        v: [Nkv, Hkv, Dv] float, values (same rows as k).
+        cu_seqlens_q: [S+1] integer, cumulative query counts (0 first, Tq last).
+        cu_seqlens_kv: [S+1] integer, cumulative kv counts (0 first, Nkv last).
+        n_comp: [S] integer. Sequence s's kv rows are laid out as
+            ``[n_comp[s] compressed entries | L_w window entries]`` with
+            ``L_w = kv_len[s] - n_comp[s]``.
+        window: sliding-window size; ``<= 0`` means unlimited.
+        causal: apply the position rules below; False = every row visible
+            (window and ratio ignored).
+        ratio: compression ratio (>= 1) of the compressed entries.
+        seq_start_pos: [S] integer or None (zeros), absolute position of the
+            first window entry of each sequence.
+        sink: [Hq] float32 sink logits or None.
+        scale: softmax scale applied to q.k.
+
+    GQA/MQA: query head h uses kv head ``h // (Hq // Hkv)``.
+
+    Positions (causal): query i of sequence s (``0 <= i < Tq_s``) sits at
+    ``p = start + L_w - Tq_s + i`` (bottom-right aligned to the window part);
+    window entry j sits at ``start + j``. The query sees window entry at
+    position u iff ``p - window + 1 <= u <= p`` (no lower bound if window <= 0)
+    and compressed entry w iff ``w < (p + 1) // ratio`` (floor division).
+
+    Returns:
+        out: float32 [Tq, Hq, Dv]; zero for queries with nothing visible.
+        lse: float32 [Tq, Hq], log-sum-exp of the visible scores excluding the
+            sink; -inf for queries with nothing visible.
+    """
+    _check_float("q", q, 3)
+    Tq, Hq, D = q.shape
+    device = q.device
+    _check_float("k", k, 3)
+    _check_float("v", v, 3)
+    Nkv, Hkv, Dk = k.shape
+    if Dk != D:
+        raise ValueError(f"k head dim {Dk} does not match q head dim {D}")
+    if v.shape[0] != Nkv or v.shape[1] != Hkv:
+        raise ValueError(
+            f"v must have shape [{Nkv}, {Hkv}, Dv] to match k, got {tuple(v.shape)}"
+        )
+    Dv = v.shape[2]
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"q heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    for name, t in (("k", k), ("v", v)):
+        _check_device(name, t, device)
+
+    _check_int("cu_seqlens_q", cu_seqlens_q, 1)
+    _check_int("cu_seqlens_kv", cu_seqlens_kv, 1)
+    S = cu_seqlens_q.shape[0] - 1
+    if S < 0:
+        raise ValueError("cu_seqlens_q must have at least one element")
+    _check_shape("cu_seqlens_kv", cu_seqlens_kv, (S + 1,))
+    _check_int("n_comp", n_comp, 1)
+    _check_shape("n_comp", n_comp, (S,))
+    if seq_start_pos is not None:
+        _check_int("seq_start_pos", seq_start_pos, 1)
+        _check_shape("seq_start_pos", seq_start_pos, (S,))
+    sink = _check_sink(sink, Hq, device)
+    scale = _check_scale("scale", scale)
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise ValueError(f"window must be an int, got {type(window).__name__}")
+    if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1:
+        raise ValueError(f"ratio must be an int >= 1, got {ratio!r}")
+
+    # Host copies of the small per-sequence metadata drive the Python loop.
+    cq = cu_seqlens_q.tolist()
+    ckv = cu_seqlens_kv.tolist()
+    nc = n_comp.tolist()
+    starts = seq_start_pos.tolist() if seq_start_pos is not None else [0] * S
+    for name, cu, total in (("cu_seqlens_q", cq, Tq), ("cu_seqlens_kv", ckv, Nkv)):
+        if cu[0] != 0 or cu[-1] != total:
+            raise ValueError(f"{name} must start at 0 and end at {total}, got {cu}")
+        if any(b < a for a, b in zip(cu[:-1], cu[1:])):
+            raise ValueError(f"{name} must be non-decreasing, got {cu}")
+    for s in range(S):
+        kv_len = ckv[s + 1] - ckv[s]
+        if not 0 <= nc[s] <= kv_len:
+            raise ValueError(
+                f"n_comp[{s}] = {nc[s]} must lie in [0, kv length {kv_len}]"
+            )
+
+    group = Hq // Hkv
+    out = torch.zeros(Tq, Hq, Dv, dtype=torch.float32, device=device)
+    lse = torch.full((Tq, Hq), _NEG_INF, dtype=torch.float32, device=device)
+    for s in range(S):
+        q0, q1, k0, k1 = cq[s], cq[s + 1], ckv[s], ckv[s + 1]
+        tq = q1 - q0
+        if tq == 0:
+            continue
+        mask = _visible_mask(
+            tq, nc[s], (k1 - k0) - nc[s], starts[s], window, causal, ratio, device
+        )
+        qs = q[q0:q1].float() * scale  # [tq, Hq, D]
+        ks = k[k0:k1].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        vs = v[k0:k1].float().repeat_interleave(group, dim=1)  # [L, Hq, Dv]
+        scores = torch.einsum("thd,lhd->thl", qs, ks)
+        scores = scores.masked_fill(~mask.unsqueeze(1), _NEG_INF)
+        p, seq_lse = _softmax_with_sink(scores, sink)
+        out[q0:q1] = torch.einsum("thl,lhd->thd", p, vs)
+        lse[q0:q1] = seq_lse
+    return out, lse
+
+
+# ---------------------------------------------------------------------------
+# NVFP4 MoE
+# ---------------------------------------------------------------------------
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: Optional[float] = None) -> torch.Tensor:
+    """Clamped SwiGLU: ``silu(min(g, L)) * clamp(u, -L, L)``.
+
+    Args:
+        g: float [..., N], gate projection.
+        u: float [..., N], up projection (same shape as g).
+        limit: clamp limit L > 0, or None for plain ``silu(g) * u``.
+
+    Returns:
+        float32 [..., N].
+    """
+    _check_float("g", g)
+    _check_float("u", u)
+    if g.shape != u.shape:
+        raise ValueError(f"g and u must have the same shape, got {tuple(g.shape)} and {tuple(u.shape)}")
+    g = g.float()
+    u = u.float()
+    if limit is not None:
+        limit = _check_scale("limit", limit)
+        if limit <= 0:
+            raise ValueError(f"limit must be positive, got {limit}")
+        g = g.clamp(max=limit)
+        u = u.clamp(min=-limit, max=limit)
+    return F.silu(g) * u
+
+
+def _expert_global_scale(scale, e: int):
+    """Global (dequant) scale for local expert e: float, 1-elem or [E] tensor."""
+    if isinstance(scale, torch.Tensor):
+        # formats wants a float32 1-element tensor; accept any float dtype here.
+        flat = scale.reshape(-1).float()
+        return flat[e : e + 1] if flat.numel() > 1 else flat
+    return float(scale)
+
+
+def _check_act_scale(name: str, scale, num_experts: int) -> None:
+    if scale is None:
+        raise ValueError(f'{name} is required when activation="nvfp4"')
+    if isinstance(scale, torch.Tensor):
+        if not scale.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {scale.dtype}")
+        if scale.numel() != 1 and tuple(scale.shape) != (num_experts,):
+            raise ValueError(
+                f"{name} must be a scalar, a 1-element tensor or shape [{num_experts}], "
+                f"got {tuple(scale.shape)}"
+            )
+        values = scale.float()
+    else:
+        values = torch.tensor(_check_scale(name, scale))
+    if not (torch.isfinite(values).all() and (values > 0).all()):
+        raise ValueError(f"{name} must be finite and positive")
+
+
+def _qdq_nvfp4(x: torch.Tensor, global_scale) -> torch.Tensor:
+    """Round-trip x through NVFP4 (W4A4 activation emulation), float32 out."""
+    from dsv4 import formats
+
+    packed, scales = formats.quantize_nvfp4(x, global_scale)
+    return formats.dequantize_nvfp4(packed, scales, global_scale, dtype=torch.float32)
+
+
+def nvfp4_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w13_scale_2: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w2_scale_2: torch.Tensor,
+    *,
+    swiglu_limit: Optional[float] = None,
+    activation: str = "bf16",
+    a13_scale: Union[float, torch.Tensor, None] = None,
+    a2_scale: Union[float, torch.Tensor, None] = None,
+    expert_map: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Routed SwiGLU MoE with NVFP4 expert weights (vLLM stacked layout).
+
+    Args:
+        x: [M, K] bf16/float token activations.
+        topk_ids: [M, k] integer expert ids per token slot.
+        topk_weights: [M, k] float routing weights.
+        w13: [E, 2N, K/2] uint8 packed FP4; rows 0..N-1 are the gate (w1),
+            rows N..2N-1 the up projection (w3).
+        w13_scale: [E, 2N, K/16] float8_e4m3fn block scales.
+        w13_scale_2: [E] or [E, 2] float32 global scales (for [E, 2], the gate
+            rows use [:, 0] and the up rows [:, 1]).
+        w2: [E, K, N/2] uint8 packed FP4 down projection.
+        w2_scale: [E, K, N/16] float8_e4m3fn block scales.
+        w2_scale_2: [E] float32 global scales.
+        swiglu_limit: clamp limit for :func:`swiglu`, or None.
+        activation: "bf16" (x used as given in float32, h kept float32) or
+            "nvfp4" (W4A4 emulation: x and h are NVFP4 quantize-dequantized
+            before GEMM1 / GEMM2 with global scales a13_scale / a2_scale).
+        a13_scale, a2_scale: NVFP4 activation global (dequant) scales: a float,
+            a 1-element tensor, or a per-local-expert [E] tensor. Required for
+            activation="nvfp4", ignored otherwise.
+        expert_map: [E_global] integer or None. Maps global expert id to local
+            id, -1 = not on this rank (that slot contributes nothing). Without
+            it topk_ids are local ids.
+
+    Per slot (m, j) with local expert e:
+    ``y = (swiglu(x W1_e^T, x W3_e^T) W2_e^T)``; output ``sum_j w[m, j] y``.
+
+    Returns:
+        float32 [M, K].
+    """
+    from dsv4 import formats
+
+    _check_float("x", x, 2)
+    M, K = x.shape
+    device = x.device
+    _check_int("topk_ids", topk_ids, 2)
+    if topk_ids.shape[0] != M:
+        raise ValueError(f"topk_ids must have shape [{M}, k], got {tuple(topk_ids.shape)}")
+    topk = topk_ids.shape[1]
+    _check_float("topk_weights", topk_weights, 2)
+    _check_shape("topk_weights", topk_weights, (M, topk))
+    _check_tensor("w13", w13, 3)
+    _check_tensor("w2", w2, 3)
+    E = w13.shape[0]
+    if w13.dtype != torch.uint8 or w2.dtype != torch.uint8:
+        raise ValueError(f"w13 and w2 must be uint8 (packed FP4), got {w13.dtype} and {w2.dtype}")
+    if K % 16 != 0:
+        raise ValueError(f"x hidden size K={K} must be a multiple of 16")
+    if w13.shape[1] % 2 != 0 or w13.shape[2] != K // 2:
+        raise ValueError(f"w13 must have shape [E, 2N, {K // 2}], got {tuple(w13.shape)}")
+    N = w13.shape[1] // 2
+    if N % 16 != 0:
+        raise ValueError(f"intermediate size N={N} (w13 rows / 2) must be a multiple of 16")
+    _check_shape("w2", w2, (E, K, N // 2))
+    _check_tensor("w13_scale", w13_scale, 3)
+    _check_shape("w13_scale", w13_scale, (E, 2 * N, K // 16))
+    _check_tensor("w2_scale", w2_scale, 3)
+    _check_shape("w2_scale", w2_scale, (E, K, N // 16))
+    _check_float("w13_scale_2", w13_scale_2)
+    if tuple(w13_scale_2.shape) not in ((E,), (E, 2)):
+        raise ValueError(f"w13_scale_2 must have shape [{E}] or [{E}, 2], got {tuple(w13_scale_2.shape)}")
+    _check_float("w2_scale_2", w2_scale_2, 1)
+    _check_shape("w2_scale_2", w2_scale_2, (E,))
+    for name, t in (
+        ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", w13),
+        ("w13_scale", w13_scale), ("w13_scale_2", w13_scale_2), ("w2", w2),
+        ("w2_scale", w2_scale), ("w2_scale_2", w2_scale_2),
+    ):
+        _check_device(name, t, device)
+    if activation not in ("bf16", "nvfp4"):
+        raise ValueError(f'activation must be "bf16" or "nvfp4", got {activation!r}')
+    if activation == "nvfp4":
+        _check_act_scale("a13_scale", a13_scale, E)
+        _check_act_scale("a2_scale", a2_scale, E)
+
+    ids = topk_ids.long()
+    if expert_map is not None:
+        _check_int("expert_map", expert_map, 1)
+        _check_device("expert_map", expert_map, device)
+        E_global = expert_map.shape[0]
+        if ids.numel() and (ids.min() < 0 or ids.max() >= E_global):
+            raise ValueError(f"topk_ids must lie in [0, {E_global}) (expert_map size)")
+        if expert_map.numel() and (expert_map.min() < -1 or expert_map.max() >= E):
+            raise ValueError(f"expert_map values must lie in [-1, {E})")
+        ids = expert_map.long()[ids]
+    elif ids.numel() and (ids.min() < 0 or ids.max() >= E):
+        raise ValueError(f"topk_ids must lie in [0, {E}) (number of local experts)")
+
+    # Flatten the (token, slot) pairs; each expert then sees its rows at once.
+    flat_expert = ids.reshape(-1)
+    flat_token = torch.arange(M, device=device).repeat_interleave(topk)
+    flat_weight = topk_weights.float().reshape(-1)
+    xf = x.float()
+
+    out = torch.zeros(M, K, dtype=torch.float32, device=device)
+    for e in range(E):
+        pairs = (flat_expert == e).nonzero(as_tuple=True)[0]
+        if pairs.numel() == 0:
+            continue
+        tokens = flat_token[pairs]
+        # Dequantize one expert at a time so full-size models fit in memory.
+        sl = slice(e, e + 1)
+        w13_e = formats.dequantize_experts(w13[sl], w13_scale[sl], w13_scale_2[sl])[0]
+        w2_e = formats.dequantize_experts(w2[sl], w2_scale[sl], w2_scale_2[sl])[0]
+
+        xe = xf[tokens]
+        if activation == "nvfp4":
+            xe = _qdq_nvfp4(xe, _expert_global_scale(a13_scale, e))
+        g = xe @ w13_e[:N].T
+        u = xe @ w13_e[N:].T
+        h = swiglu(g, u, swiglu_limit)
+        if activation == "nvfp4":
+            h = _qdq_nvfp4(h, _expert_global_scale(a2_scale, e))
+        y = h @ w2_e.T
+        out.index_add_(0, tokens, y * flat_weight[pairs].unsqueeze(1))
+    return out

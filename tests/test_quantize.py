@@ -1,0 +1,169 @@
+"""dsv4.quantize_nvfp4: the chain (schema, fake, CPU, CUDA) and bit-exactness."""
+
+import pytest
+import torch
+
+import dsv4
+from dsv4 import formats
+
+
+def _activations(m, k, gen, device="cpu", outliers=True):
+    x = torch.randn(m, k, generator=gen) * 3.0
+    if outliers and m * k >= 64:
+        # a few large-magnitude outliers, some tiny blocks and an all-zero block
+        idx = torch.randint(0, m * k, (max(1, m * k // 97),), generator=gen)
+        x.view(-1)[idx] *= torch.empty(idx.numel()).uniform_(50, 3000, generator=gen)
+        x[0, :16] *= 1e-6
+        if k >= 32:
+            x[-1, 16:32] = 0.0
+    return x.to(torch.bfloat16).to(device)
+
+
+def _gscale(value, device="cpu"):
+    return torch.tensor([value], dtype=torch.float32, device=device)
+
+
+# ---------------------------------------------------------------- CPU ---------
+
+
+def test_cpu_kernel_is_the_reference():
+    gen = torch.Generator().manual_seed(1)
+    x = _activations(37, 96, gen)
+    codes, scales = dsv4.quantize_nvfp4(x, _gscale(0.01))
+    ref_codes, ref_scales = formats.quantize_nvfp4(x, 0.01)
+    assert codes.shape == (37, 48) and codes.dtype == torch.uint8
+    assert scales.shape == (37, 6) and scales.dtype == torch.float8_e4m3fn
+    assert torch.equal(codes, ref_codes)
+    assert torch.equal(scales.view(torch.uint8), ref_scales.view(torch.uint8))
+
+
+def test_python_float_global_scale():
+    x = _activations(4, 32, torch.Generator().manual_seed(2))
+    a = dsv4.quantize_nvfp4(x, 0.5)
+    b = dsv4.quantize_nvfp4(x, _gscale(0.5))
+    assert torch.equal(a[0], b[0])
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: (torch.zeros(4, 32), _gscale(1.0)), "x must have dtype torch.bfloat16"),
+        (lambda: (torch.zeros(2, 4, 32, dtype=torch.bfloat16), _gscale(1.0)), r"x must be 2-D \[M, K\]"),
+        (lambda: (torch.zeros(4, 24, dtype=torch.bfloat16), _gscale(1.0)), "multiple of 16, got 24"),
+        (lambda: (torch.zeros(4, 0, dtype=torch.bfloat16), _gscale(1.0)), "multiple of 16, got 0"),
+        (lambda: (torch.zeros(4, 32, dtype=torch.bfloat16), _gscale(1.0).double()), "global_scale must have dtype torch.float32"),
+        (lambda: (torch.zeros(4, 32, dtype=torch.bfloat16), torch.ones(2)), "global_scale must hold exactly 1 element"),
+    ],
+)
+def test_cpu_bad_inputs(make, match):
+    x, g = make()
+    with pytest.raises((ValueError, RuntimeError), match=match):
+        dsv4.quantize_nvfp4(x, g)
+
+
+def test_opcheck_cpu():
+    x = _activations(8, 64, torch.Generator().manual_seed(3))
+    torch.library.opcheck(torch.ops.dsv4.quantize_nvfp4.default, (x, _gscale(0.02)))
+
+
+def test_torch_compile_fullgraph_cpu():
+    x = _activations(8, 64, torch.Generator().manual_seed(4))
+    g = _gscale(0.02)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def f(x, g):
+        codes, scales = dsv4.quantize_nvfp4(x, g)
+        return codes, scales.float() * 2
+
+    codes, s2 = f(x, g)
+    ref_codes, ref_scales = formats.quantize_nvfp4(x, g)
+    assert torch.equal(codes, ref_codes) and torch.equal(s2, ref_scales.float() * 2)
+
+
+# ---------------------------------------------------------------- GPU ---------
+
+SHAPES = [(1, 16), (3, 48), (127, 512), (1000, 7168), (4096, 2048), (77, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k", SHAPES)
+@pytest.mark.parametrize("g", [1.0, 0.0173, 1e-4, 3e-3 / 448])
+def test_gpu_bit_exact(m, k, g, poison_allocator):
+    gen = torch.Generator().manual_seed(m * 131 + k)
+    x = _activations(m, k, gen)
+    poison_allocator(m * k)
+    codes, scales = dsv4.quantize_nvfp4(x.cuda(), _gscale(g, "cuda"))
+    ref_codes, ref_scales = formats.quantize_nvfp4(x, g)
+    assert torch.equal(codes.cpu(), ref_codes), "e2m1 codes differ from dsv4.formats"
+    assert torch.equal(scales.cpu().view(torch.uint8), ref_scales.view(torch.uint8)), "scales differ"
+
+
+@pytest.mark.gpu
+def test_gpu_saturating_and_subnormal_scales():
+    # amax/6/g spans e4m3 subnormals (< 2^-6) up to far beyond 448 (saturation)
+    gen = torch.Generator().manual_seed(5)
+    mags = torch.logspace(-12, 6, 64, base=2.0)
+    x = (torch.randn(64, 16, generator=gen) * mags[:, None]).to(torch.bfloat16)
+    for g in (1.0, 1e-3, 2.0**-10):
+        codes, scales = dsv4.quantize_nvfp4(x.cuda(), g)
+        ref_codes, ref_scales = formats.quantize_nvfp4(x, g)
+        assert torch.equal(codes.cpu(), ref_codes)
+        assert torch.equal(scales.cpu().view(torch.uint8), ref_scales.view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_gpu_row_strided_input():
+    gen = torch.Generator().manual_seed(6)
+    big = _activations(50, 1024 + 64, gen).cuda()
+    x = big[:, 64:]  # row stride 1088, 128-byte offset: aligned
+    codes, scales = dsv4.quantize_nvfp4(x, 0.05)
+    ref_codes, ref_scales = formats.quantize_nvfp4(x.cpu().contiguous(), 0.05)
+    assert torch.equal(codes.cpu(), ref_codes)
+    assert torch.equal(scales.cpu().view(torch.uint8), ref_scales.view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_gpu_empty():
+    codes, scales = dsv4.quantize_nvfp4(torch.empty(0, 64, dtype=torch.bfloat16, device="cuda"), 1.0)
+    assert codes.shape == (0, 32) and scales.shape == (0, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: (torch.zeros(4, 64, dtype=torch.bfloat16, device="cuda")[:, 1:33], _gscale(1.0, "cuda")), "16-byte aligned"),
+        (lambda: (torch.zeros(64, 4, dtype=torch.bfloat16, device="cuda").t(), _gscale(1.0, "cuda")), "unit stride along K"),
+        (lambda: (torch.zeros(4, 72, dtype=torch.bfloat16, device="cuda")[:, :64], _gscale(1.0, "cuda")), "row stride must be a multiple of 8"),
+        (lambda: (torch.zeros(4, 32, dtype=torch.bfloat16, device="cuda"), _gscale(1.0)), "global_scale is on cpu"),
+        (lambda: (torch.zeros(4, 32, dtype=torch.float16, device="cuda"), _gscale(1.0, "cuda")), "x must have dtype"),
+    ],
+)
+def test_gpu_bad_inputs(make, match):
+    x, g = make()
+    with pytest.raises((ValueError, RuntimeError), match=match):
+        torch.ops.dsv4.quantize_nvfp4(x, g)
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck():
+    x = _activations(64, 256, torch.Generator().manual_seed(7)).cuda()
+    torch.library.opcheck(torch.ops.dsv4.quantize_nvfp4.default, (x, _gscale(0.01, "cuda")))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay():
+    gen = torch.Generator().manual_seed(8)
+    x = _activations(300, 1024, gen).cuda()
+    g = _gscale(0.02, "cuda")
+    dsv4.quantize_nvfp4(x, g)  # warm up outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        codes, scales = dsv4.quantize_nvfp4(x, g)
+    for seed in (9, 10):
+        x.copy_(_activations(300, 1024, torch.Generator().manual_seed(seed)).cuda())
+        g.fill_(0.01 * seed)
+        graph.replay()
+        ref_codes, ref_scales = dsv4.quantize_nvfp4(x, g)
+        assert torch.equal(codes, ref_codes)
+        assert torch.equal(scales.view(torch.uint8), ref_scales.view(torch.uint8))
