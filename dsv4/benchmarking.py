@@ -1,0 +1,43 @@
+"""Timing helpers shared by the benchmark scripts (CUDA only).
+
+Conventions (docs/perf.md): median over >= 30 timed iterations after warm-up,
+CUDA events around each call, inputs rotated so the 60 MB L2 does not flatter,
+ceilings measured in the same process as the kernels they judge.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+
+def median_us(fn: Callable[[int], object], *, n_inputs: int = 1, warmup: int = 5, iters: int = 50) -> float:
+    """Median time of ``fn(i % n_inputs)`` in microseconds, one event pair per call."""
+    for i in range(warmup):
+        fn(i % n_inputs)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record()
+        fn(i % n_inputs)
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+
+
+def copy_bandwidth_tbps(nbytes: int = 1 << 31) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    us = median_us(lambda i: dst.copy_(src), iters=30)
+    return 2 * nbytes / (us * 1e-6) / 1e12
+
+
+def bf16_gemm_tflops(n: int = 8192) -> float:
+    """Dense bf16 GEMM rate (cuBLAS through torch.matmul) on random data."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    us = median_us(lambda i: torch.matmul(a, b), iters=30)
+    return 2 * n**3 / (us * 1e-6) / 1e12
