@@ -82,7 +82,7 @@ def _extensions():
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs if a]
     nvcc = [
         "-O3",
-        "-std=c++17",
+        "-std=c++20",
         "--expt-relaxed-constexpr",
         "--expt-extended-lambda",
         "-lineinfo",
@@ -104,7 +104,7 @@ def _extensions():
         name="dsv4._C",
         sources=sources,
         include_dirs=[os.path.join(ROOT, "csrc"), _cutlass_include()],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17", "-DPy_LIMITED_API=0x030A0000"], "nvcc": nvcc},
+        extra_compile_args={"cxx": ["-O3", "-std=c++20", "-DPy_LIMITED_API=0x030A0000"], "nvcc": nvcc},
         py_limited_api=True,
     )
     return [ext], {"build_ext": BuildExtension}

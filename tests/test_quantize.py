@@ -112,10 +112,11 @@ def test_gpu_saturating_and_subnormal_scales():
 
 
 @pytest.mark.gpu
-def test_gpu_row_strided_input():
+@pytest.mark.parametrize("m, k, pad", [(50, 1024, 64), (33, 7168, 16), (5, 48, 8), (1, 16, 8)])
+def test_gpu_row_strided_input(m, k, pad):
     gen = torch.Generator().manual_seed(6)
-    big = _activations(50, 1024 + 64, gen).cuda()
-    x = big[:, 64:]  # row stride 1088, 128-byte offset: aligned
+    big = _activations(m, k + pad, gen).cuda()
+    x = big[:, pad:]  # row stride k + pad (a multiple of 8), 16-byte aligned start
     codes, scales = dsv4.quantize_nvfp4(x, 0.05)
     ref_codes, ref_scales = formats.quantize_nvfp4(x.cpu().contiguous(), 0.05)
     assert torch.equal(codes.cpu(), ref_codes)

@@ -10,6 +10,7 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "common/fast_divmod.cuh"
 #include "common/nvfp4.cuh"
 
 namespace dsv4 {
@@ -19,32 +20,38 @@ struct QuantizeNvfp4Params {
   const float* global_scale;  // 1 element, the dequant multiplier g
   uint32_t* codes;            // [M, K/8] words = [M, K/2] bytes
   __nv_fp8_e4m3* scales;      // [M, K/16]
-  int64_t rows;
-  int64_t cols;  // K, a multiple of 16
+  uint32_t chunks;            // M * K / 8 (< 2^32, checked by the launcher)
+  FastDivmod chunks_per_row;  // K / 8
   int64_t x_row_stride;
 };
 
-template <int kThreads, int kUnroll>
+// Chunk c = 8 consecutive elements of a row; the chunk count is even (K/8 is),
+// so thread pairs (2i, 2i+1) always hold the two halves of one 16-element block.
+template <int kThreads, int kUnroll, bool kContiguous>
 __global__ void __launch_bounds__(kThreads) quantize_nvfp4_kernel(const QuantizeNvfp4Params p) {
-  const int64_t chunks_per_row = p.cols / 8;
-  const int64_t total = p.rows * chunks_per_row;  // even: K/8 is even
+  const uint32_t total = p.chunks;
   const float g = __ldg(p.global_scale);
-  const int64_t step = int64_t(gridDim.x) * kThreads * kUnroll;
+  const uint32_t step = gridDim.x * kThreads * kUnroll;
   // The loop bound is uniform over the block, so every lane reaches the shuffle.
-  for (int64_t base = int64_t(blockIdx.x) * kThreads * kUnroll; base < total; base += step) {
+  for (uint32_t base = blockIdx.x * kThreads * kUnroll; base < total; base += step) {
     uint4 raw[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t c = base + u * kThreads + threadIdx.x;
+      const uint32_t c = base + u * kThreads + threadIdx.x;
       raw[u] = make_uint4(0, 0, 0, 0);
       if (c < total) {
-        const int64_t row = c / chunks_per_row, col = (c - row * chunks_per_row) * 8;
-        raw[u] = __ldg(reinterpret_cast<const uint4*>(p.x + row * p.x_row_stride + col));
+        int64_t offset = int64_t(c) * 8;
+        if constexpr (!kContiguous) {
+          uint32_t row, col;
+          p.chunks_per_row.divmod(c, row, col);
+          offset = int64_t(row) * p.x_row_stride + col * 8;
+        }
+        raw[u] = __ldg(reinterpret_cast<const uint4*>(p.x + offset));
       }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t c = base + u * kThreads + threadIdx.x;
+      const uint32_t c = base + u * kThreads + threadIdx.x;
       const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
       float v[8];
       float amax = 0.0f;
