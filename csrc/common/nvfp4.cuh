@@ -25,15 +25,28 @@ __device__ __forceinline__ __nv_fp8_e4m3 nvfp4_block_scale(float amax, float g) 
   return __nv_fp8_e4m3(s);  // cvt.rn.satfinite on sm_89+
 }
 
+// RN(x / d) given y = RN(1 / d), as far as an e2m1 code can tell, without a full
+// IEEE division per element: two Markstein corrections (the residual x - d*q is
+// exact under FMA; once q is within 1 ulp, RN(q + r*y) is the correctly rounded
+// quotient). A first estimate beyond 8 (or inf: overflow, where the corrections
+// would make NaN) already saturates the code, so it is returned as is.
+__device__ __forceinline__ float div_rn_with_reciprocal(float x, float d, float y) {
+  const float q0 = x * y;
+  float q = fmaf(fmaf(-d, q0, x), y, q0);
+  q = fmaf(fmaf(-d, q, x), y, q);
+  return fabsf(q0) > 8.0f ? q0 : q;
+}
+
 // Encodes 8 consecutive elements of a block (the other 8 belong to the partner
 // thread) into 8 nibbles, element 0 in the lowest nibble. `scale` is the decoded
 // block scale; a zero scale (all-zero block, or underflow) gives code 0.
 __device__ __forceinline__ uint32_t nvfp4_encode8(const float (&x)[8], float scale, float g) {
   if (scale == 0.0f) return 0u;
   const float denom = scale * g;
+  const float inv = __frcp_rn(denom);
   uint32_t packed = 0;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) packed |= e2m1_code(x[i] / denom) << (4 * i);
+  for (int i = 0; i < 8; ++i) packed |= e2m1_code(div_rn_with_reciprocal(x[i], denom, inv)) << (4 * i);
   return packed;
 }
 
