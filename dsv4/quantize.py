@@ -6,6 +6,7 @@ element in the low nibble; ``scales`` float8_e4m3fn [M, K/16], dense row-major,
 one scale per 16 consecutive elements of a row. Dequantized value =
 e2m1(code) * scale * global_scale. Rounding rules: dsv4.formats.quantize_nvfp4
 (the CPU kernel *is* that function, and the CUDA kernel is tested bit-exact to it).
+NaN inputs give unspecified codes and scales.
 """
 
 from __future__ import annotations

@@ -34,17 +34,17 @@ std::tuple<at::Tensor, at::Tensor> quantize_nvfp4(const at::Tensor& x, const at:
   p.global_scale = global_scale.data_ptr<float>();
   p.codes = reinterpret_cast<uint32_t*>(codes.data_ptr());
   p.scales = reinterpret_cast<__nv_fp8_e4m3*>(scales.data_ptr());
-  const int64_t chunks = M * (K / 8);
-  TORCH_CHECK(chunks < (int64_t(1) << 32) - (int64_t(1) << 24), "dsv4: x has ", M * K,
-              " elements; quantize_nvfp4 supports fewer than 2^35");
-  p.chunks = uint32_t(chunks);
-  p.chunks_per_row = FastDivmod(uint32_t(K / 8));
+  const int64_t nblocks = M * (K / 16);
+  TORCH_CHECK(nblocks < (int64_t(1) << 32) - (int64_t(1) << 24), "dsv4: x has ", M * K,
+              " elements; quantize_nvfp4 supports fewer than 2^36");
+  p.blocks = uint32_t(nblocks);
+  p.blocks_per_row = FastDivmod(uint32_t(K / 16));
   p.x_row_stride = M > 1 ? x.stride(0) : K;
 
-  constexpr int kThreads = 256, kUnroll = 4;
-  const int64_t per_block = int64_t(kThreads) * kUnroll;
+  constexpr int kThreads = 256, kUnroll = 2;
+  const int64_t per_cta = int64_t(kThreads) * kUnroll;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t blocks = std::min<int64_t>((chunks + per_block - 1) / per_block, int64_t(sms) * 16);
+  const int64_t blocks = std::min<int64_t>((nblocks + per_cta - 1) / per_cta, int64_t(sms) * 8);
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (p.x_row_stride == K)
     quantize_nvfp4_kernel<kThreads, kUnroll, true><<<dim3(unsigned(blocks)), kThreads, 0, stream>>>(p);

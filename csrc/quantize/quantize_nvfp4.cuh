@@ -2,9 +2,9 @@
 // element) and e4m3 block scales [M, K/16], both row-major and dense. This is the
 // activation layout the NVFP4 MoE kernels read.
 //
-// Memory bound: two threads share a 16-element block, each loads 16 bytes
-// (8 bf16) and stores 4 bytes of codes, so loads and stores are fully coalesced;
-// the pair exchanges its partial amax with one shuffle.
+// Memory bound in bytes, but the exact rounding rules cost ~20 instructions per
+// element, so the kernel is written to keep both the memory system and the FMA
+// pipes busy (see docs/perf.md, quantize_nvfp4).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -20,55 +20,70 @@ struct QuantizeNvfp4Params {
   const float* global_scale;  // 1 element, the dequant multiplier g
   uint32_t* codes;            // [M, K/8] words = [M, K/2] bytes
   __nv_fp8_e4m3* scales;      // [M, K/16]
-  uint32_t chunks;            // M * K / 8 (< 2^32, checked by the launcher)
-  FastDivmod chunks_per_row;  // K / 8
+  uint32_t blocks;            // M * K / 16 (< 2^32, checked by the launcher)
+  FastDivmod blocks_per_row;  // K / 16
   int64_t x_row_stride;
 };
 
-// Chunk c = 8 consecutive elements of a row; the chunk count is even (K/8 is),
-// so thread pairs (2i, 2i+1) always hold the two halves of one 16-element block.
+// One thread per 16-element block: the per-block work (amax, scale, reciprocal)
+// is done once, and the thread loads its next blocks before encoding the current
+// ones so that enough bytes stay in flight while it computes.
+template <bool kContiguous>
+__device__ __forceinline__ void load_block(const QuantizeNvfp4Params& p, uint32_t b, uint4 (&raw)[2]) {
+  raw[0] = raw[1] = make_uint4(0, 0, 0, 0);
+  if (b >= p.blocks) return;
+  int64_t offset = int64_t(b) * 16;
+  if constexpr (!kContiguous) {
+    uint32_t row, col;
+    p.blocks_per_row.divmod(b, row, col);
+    offset = int64_t(row) * p.x_row_stride + col * 16;
+  }
+  const uint4* src = reinterpret_cast<const uint4*>(p.x + offset);
+  raw[0] = __ldg(src);
+  raw[1] = __ldg(src + 1);
+}
+
 template <int kThreads, int kUnroll, bool kContiguous>
 __global__ void __launch_bounds__(kThreads) quantize_nvfp4_kernel(const QuantizeNvfp4Params p) {
-  const uint32_t total = p.chunks;
   const float g = __ldg(p.global_scale);
   const uint32_t step = gridDim.x * kThreads * kUnroll;
-  // The loop bound is uniform over the block, so every lane reaches the shuffle.
-  for (uint32_t base = blockIdx.x * kThreads * kUnroll; base < total; base += step) {
-    uint4 raw[kUnroll];
+  uint32_t base = blockIdx.x * kThreads * kUnroll;
+  uint4 next[kUnroll][2];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) load_block<kContiguous>(p, base + u * kThreads + threadIdx.x, next[u]);
+  for (; base < p.blocks; base += step) {
+    uint4 raw[kUnroll][2];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const uint32_t c = base + u * kThreads + threadIdx.x;
-      raw[u] = make_uint4(0, 0, 0, 0);
-      if (c < total) {
-        int64_t offset = int64_t(c) * 8;
-        if constexpr (!kContiguous) {
-          uint32_t row, col;
-          p.chunks_per_row.divmod(c, row, col);
-          offset = int64_t(row) * p.x_row_stride + col * 8;
-        }
-        raw[u] = __ldg(reinterpret_cast<const uint4*>(p.x + offset));
-      }
+      raw[u][0] = next[u][0];
+      raw[u][1] = next[u][1];
+      load_block<kContiguous>(p, base + step + u * kThreads + threadIdx.x, next[u]);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const uint32_t c = base + u * kThreads + threadIdx.x;
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
-      float v[8];
-      float amax = 0.0f;
+      const uint32_t b = base + u * kThreads + threadIdx.x;
+      if (b >= p.blocks) continue;
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(raw[u]);
+      // bf16 max is exact, so the amax can be taken on packed pairs
+      __nv_bfloat162 m2 = __habs2(h[0]);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(h[i]);
-        v[2 * i] = f.x;
-        v[2 * i + 1] = f.y;
-        amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
-      }
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      for (int i = 1; i < 8; ++i) m2 = __hmax2(m2, __habs2(h[i]));
+      const float amax = fmaxf(__low2float(m2), __high2float(m2));
       const __nv_fp8_e4m3 s = nvfp4_block_scale(amax, g);
-      const uint32_t word = nvfp4_encode8(v, float(s), g);
-      if (c < total) {
-        p.codes[c] = word;  // chunk c of 8 elements is word c of the dense output
-        if ((threadIdx.x & 1) == 0) p.scales[c / 2] = s;
+      uint2 word = make_uint2(0, 0);
+      if (float(s) != 0.0f) {
+        const Nvfp4Divisor d = nvfp4_divisor(float(s), g);
+        float v[2][8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float2 f = __bfloat1622float2(h[i]);
+          v[i / 4][2 * (i % 4)] = f.x;
+          v[i / 4][2 * (i % 4) + 1] = f.y;
+        }
+        word = make_uint2(nvfp4_encode8(v[0], d), nvfp4_encode8(v[1], d));
       }
+      reinterpret_cast<uint2*>(p.codes)[b] = word;
+      p.scales[b] = s;
     }
   }
 }
