@@ -1,0 +1,284 @@
+// C++ entries for dsv4::sparse_mqa_decode and dsv4::sparse_mqa_prefill: validate every
+// argument, pick the split count from shapes only (CUDA-graph safe), launch.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <optional>
+
+#include "attention/sparse_mqa.cuh"
+#include "common/checks.h"
+
+namespace dsv4 {
+namespace {
+
+using attention::SparseMqaParams;
+using attention::SparseMqaSource;
+
+constexpr int64_t kFp8ViewLastDim = 584;  // vLLM's uint8 view of a fp8_ds_mla block row
+constexpr int64_t kFp8TokenBytes = 576;
+
+enum class CacheKind { kFp8, kBf16 };
+
+// Validates a paged cache ([nb, bs, 584] uint8 / [nb, bs, 512] bf16, optionally with a unit
+// dim before the last) and fills the source geometry.
+CacheKind check_cache(const at::Tensor& c, const char* name, const at::Tensor& q, SparseMqaSource& s) {
+  check_cuda(c, name);
+  check_same_device(c, q, name, "q");
+  TORCH_CHECK(c.dim() == 3 || (c.dim() == 4 && c.size(2) == 1), "dsv4: ", name,
+              " must be [num_blocks, block_size, D] or [num_blocks, block_size, 1, D], got shape ", c.sizes());
+  const int64_t last = c.size(-1);
+  CacheKind kind;
+  if (c.scalar_type() == at::kByte) {
+    kind = CacheKind::kFp8;
+    TORCH_CHECK(last == kFp8ViewLastDim, "dsv4: ", name, " is a uint8 (fp8_ds_mla) cache and must have last dim ",
+                kFp8ViewLastDim, ", got shape ", c.sizes());
+  } else if (c.scalar_type() == at::kBFloat16) {
+    kind = CacheKind::kBf16;
+    TORCH_CHECK(last == 512, "dsv4: ", name, " is a bf16 cache and must have last dim 512, got shape ", c.sizes());
+  } else {
+    TORCH_CHECK(false, "dsv4: ", name, " must be uint8 (fp8_ds_mla layout) or bfloat16 (bf16 layout), got dtype ",
+                c.scalar_type());
+  }
+  const int64_t nb = c.size(0), bs = c.size(1);
+  TORCH_CHECK(bs > 0, "dsv4: ", name, " must have block_size (dim 1) > 0, got shape ", c.sizes());
+  TORCH_CHECK(c.stride(-1) == 1, "dsv4: ", name, " must have unit stride along its last dim, got strides ",
+              c.strides());
+  TORCH_CHECK(bs == 1 || c.stride(1) == last, "dsv4: ", name, " must have stride(1) == ", last,
+              " (rows of one block packed), got strides ", c.strides());
+  const int64_t elem = kind == CacheKind::kFp8 ? 1 : 2;
+  const int64_t block_stride = (nb > 1 ? c.stride(0) : bs * last) * elem;
+  TORCH_CHECK(nb <= 1 || c.stride(0) >= bs * last, "dsv4: ", name, " block stride (stride(0)) ", c.stride(0),
+              " is smaller than block_size * ", last);
+  TORCH_CHECK(block_stride % 16 == 0, "dsv4: ", name, " block stride must be a multiple of 16 bytes, got ",
+              block_stride, " bytes");
+  if (kind == CacheKind::kFp8) {
+    TORCH_CHECK(nb <= 1 || block_stride >= bs * kFp8ViewLastDim, "dsv4: ", name,
+                " (fp8_ds_mla) block stride must be >= block_size * 584 bytes");
+  }
+  if (c.numel() > 0) check_aligned(c, 16, name);
+  TORCH_CHECK(nb * bs < (int64_t(1) << 31), "dsv4: ", name, " holds more than 2^31 slots");
+  s.base = reinterpret_cast<const uint8_t*>(c.data_ptr());
+  s.block_stride = block_stride;
+  s.block_size = static_cast<int>(bs);
+  s.num_slots = nb * bs;
+  return kind;
+}
+
+// indices [B, s_q, topk] int32 (decode) or [T, topk] / [T, 1, topk] (prefill, B = T, s_q = 1).
+void check_indices(const at::Tensor& idx, const char* name, const at::Tensor& q, int64_t B, int64_t s_q,
+                   SparseMqaSource& s) {
+  check_cuda(idx, name);
+  check_same_device(idx, q, name, "q");
+  check_dtype(idx, at::kInt, name);
+  TORCH_CHECK(idx.dim() == 3 && idx.size(0) == B && idx.size(1) == s_q, "dsv4: ", name, " must be [", B, ", ", s_q,
+              ", topk], got shape ", idx.sizes());
+  const int64_t topk = idx.size(2);
+  TORCH_CHECK(topk < (int64_t(1) << 30), "dsv4: ", name, " topk too large: ", topk);
+  TORCH_CHECK(topk <= 1 || idx.stride(2) == 1, "dsv4: ", name, " must have unit stride along topk, got strides ",
+              idx.strides());
+  s.topk = static_cast<int>(topk);
+  s.indices = idx.data_ptr<int32_t>();
+  s.idx_stride_b = idx.stride(0);
+  s.idx_stride_q = idx.stride(1);
+  s.lengths = nullptr;
+}
+
+void check_lengths(const std::optional<at::Tensor>& len, const char* name, const at::Tensor& q, int64_t B,
+                   SparseMqaSource& s) {
+  if (!len.has_value()) return;
+  const at::Tensor& l = *len;
+  check_cuda(l, name);
+  check_same_device(l, q, name, "q");
+  check_dtype(l, at::kInt, name);
+  TORCH_CHECK(l.dim() == 1 && l.size(0) == B, "dsv4: ", name, " must be [", B, "], got shape ", l.sizes());
+  TORCH_CHECK(l.is_contiguous(), "dsv4: ", name, " must be contiguous, got strides ", l.strides());
+  s.lengths = l.data_ptr<int32_t>();
+}
+
+// q / out [B, s_q, H, 512] bf16 (strided, unit stride along d, 16-byte aligned rows).
+void check_qo(const at::Tensor& t, const char* name, const char* shape) {
+  check_cuda(t, name);
+  check_dtype(t, at::kBFloat16, name);
+  check_dim(t, 4, name, shape);
+  TORCH_CHECK(t.size(3) == 512, "dsv4: ", name, " head dim must be 512, got shape ", t.sizes());
+  TORCH_CHECK(t.stride(3) == 1, "dsv4: ", name, " must have unit stride along the head dim, got strides ",
+              t.strides());
+  for (int d = 0; d < 3; ++d) {
+    TORCH_CHECK(t.size(d) <= 1 || t.stride(d) % 8 == 0, "dsv4: ", name,
+                " strides must be multiples of 8 elements (16 bytes), got strides ", t.strides());
+  }
+  if (t.numel() > 0) check_aligned(t, 16, name);
+}
+
+int pick_splits(int64_t base_ctas, int64_t max_tiles, int sms) {
+  if (base_ctas >= sms || max_tiles <= 1) return 1;
+  int best = 1;
+  double best_cost = 1e30;
+  const int64_t limit = std::min<int64_t>(max_tiles, attention::kMaxSplits);
+  for (int s = 1; s <= limit; ++s) {
+    const double waves = std::ceil(double(base_ctas * s) / sms);
+    const double per_cta = std::ceil(double(max_tiles) / s) + 1.0;  // +1: prologue/epilogue/combine
+    const double cost = waves * per_cta;
+    if (cost < best_cost - 1e-9) {
+      best_cost = cost;
+      best = s;
+    }
+  }
+  return best;
+}
+
+template <bool kFp8>
+void launch_main(const SparseMqaParams& p, int64_t grid, cudaStream_t stream) {
+  auto kernel = attention::sparse_mqa_fwd_kernel<kFp8>;
+  static bool configured = false;
+  if (!configured) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, attention::kSmemBytes));
+    configured = true;
+  }
+  kernel<<<dim3(static_cast<unsigned>(grid)), attention::kThreads, attention::kSmemBytes, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Shared body: q4/out4 are [B, s_q, H, 512]; idx are [B, s_q, topk].
+at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p, CacheKind kind,
+               const std::optional<at::Tensor>& attn_sink, double softmax_scale) {
+  const int64_t B = q4.size(0), s_q = q4.size(1), H = q4.size(2);
+  TORCH_CHECK(H == 64 || H == 128, "dsv4: q must have 64 or 128 heads (pad other head counts with sink = -inf), got ",
+              H);
+  TORCH_CHECK(out4.sizes() == q4.sizes(), "dsv4: out must have the shape of q ", q4.sizes(), ", got ", out4.sizes());
+  check_same_device(out4, q4, "out", "q");
+  TORCH_CHECK(std::isfinite(softmax_scale), "dsv4: softmax_scale must be finite, got ", softmax_scale);
+  p.sink = nullptr;
+  if (attn_sink.has_value()) {
+    const at::Tensor& s = *attn_sink;
+    check_cuda(s, "attn_sink");
+    check_same_device(s, q4, "attn_sink", "q");
+    check_dtype(s, at::kFloat, "attn_sink");
+    TORCH_CHECK(s.dim() == 1 && s.size(0) == H, "dsv4: attn_sink must be [", H, "] (one logit per head), got shape ",
+                s.sizes());
+    check_contiguous(s, "attn_sink");
+    p.sink = s.data_ptr<float>();
+  }
+  const int64_t tokens = B * s_q;
+  TORCH_CHECK(tokens * H / 64 < (int64_t(1) << 31) / attention::kMaxSplits, "dsv4: too many query tokens: ", tokens);
+
+  const at::cuda::OptionalCUDAGuard guard(q4.device());
+  at::Tensor lse = at::empty({B, s_q, H}, q4.options().dtype(at::kFloat));
+  if (tokens == 0) return lse;
+
+  p.q = reinterpret_cast<const uint16_t*>(q4.data_ptr());
+  p.q_stride_b = q4.stride(0);
+  p.q_stride_q = q4.stride(1);
+  p.q_stride_h = q4.stride(2);
+  p.out = reinterpret_cast<uint16_t*>(out4.data_ptr());
+  p.out_stride_b = out4.stride(0);
+  p.out_stride_q = out4.stride(1);
+  p.out_stride_h = out4.stride(2);
+  p.lse = lse.data_ptr<float>();
+  p.scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
+  p.batch = static_cast<int>(B);
+  p.s_q = static_cast<int>(s_q);
+  p.num_heads = static_cast<int>(H);
+  // Implementation variants (A/B benchmarking only; every variant is tested).
+  p.flags = attention::kDefaultFlags;
+  if (const char* env = std::getenv("DSV4_ATTN_FLAGS")) p.flags = std::atoi(env);
+
+  int64_t max_tiles = 0;
+  for (int k = 0; k < p.num_src; ++k) max_tiles += (p.src[k].topk + attention::kTileKeys - 1) / attention::kTileKeys;
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t base = tokens * (H / 64);
+  p.num_splits = pick_splits(base, max_tiles, sms);
+  at::Tensor part_o, part_lse;
+  p.part_o = nullptr;
+  p.part_lse = nullptr;
+  if (p.num_splits > 1) {
+    part_o = at::empty({p.num_splits, tokens, H, 512}, q4.options().dtype(at::kFloat));
+    part_lse = at::empty({p.num_splits, tokens, H}, q4.options().dtype(at::kFloat));
+    p.part_o = part_o.data_ptr<float>();
+    p.part_lse = part_lse.data_ptr<float>();
+  }
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int64_t grid = base * p.num_splits;
+  if (kind == CacheKind::kFp8) {
+    launch_main<true>(p, grid, stream);
+  } else {
+    launch_main<false>(p, grid, stream);
+  }
+  if (p.num_splits > 1) {
+    attention::sparse_mqa_combine_kernel<<<dim3(static_cast<unsigned>(tokens * H)), 128, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return lse;
+}
+
+at::Tensor sparse_mqa_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& indices,
+                             const std::optional<at::Tensor>& topk_length, const std::optional<at::Tensor>& attn_sink,
+                             double softmax_scale, const std::optional<at::Tensor>& extra_kv_cache,
+                             const std::optional<at::Tensor>& extra_indices,
+                             const std::optional<at::Tensor>& extra_topk_length, at::Tensor out) {
+  check_qo(q, "q", "[B, s_q, H, 512]");
+  check_qo(out, "out", "[B, s_q, H, 512]");
+  const int64_t B = q.size(0), s_q = q.size(1);
+  SparseMqaParams p{};
+  const CacheKind kind = check_cache(kv_cache, "kv_cache", q, p.src[0]);
+  check_indices(indices, "indices", q, B, s_q, p.src[0]);
+  check_lengths(topk_length, "topk_length", q, B, p.src[0]);
+  p.num_src = 1;
+  TORCH_CHECK(extra_kv_cache.has_value() == extra_indices.has_value(),
+              "dsv4: extra_kv_cache and extra_indices must be given together");
+  TORCH_CHECK(extra_kv_cache.has_value() || !extra_topk_length.has_value(),
+              "dsv4: extra_topk_length given without extra_kv_cache / extra_indices");
+  if (extra_kv_cache.has_value()) {
+    const CacheKind k2 = check_cache(*extra_kv_cache, "extra_kv_cache", q, p.src[1]);
+    TORCH_CHECK(k2 == kind, "dsv4: extra_kv_cache must have the same layout (dtype) as kv_cache: got ",
+                extra_kv_cache->scalar_type(), " and ", kv_cache.scalar_type());
+    check_indices(*extra_indices, "extra_indices", q, B, s_q, p.src[1]);
+    check_lengths(extra_topk_length, "extra_topk_length", q, B, p.src[1]);
+    p.num_src = 2;
+  }
+  return run(q, out, p, kind, attn_sink, softmax_scale);
+}
+
+at::Tensor sparse_mqa_prefill(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices,
+                              const std::optional<at::Tensor>& topk_length, const std::optional<at::Tensor>& attn_sink,
+                              double softmax_scale, at::Tensor out) {
+  check_cuda(q, "q");
+  check_dim(q, 3, "q", "[T, H, 512]");
+  check_dim(out, 3, "out", "[T, H, 512]");
+  const int64_t T = q.size(0);
+  // kv [N, 512] (or [N, 1, 512]) bf16 = a bf16 "paged cache" with block_size 1.
+  check_cuda(kv, "kv");
+  check_same_device(kv, q, "kv", "q");
+  check_dtype(kv, at::kBFloat16, "kv");
+  TORCH_CHECK(kv.dim() == 2 || (kv.dim() == 3 && kv.size(1) == 1), "dsv4: kv must be [N, 512] or [N, 1, 512], got shape ",
+              kv.sizes());
+  TORCH_CHECK(kv.size(-1) == 512, "dsv4: kv head dim must be 512, got shape ", kv.sizes());
+  at::Tensor kv3 = kv.dim() == 2 ? kv.unsqueeze(1) : kv;  // [N, 1, 512]
+  at::Tensor idx = indices;
+  TORCH_CHECK(idx.dim() == 2 || (idx.dim() == 3 && idx.size(1) == 1),
+              "dsv4: indices must be [T, topk] or [T, 1, topk], got shape ", idx.sizes());
+  if (idx.dim() == 2) idx = idx.unsqueeze(1);
+  SparseMqaParams p{};
+  check_cache(kv3, "kv", q, p.src[0]);
+  at::Tensor q4 = q.unsqueeze(1), out4 = out.unsqueeze(1);
+  check_qo(q4, "q", "[T, H, 512]");
+  check_qo(out4, "out", "[T, H, 512]");
+  check_indices(idx, "indices", q, T, 1, p.src[0]);
+  check_lengths(topk_length, "topk_length", q, T, p.src[0]);
+  p.num_src = 1;
+  at::Tensor lse = run(q4, out4, p, CacheKind::kBf16, attn_sink, softmax_scale);
+  return lse.squeeze(1);
+}
+
+}  // namespace
+}  // namespace dsv4
+
+TORCH_LIBRARY_IMPL(dsv4, CUDA, m) {
+  m.impl("sparse_mqa_decode", &dsv4::sparse_mqa_decode);
+  m.impl("sparse_mqa_prefill", &dsv4::sparse_mqa_prefill);
+}

@@ -1,0 +1,56 @@
+// Parameters of the sparse MQA attention family (torch-free).
+//
+// One query token t = b * s_q + i sees up to two index lists (main + extra), each a
+// list of slot ids into its own KV source. Per list, entry e of token t is used iff
+// e < length[b] (or e < topk without lengths) and 0 <= slot < num_slots.
+#pragma once
+
+#include <cstdint>
+
+namespace dsv4 {
+namespace attention {
+
+constexpr int kHeadDim = 512;     // K = V = 512 (448 no-rope + 64 rope)
+constexpr int kHeadsPerCta = 64;  // heads packed into the wgmma M dimension
+constexpr int kTileKeys = 64;     // keys per pipeline stage
+constexpr int kMaxSplits = 64;
+
+// One KV source: a paged cache (fp8_ds_mla or bf16) plus its per-token index list.
+struct SparseMqaSource {
+  const uint8_t* base;      // byte address of block 0
+  int64_t block_stride;     // bytes between blocks
+  int64_t num_slots;        // num_blocks * block_size; slots outside [0, num_slots) are skipped
+  int block_size;           // tokens per block
+  int topk;                 // entries per token in `indices`
+  const int32_t* indices;   // [B, s_q, topk] (unit stride along topk)
+  int64_t idx_stride_b;     // elements
+  int64_t idx_stride_q;     // elements
+  const int32_t* lengths;   // [B] or nullptr (= topk)
+};
+
+struct SparseMqaParams {
+  const uint16_t* q;        // bf16 [B, s_q, H, 512], unit stride along d
+  int64_t q_stride_b, q_stride_q, q_stride_h;  // elements
+  SparseMqaSource src[2];
+  int num_src;              // 1 or 2
+  const float* sink;        // [H] or nullptr
+  float scale_log2;         // softmax_scale * log2(e)
+  uint16_t* out;            // bf16 [B, s_q, H, 512], unit stride along d
+  int64_t out_stride_b, out_stride_q, out_stride_h;  // elements
+  float* lse;               // fp32 [B * s_q, H] contiguous
+  float* part_o;            // fp32 [num_splits, B * s_q, H, 512] (num_splits > 1 only)
+  float* part_lse;          // fp32 [num_splits, B * s_q, H]       (num_splits > 1 only)
+  int batch, s_q, num_heads, num_splits;
+  int flags;                // kFlag* bits (implementation variants, for A/B benchmarking)
+};
+
+// Variant bits of SparseMqaParams::flags (the launcher's default: kDefaultFlags).
+constexpr int kFlagLazyRescale = 1;   // skip the O rescale when no row max changed
+constexpr int kFlagCpAsyncBf16 = 2;   // bf16 sources: cp.async straight into smem (no registers)
+constexpr int kFlagFp8Wide = 4;       // fp8 rows: 8 rows per warp in flight (lane = 16-byte column)
+// Default = all three: fastest measured on the H200 (docs/perf_attention.md); 0 is the
+// first version. Every variant is covered by tests/test_attention.py.
+constexpr int kDefaultFlags = kFlagLazyRescale | kFlagCpAsyncBf16 | kFlagFp8Wide;
+
+}  // namespace attention
+}  // namespace dsv4

@@ -1,0 +1,214 @@
+"""Benchmark dsv4.sparse_mqa_decode / dsv4.sparse_mqa_prefill on the GPU.
+
+Shapes (issue 3): V4-Flash decode (H=64, 512 compressed + 128 window keys, fp8 cache),
+V4-Pro decode (H=128, 1024 + 128), batch 1..256; prefill H=128 with 1152 indices per
+token at T = 4096 and 16384 (bf16 gathered kv).
+
+Method: each input set's call is captured in a CUDA graph (as vLLM runs decode); median
+of >= 30 CUDA-event-timed graph replays after warm-up, rotating through several input sets (different q / indices over caches much larger than L2) so caches do
+not flatter. Useful FLOPs = 2 * H * (512 + 512) per valid key per token. Bytes = q + out
++ lse + each token's gathered KV rows once (fp8: 576 data + 8 scale bytes per key; bf16:
+1024). Ceilings measured in the same run: bf16 torch.matmul 8192^3 and a device copy
+(read + write bytes).
+
+Usage: python scripts/bench_attention.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from dsv4 import formats
+from dsv4.attention import sparse_mqa_decode, sparse_mqa_prefill
+
+SCALE = 512**-0.5
+
+
+def time_fn(fn, n_inputs, iters, warmup=5):
+    for k in range(warmup):
+        fn(k % n_inputs)
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for k in range(iters):
+        starts[k].record()
+        fn(k % n_inputs)
+        ends[k].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e-3  # seconds
+
+
+def time_graphs(fn, n_inputs, iters):
+    """Like time_fn, but each input set's call is captured once in a CUDA graph and the
+    graphs are replayed (no host/dispatcher overhead in the timing, as in vLLM)."""
+    for k in range(n_inputs):
+        fn(k)  # warm-up (also configures the kernels outside capture)
+    torch.cuda.synchronize()
+    graphs = []
+    for k in range(n_inputs):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(k)
+        graphs.append(g)
+    torch.cuda.synchronize()
+    return time_fn(lambda k: graphs[k].replay(), n_inputs, iters)
+
+
+def gemm_ceiling(iters):
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    t = time_fn(lambda k: torch.matmul(a, b), 1, iters)
+    return 2 * n**3 / t / 1e12
+
+
+def copy_ceiling(iters):
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    t = time_fn(lambda k: y.copy_(x), 1, iters)
+    return 2 * x.numel() / t / 1e12
+
+
+def random_fp8_cache(num_blocks, block_size, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cache = formats.new_fp8_ds_mla_cache(num_blocks, block_size, device="cuda")
+    n = num_blocks * block_size
+    chunk = 1 << 16
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        rows = torch.randn(e - s, 512, device="cuda", generator=g)
+        formats.write_fp8_ds_mla(cache, torch.arange(s, e, device="cuda"), rows)
+    return cache
+
+
+def bench_decode(name, h, topk, window, batches, iters, caches, n_inputs=4):
+    comp_cache, swa_cache = caches
+    n_comp = comp_cache.shape[0] * comp_cache.shape[1]
+    n_swa = swa_cache.shape[0] * swa_cache.shape[1]
+    rows = []
+    for b in batches:
+        g = torch.Generator(device="cuda").manual_seed(b)
+        inputs = []
+        for _ in range(n_inputs):
+            q = torch.randn(b, 1, h, 512, device="cuda", generator=g).bfloat16()
+            idx = torch.randint(0, n_comp, (b, 1, topk), device="cuda", generator=g, dtype=torch.int32)
+            swa = torch.randint(0, n_swa, (b, 1, window), device="cuda", generator=g, dtype=torch.int32)
+            inputs.append((q, idx, swa))
+        sink = torch.randn(h, device="cuda")
+        out = torch.empty(b, 1, h, 512, device="cuda", dtype=torch.bfloat16)
+        lens_c = torch.full((b,), topk, device="cuda", dtype=torch.int32)
+        lens_w = torch.full((b,), window, device="cuda", dtype=torch.int32)
+
+        def run(k):
+            q, idx, swa = inputs[k]
+            sparse_mqa_decode(q, swa_cache.unsqueeze(2), swa, lens_w, sink, SCALE,
+                              comp_cache.unsqueeze(2), idx, lens_c, out=out)
+
+        t = time_graphs(run, n_inputs, iters)
+        keys = topk + window
+        flops = 2.0 * h * 1024 * keys * b
+        nbytes = b * (2 * h * 512 * 2 + h * 4 + keys * (576 + 8 + 4))
+        rows.append(dict(name=f"{name} decode B={b}", us=t * 1e6, tflops=flops / t / 1e12, gb=nbytes / 1e9,
+                         tbs=nbytes / t / 1e12))
+    return rows
+
+
+def bench_prefill(ts, iters, n_rows=1 << 16, topk=1152, h=128, n_inputs=2):
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kv = torch.randn(n_rows, 512, device="cuda", generator=g).bfloat16()
+    sink = torch.randn(h, device="cuda")
+    for t_ in ts:
+        inputs = []
+        for _ in range(n_inputs):
+            q = torch.randn(t_, h, 512, device="cuda", generator=g).bfloat16()
+            idx = torch.randint(0, n_rows, (t_, topk), device="cuda", generator=g, dtype=torch.int32)
+            inputs.append((q, idx))
+        out = torch.empty(t_, h, 512, device="cuda", dtype=torch.bfloat16)
+
+        def run(k):
+            q, idx = inputs[k]
+            sparse_mqa_prefill(q, kv, idx, None, sink, SCALE, out=out)
+
+        t = time_graphs(run, n_inputs, iters)
+        flops = 2.0 * h * 1024 * topk * t_
+        nbytes = t_ * (2 * h * 512 * 2 + h * 4 + topk * (1024 + 4))
+        rows.append(dict(name=f"prefill H={h} T={t_} topk={topk}", us=t * 1e6, tflops=flops / t / 1e12,
+                         gb=nbytes / 1e9, tbs=nbytes / t / 1e12))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer batch sizes")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--json", type=str, default=None)
+    ap.add_argument("--flags", type=str, default=None,
+                    help="comma list of DSV4_ATTN_FLAGS variants to compare (default: the built-in default)")
+    ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--eager", action="store_true",
+                    help="time eager calls (includes host/dispatcher overhead) instead of CUDA-graph replays")
+    args = ap.parse_args()
+    iters = max(30, args.iters)
+    global time_graphs
+    if args.eager:
+        time_graphs = time_fn  # noqa: F811
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    gemm = gemm_ceiling(iters)
+    copy = copy_ceiling(iters)
+    print(f"ceilings: bf16 matmul 8192^3 {gemm:.0f} TFLOP/s, device copy {copy:.2f} TB/s", flush=True)
+
+    batches = [1, 32, 128] if args.quick else [1, 8, 32, 64, 128, 256]
+    # Caches much larger than L2 (50 MB): 1M compressed slots (~600 MB), 256K window slots.
+    comp = random_fp8_cache(16384, 64, 1)
+    swa = random_fp8_cache(4096, 64, 2)
+    variants = args.flags.split(",") if args.flags else [None]
+    rows = []
+    for v in variants:
+        if v is None:
+            os.environ.pop("DSV4_ATTN_FLAGS", None)
+        else:
+            os.environ["DSV4_ATTN_FLAGS"] = v
+        tag = "" if v is None else f"[f{v}] "
+        part = bench_decode(f"{tag}V4-Flash H=64 512+128", 64, 512, 128, batches, iters, (comp, swa))
+        part += bench_decode(f"{tag}V4-Pro H=128 1024+128", 128, 1024, 128, batches, iters, (comp, swa))
+        print("\n".join(f"  {r['name']}: {r['us']:.1f} us" for r in part), flush=True)
+        rows += part
+    del comp, swa
+    torch.cuda.empty_cache()
+    if not args.skip_prefill:
+        for v in variants:
+            if v is None:
+                os.environ.pop("DSV4_ATTN_FLAGS", None)
+            else:
+                os.environ["DSV4_ATTN_FLAGS"] = v
+            part = bench_prefill([4096, 16384], iters)
+            for r in part:
+                r["name"] = ("" if v is None else f"[f{v}] ") + r["name"]
+            print("\n".join(f"  {r['name']}: {r['us']:.1f} us" for r in part), flush=True)
+            rows += part
+
+    for r in rows:
+        r["pct_gemm"] = 100 * r["tflops"] / gemm
+        r["pct_copy"] = 100 * r["tbs"] / copy
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(gemm_tflops=gemm, copy_tbs=copy, rows=rows), f, indent=1)
+    print(f"\nceilings: bf16 matmul {gemm:.0f} TFLOP/s | copy {copy:.2f} TB/s")
+    print(f"{'case':48s} {'us':>9s} {'TFLOP/s':>8s} {'%gemm':>6s} {'GB':>7s} {'TB/s':>6s} {'%copy':>6s}")
+    for r in rows:
+        print(f"{r['name']:48s} {r['us']:9.1f} {r['tflops']:8.1f} {r['pct_gemm']:6.1f} {r['gb']:7.3f} "
+              f"{r['tbs']:6.2f} {r['pct_copy']:6.1f}")
+
+
+if __name__ == "__main__":
+    main()

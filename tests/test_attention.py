@@ -1,0 +1,512 @@
+"""Tests for dsv4.sparse_mqa_decode / dsv4.sparse_mqa_prefill.
+
+CPU tests (always): wrappers vs the float32 reference, every bad-input error, opcheck,
+torch.compile(fullgraph). GPU tests (``-m gpu``, skipped without CUDA or the extension):
+the CUDA kernels against the float32 reference on fresh random data with poisoned
+outputs, CUDA-graph capture/replay, opcheck on CUDA, the same bad-input errors.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+import dsv4
+import dsv4._ops
+from dsv4 import formats, reference
+from dsv4.attention import sparse_mqa_decode, sparse_mqa_prefill
+
+HAS_GPU = torch.cuda.is_available() and dsv4._ops.HAS_CUDA_EXTENSION
+# Kernel implementation variants (csrc/attention/sparse_mqa_params.cuh kFlag*): 0 = first
+# version, 3 = lazy O rescale + cp.async bf16 gather, 7 = 3 + wide fp8 gather. None = the
+# built-in default (7).
+FLAG_VARIANTS = [None, "0", "3"]
+
+
+@pytest.fixture
+def attn_flags(request, monkeypatch):
+    if request.param is None:
+        monkeypatch.delenv("DSV4_ATTN_FLAGS", raising=False)
+    else:
+        monkeypatch.setenv("DSV4_ATTN_FLAGS", request.param)
+    return request.param
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")]
+SCALE = 512**-0.5
+
+# ----------------------------------------------------------------------------------------
+# data helpers
+# ----------------------------------------------------------------------------------------
+
+
+def _gen(seed, device="cpu"):
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def make_cache(kind, num_blocks, block_size, device, seed):
+    """A fully written random cache (every slot holds a real row) and its f32 rows."""
+    g = _gen(seed)
+    n = num_blocks * block_size
+    rows = torch.randn(n, 512, generator=g) * 2.0
+    slots = torch.arange(n)
+    if kind == "fp8":
+        cache = formats.new_fp8_ds_mla_cache(num_blocks, block_size, device=device, fill="random", generator=g)
+        formats.write_fp8_ds_mla(cache, slots.to(device), rows.to(device))
+        deq = formats.dequantize_fp8_ds_mla_cache(cache).float()
+    else:
+        cache = formats.new_bf16_cache(num_blocks, block_size, device=device, fill="random", generator=g)
+        formats.write_bf16_cache(cache, slots.to(device), rows.to(device))
+        deq = cache.reshape(-1, 512).float()
+    return cache, deq
+
+
+def make_indices(b, s_q, topk, num_slots, g, *, invalid=True, dups=True):
+    idx = torch.randint(0, num_slots, (b, s_q, topk), generator=g, dtype=torch.int32)
+    if topk and invalid:
+        r = torch.rand(b, s_q, topk, generator=g)
+        idx[r < 0.05] = -1
+        idx[(r >= 0.05) & (r < 0.08)] = num_slots + 7  # out of range
+        idx[(r >= 0.08) & (r < 0.09)] = 2**31 - 1
+    if topk > 4 and dups:
+        idx[..., 1] = idx[..., 0]
+        idx[..., 3] = idx[..., 0]
+    return idx
+
+
+def make_lengths(b, topk, g, ragged):
+    if not ragged:
+        return None
+    lens = torch.randint(0, topk + 1, (b,), generator=g, dtype=torch.int32)
+    lens[0] = topk
+    if b > 2:
+        lens[1] = 0
+        lens[2] = topk + 5  # longer than topk: clamped
+    return lens
+
+
+def make_sink(kind, h, g):
+    if kind is None:
+        return None
+    if kind == "finite":
+        return torch.randn(h, generator=g) * 2.0
+    s = torch.randn(h, generator=g)
+    if kind == "-inf":
+        s[:] = -math.inf
+    elif kind == "+inf":
+        s[::3] = math.inf  # some heads forced to zero, others finite
+    return s.float()
+
+
+def ref_decode(q, rows, idx, lens, sink, scale, rows2=None, idx2=None, lens2=None, chunk=256):
+    """Float32 reference for [B, s_q, H, D] queries (chunked over tokens to bound memory)."""
+    b, s_q, h, d = q.shape
+    t = b * s_q
+    qf = q.reshape(t, h, d)
+    i1 = idx.reshape(t, -1)
+    l1 = None if lens is None else lens.repeat_interleave(s_q)
+    i2 = None if idx2 is None else idx2.reshape(t, -1)
+    l2 = None if lens2 is None else lens2.repeat_interleave(s_q)
+    outs, lses = [], []
+    for s in range(0, t, chunk):
+        e = min(t, s + chunk)
+        o, l = reference.sparse_mqa(
+            qf[s:e], rows, i1[s:e], None if l1 is None else l1[s:e], sink, scale,
+            extra_kv=rows2, extra_indices=None if i2 is None else i2[s:e],
+            extra_lengths=None if l2 is None else l2[s:e],
+        )
+        outs.append(o)
+        lses.append(l)
+    return torch.cat(outs).reshape(b, s_q, h, d), torch.cat(lses).reshape(b, s_q, h)
+
+
+def assert_close(out, lse, ref_out, ref_lse):
+    assert not torch.isnan(out).any(), "NaN in out"
+    assert not torch.isnan(lse).any(), "NaN in lse"
+    of, rf = out.float(), ref_out.float()
+    den = rf.norm().item()
+    err = (of - rf).norm().item()
+    if den > 0:
+        assert err / den <= 3e-3, f"relative L2 error {err / den:.3e} > 3e-3"
+    else:
+        assert err == 0.0
+    # rows the reference sets to exactly zero (no visible key / +inf sink) must be zero
+    zero_rows = (rf == 0).all(dim=-1)
+    assert (of[zero_rows] == 0).all(), "expected exact zero rows"
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse -inf pattern differs"
+    if fin.any():
+        lerr = (lse[fin] - ref_lse[fin]).abs().max().item()
+        assert lerr <= 1e-3, f"lse abs error {lerr:.3e} > 1e-3"
+
+
+# ----------------------------------------------------------------------------------------
+# CPU: wrappers = reference
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+@pytest.mark.parametrize("extra", [False, True])
+def test_decode_cpu_matches_reference(kind, extra):
+    g = _gen(1)
+    b, s_q, h, topk = 3, 2, 64, 70
+    cache, rows = make_cache(kind, 4, 16, "cpu", 2)
+    q = (torch.randn(b, s_q, h, 512, generator=g) * 2).bfloat16()
+    idx = make_indices(b, s_q, topk, 64, g)
+    lens = make_lengths(b, topk, g, True)
+    sink = make_sink("finite", h, g)
+    cache2 = idx2 = lens2 = rows2 = None
+    if extra:
+        cache2, rows2 = make_cache(kind, 2, 64, "cpu", 3)
+        idx2 = make_indices(b, s_q, 33, 128, g)
+        lens2 = make_lengths(b, 33, g, True)
+    out, lse = sparse_mqa_decode(q, cache.unsqueeze(2), idx, lens, sink, SCALE, cache2, idx2, lens2)
+    ro, rl = ref_decode(q, rows, idx, lens, sink, SCALE, rows2, idx2, lens2)
+    assert out.shape == (b, s_q, h, 512) and out.dtype == torch.bfloat16
+    assert lse.shape == (b, s_q, h) and lse.dtype == torch.float32
+    assert torch.equal(out, ro.bfloat16())
+    assert torch.equal(lse, rl)
+
+
+def test_prefill_cpu_matches_reference_and_vllm_shapes():
+    g = _gen(4)
+    t, h, n, topk = 5, 128, 90, 40
+    q = torch.randn(t, h, 512, generator=g).bfloat16()
+    kv = torch.randn(n, 512, generator=g).bfloat16()
+    idx = make_indices(t, 1, topk, n, g)[:, 0]
+    lens = make_lengths(t, topk, g, True)
+    out = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16)
+    o1, l1 = sparse_mqa_prefill(q, kv.view(n, 1, 512), idx.unsqueeze(1), lens, None, SCALE, out=out)
+    assert o1 is out
+    ro, rl = reference.sparse_mqa(q, kv.float(), idx, lens, None, SCALE)
+    assert torch.equal(o1, ro.bfloat16()) and torch.equal(l1, rl)
+    o2, l2 = sparse_mqa_prefill(q, kv, idx, lens)  # default scale = 512 ** -0.5
+    assert torch.equal(o2, o1) and torch.equal(l2, l1)
+
+
+def test_empty_and_infinite_sink_cpu():
+    g = _gen(5)
+    cache, _ = make_cache("fp8", 2, 64, "cpu", 6)
+    q = torch.randn(2, 1, 64, 512, generator=g).bfloat16()
+    idx = torch.full((2, 1, 8), -1, dtype=torch.int32)
+    out, lse = sparse_mqa_decode(q, cache, idx, attn_sink=torch.zeros(64))
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    idx = make_indices(2, 1, 8, 128, g, invalid=False)
+    out, lse = sparse_mqa_decode(q, cache, idx, attn_sink=torch.full((64,), math.inf))
+    assert (out == 0).all() and torch.isfinite(lse).all()
+
+
+# ----------------------------------------------------------------------------------------
+# bad inputs: same messages from the CPU/fake checks and the CUDA launcher
+# ----------------------------------------------------------------------------------------
+
+
+def _decode_args(device):
+    g = _gen(7)
+    cache, _ = make_cache("fp8", 2, 64, device, 8)
+    q = torch.randn(2, 1, 64, 512, generator=g).bfloat16().to(device)
+    idx = make_indices(2, 1, 16, 128, g).to(device)
+    return dict(
+        q=q, kv_cache=cache, indices=idx, topk_length=torch.tensor([16, 3], dtype=torch.int32, device=device),
+        attn_sink=torch.zeros(64, device=device), softmax_scale=SCALE, extra_kv_cache=None, extra_indices=None,
+        extra_topk_length=None, out=torch.empty_like(q),
+    )
+
+
+def _call_decode(a):
+    return dsv4._ops.op("sparse_mqa_decode")(
+        a["q"], a["kv_cache"], a["indices"], a["topk_length"], a["attn_sink"], a["softmax_scale"],
+        a["extra_kv_cache"], a["extra_indices"], a["extra_topk_length"], a["out"],
+    )
+
+
+def _set(**kw):
+    def f(a):
+        for k, v in kw.items():
+            a[k] = v(a) if callable(v) else v
+    return f
+
+
+DECODE_BAD = [
+    ("q_dtype", _set(q=lambda a: a["q"].float()), r"q must have dtype"),
+    ("q_dim", _set(q=lambda a: a["q"][:, 0]), r"q must be 4-D"),
+    ("q_headdim", _set(q=lambda a: a["q"][..., :256]), r"q head dim must be 512"),
+    ("heads", _set(q=lambda a: a["q"][:, :, :32].contiguous(), out=lambda a: a["out"][:, :, :32].contiguous()),
+     r"64 or 128 heads"),
+    ("heads_96", _set(q=lambda a: torch.cat([a["q"], a["q"][:, :, :32]], 2),
+                      out=lambda a: torch.cat([a["out"], a["out"][:, :, :32]], 2)), r"64 or 128 heads"),
+    ("out_dtype", _set(out=lambda a: a["out"].float()), r"out must have dtype"),
+    ("out_shape", _set(out=lambda a: a["out"][:1]), r"out must have the shape of q"),
+    ("cache_dtype", _set(kv_cache=lambda a: a["kv_cache"].float()), r"kv_cache must be uint8 .* or bfloat16"),
+    ("cache_lastdim", _set(kv_cache=lambda a: a["kv_cache"][..., :576]), r"kv_cache is a uint8 \(fp8_ds_mla\) cache and must have last dim 584"),
+    ("cache_dim", _set(kv_cache=lambda a: a["kv_cache"][0]), r"kv_cache must be \[num_blocks, block_size, D\]"),
+    ("cache_bf16_lastdim", _set(kv_cache=lambda a: torch.zeros(2, 64, 256, dtype=torch.bfloat16, device=a["q"].device)),
+     r"kv_cache is a bf16 cache and must have last dim 512"),
+    ("cache_row_stride", _set(kv_cache=lambda a: a["kv_cache"][:, ::2]), r"kv_cache must have stride\(1\) == 584"),
+    ("idx_dtype", _set(indices=lambda a: a["indices"].long()), r"indices must have dtype (torch.int32|Int)"),
+    ("idx_shape", _set(indices=lambda a: a["indices"][:, 0]), r"indices must be \[2, 1, topk\]"),
+    ("len_dtype", _set(topk_length=lambda a: a["topk_length"].long()), r"topk_length must have dtype (torch.int32|Int)"),
+    ("len_shape", _set(topk_length=lambda a: a["topk_length"][:1]), r"topk_length must be \[2\]"),
+    ("sink_dtype", _set(attn_sink=lambda a: a["attn_sink"].double()), r"attn_sink must have dtype (torch.float32|Float)"),
+    ("sink_shape", _set(attn_sink=lambda a: a["attn_sink"][:8]), r"attn_sink must be \[64\]"),
+    ("scale", _set(softmax_scale=math.inf), r"softmax_scale must be finite"),
+    ("extra_alone", _set(extra_kv_cache=lambda a: a["kv_cache"]), r"extra_kv_cache and extra_indices must be given together"),
+    ("extra_len_alone", _set(extra_topk_length=lambda a: a["topk_length"]), r"extra_topk_length given without"),
+    ("extra_layout", _set(extra_kv_cache=lambda a: torch.zeros(2, 64, 512, dtype=torch.bfloat16, device=a["q"].device),
+                          extra_indices=lambda a: a["indices"]), r"extra_kv_cache must have the same layout"),
+    ("extra_idx_shape", _set(extra_kv_cache=lambda a: a["kv_cache"], extra_indices=lambda a: a["indices"][:1]),
+     r"extra_indices must be \[2, 1, topk\]"),
+]
+
+
+def _check_bad(device, mutate, pattern):
+    a = _decode_args(device)
+    mutate(a)
+    with pytest.raises((ValueError, RuntimeError), match=pattern):
+        _call_decode(a)
+
+
+@pytest.mark.parametrize("name,mutate,pattern", DECODE_BAD, ids=[c[0] for c in DECODE_BAD])
+def test_decode_bad_inputs_cpu(name, mutate, pattern):
+    _check_bad("cpu", mutate, pattern)
+
+
+@pytest.mark.parametrize("name,mutate,pattern", DECODE_BAD, ids=[c[0] for c in DECODE_BAD])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
+def test_decode_bad_inputs_cuda(name, mutate, pattern):
+    _check_bad("cuda", mutate, pattern)
+
+
+def _prefill_args(device):
+    g = _gen(9)
+    q = torch.randn(3, 64, 512, generator=g).bfloat16().to(device)
+    return dict(q=q, kv=torch.randn(50, 512, generator=g).bfloat16().to(device),
+                indices=torch.randint(-1, 50, (3, 9), generator=g, dtype=torch.int32).to(device),
+                topk_length=None, attn_sink=None, softmax_scale=SCALE, out=torch.empty_like(q))
+
+
+PREFILL_BAD = [
+    ("q_dim", _set(q=lambda a: a["q"][0]), r"q must be 3-D"),
+    ("kv_dtype", _set(kv=lambda a: a["kv"].float()), r"kv must have dtype (torch.bfloat16|BFloat16)"),
+    ("kv_shape", _set(kv=lambda a: a["kv"][:, :256]), r"kv head dim must be 512"),
+    ("kv_dim", _set(kv=lambda a: a["kv"].view(50, 2, 256)), r"kv must be \[N, 512\] or \[N, 1, 512\]"),
+    ("idx_shape", _set(indices=lambda a: a["indices"][:2]), r"indices must be \[3, 1, topk\]"),
+    ("idx_dim", _set(indices=lambda a: a["indices"].view(3, 9, 1)), r"indices must be \[T, topk\] or \[T, 1, topk\]"),
+    ("len_shape", _set(topk_length=lambda a: torch.zeros(2, dtype=torch.int32, device=a["q"].device)),
+     r"topk_length must be \[3\]"),
+    ("heads", _set(q=lambda a: a["q"][:, :32].contiguous(), out=lambda a: a["out"][:, :32].contiguous()),
+     r"64 or 128 heads"),
+    ("out_shape", _set(out=lambda a: a["out"][:1]), r"out must have the shape of q"),
+]
+
+
+def _check_bad_prefill(device, mutate, pattern):
+    a = _prefill_args(device)
+    mutate(a)
+    with pytest.raises((ValueError, RuntimeError), match=pattern):
+        dsv4._ops.op("sparse_mqa_prefill")(a["q"], a["kv"], a["indices"], a["topk_length"], a["attn_sink"],
+                                           a["softmax_scale"], a["out"])
+
+
+@pytest.mark.parametrize("name,mutate,pattern", PREFILL_BAD, ids=[c[0] for c in PREFILL_BAD])
+def test_prefill_bad_inputs_cpu(name, mutate, pattern):
+    _check_bad_prefill("cpu", mutate, pattern)
+
+
+@pytest.mark.parametrize("name,mutate,pattern", PREFILL_BAD, ids=[c[0] for c in PREFILL_BAD])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
+def test_prefill_bad_inputs_cuda(name, mutate, pattern):
+    _check_bad_prefill("cuda", mutate, pattern)
+
+
+# ----------------------------------------------------------------------------------------
+# opcheck / torch.compile on CPU
+# ----------------------------------------------------------------------------------------
+
+
+def _opcheck_args(device, extra):
+    a = _decode_args(device)
+    if extra:
+        a["extra_kv_cache"] = a["kv_cache"]
+        a["extra_indices"] = a["indices"][..., :5].contiguous()
+        a["extra_topk_length"] = torch.tensor([5, 2], dtype=torch.int32, device=device)
+    return a
+
+
+@pytest.mark.parametrize("extra", [False, True])
+def test_opcheck_cpu(extra):
+    a = _opcheck_args("cpu", extra)
+    torch.library.opcheck(torch.ops.dsv4.sparse_mqa_decode.default, tuple(a.values()))
+    p = _prefill_args("cpu")
+    torch.library.opcheck(torch.ops.dsv4.sparse_mqa_prefill.default, tuple(p.values()))
+
+
+def test_torch_compile_fullgraph_cpu():
+    a = _decode_args("cpu")
+    p = _prefill_args("cpu")
+
+    def f(q, cache, idx, lens, sink, q2, kv, idx2):
+        o, l = sparse_mqa_decode(q, cache, idx, lens, sink)
+        o2, l2 = sparse_mqa_prefill(q2, kv, idx2)
+        return o.float() * 2, l, o2, l2
+
+    args = (a["q"], a["kv_cache"], a["indices"], a["topk_length"], a["attn_sink"], p["q"], p["kv"], p["indices"])
+    eager = f(*args)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(*args)
+    for x, y in zip(eager, compiled):
+        assert torch.equal(x, y)
+
+
+# ----------------------------------------------------------------------------------------
+# GPU: kernels vs the float32 reference
+# ----------------------------------------------------------------------------------------
+
+# (B, s_q, H, topk, extra_topk or None, cache kind, block_size, ragged, sink)
+DECODE_CASES = [
+    (1, 1, 64, 512, 128, "fp8", 64, False, "finite"),    # V4-Flash shape, split-KV
+    (1, 2, 128, 1024, 128, "fp8", 64, True, "-inf"),
+    (3, 1, 128, 127, 2048, "fp8", 16, True, None),
+    (3, 2, 64, 0, 1, "fp8", 64, True, "finite"),
+    (64, 1, 128, 1024, 128, "fp8", 64, True, "finite"),  # V4-Pro shape
+    (64, 2, 64, 1, None, "bf16", 32, False, "+inf"),
+    (133, 1, 64, 2048, None, "bf16", 64, True, "finite"),
+    (133, 2, 128, 512, 127, "fp8", 64, True, "+inf"),
+    (3, 1, 64, 0, None, "fp8", 64, False, "finite"),     # nothing visible at all
+    (1, 1, 64, 1, None, "bf16", 64, False, None),
+]
+
+
+@pytest.mark.parametrize("attn_flags", FLAG_VARIANTS, indirect=True)
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[str(c) for c in DECODE_CASES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
+def test_decode_gpu(case, attn_flags):
+    b, s_q, h, topk, topk2, kind, bs, ragged, sink_kind = case
+    dev = "cuda"
+    g = _gen(zlib.crc32(str(case).encode()))
+    nb = max(4, (max(topk, topk2 or 0) * 2) // bs + 1)
+    cache, rows = make_cache(kind, nb, bs, dev, 11)
+    q = (torch.randn(b, s_q, h, 512, generator=g) * 3).bfloat16().to(dev)
+    idx = make_indices(b, s_q, topk, nb * bs, g).to(dev)
+    lens = make_lengths(b, topk, g, ragged)
+    lens = None if lens is None else lens.to(dev)
+    sink = make_sink(sink_kind, h, g)
+    sink = None if sink is None else sink.to(dev)
+    cache2 = rows2 = idx2 = lens2 = None
+    if topk2 is not None:
+        nb2 = max(2, topk2 * 2 // 64 + 1)
+        cache2, rows2 = make_cache(kind, nb2, 64, dev, 12)
+        idx2 = make_indices(b, s_q, topk2, nb2 * 64, g).to(dev)
+        lens2 = make_lengths(b, topk2, g, ragged)
+        lens2 = None if lens2 is None else lens2.to(dev)
+    out = torch.full((b, s_q, h, 512), float("nan"), dtype=torch.bfloat16, device=dev)
+    c4 = cache.unsqueeze(2)
+    e4 = None if cache2 is None else cache2.unsqueeze(2)
+    o, lse = sparse_mqa_decode(q, c4, idx, lens, sink, SCALE, e4, idx2, lens2, out=out)
+    assert o is out
+    ro, rl = ref_decode(q, rows, idx, lens, sink, SCALE, rows2, idx2, lens2)
+    assert_close(o, lse, ro, rl)
+
+
+# (T, H, N, topk, ragged, sink)
+PREFILL_CASES = [
+    (1, 128, 3000, 1152, True, "finite"),
+    (77, 64, 5000, 1152, True, None),
+    (77, 128, 700, 128, False, "+inf"),
+    (4096, 128, 20000, 256, True, "finite"),
+]
+
+
+@pytest.mark.parametrize("attn_flags", FLAG_VARIANTS, indirect=True)
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=[str(c) for c in PREFILL_CASES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
+def test_prefill_gpu(case, attn_flags):
+    t, h, n, topk, ragged, sink_kind = case
+    dev = "cuda"
+    g = _gen(zlib.crc32(str(case).encode()))
+    q = (torch.randn(t, h, 512, generator=g) * 3).bfloat16().to(dev)
+    kv = (torch.randn(n, 512, generator=g) * 2).bfloat16().to(dev)
+    idx = make_indices(t, 1, topk, n, g)[:, 0].to(dev)
+    lens = make_lengths(t, topk, g, ragged)
+    lens = None if lens is None else lens.to(dev)
+    sink = make_sink(sink_kind, h, g)
+    sink = None if sink is None else sink.to(dev)
+    out = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16, device=dev)
+    o, lse = sparse_mqa_prefill(q, kv.view(n, 1, 512), idx.unsqueeze(1), lens, sink, SCALE, out=out)
+    ro, rl = ref_decode(q.unsqueeze(1), kv.float(), idx.unsqueeze(1), lens, sink, SCALE, chunk=64)
+    assert_close(o, lse, ro.squeeze(1), rl.squeeze(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
+@pytest.mark.parametrize("attn_flags", [None, "0"], indirect=True)
+@pytest.mark.parametrize("b", [2, 200])  # split-KV + combine, and no split
+def test_decode_cuda_graph(b, attn_flags):
+    dev = "cuda"
+    g = _gen(21)
+    cache, rows = make_cache("fp8", 40, 64, dev, 22)
+    cache2, rows2 = make_cache("fp8", 8, 64, dev, 23)
+    q = torch.randn(b, 1, 64, 512, generator=g).bfloat16().to(dev)
+    idx = make_indices(b, 1, 1024, 40 * 64, g).to(dev)
+    idx2 = make_indices(b, 1, 128, 8 * 64, g).to(dev)
+    lens = make_lengths(b, 1024, g, True).to(dev)
+    sink = make_sink("finite", 64, g).to(dev)
+    out = torch.empty_like(q)
+    sparse_mqa_decode(q, cache, idx, lens, sink, SCALE, cache2, idx2, None, out=out)  # warm-up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, lse_g = sparse_mqa_decode(q, cache, idx, lens, sink, SCALE, cache2, idx2, None, out=out)
+    # new inputs in the captured buffers, then replay
+    q.copy_(torch.randn(b, 1, 64, 512, generator=g).bfloat16().to(dev))
+    idx.copy_(make_indices(b, 1, 1024, 40 * 64, g).to(dev))
+    lens.copy_(make_lengths(b, 1024, g, True).to(dev))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eo, el = sparse_mqa_decode(q, cache, idx, lens, sink, SCALE, cache2, idx2, None)
+    assert torch.equal(out, eo)
+    assert torch.equal(lse_g, el)
+    ro, rl = ref_decode(q, rows, idx, lens, sink, SCALE, rows2, idx2, None)
+    assert_close(out, lse_g, ro, rl)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
+@pytest.mark.parametrize("extra", [False, True])
+def test_opcheck_cuda(extra):
+    a = _opcheck_args("cuda", extra)
+    torch.library.opcheck(torch.ops.dsv4.sparse_mqa_decode.default, tuple(a.values()))
+    p = _prefill_args("cuda")
+    torch.library.opcheck(torch.ops.dsv4.sparse_mqa_prefill.default, tuple(p.values()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
+@pytest.mark.parametrize("attn_flags", [None, "0"], indirect=True)
+def test_prefill_cuda_graph(attn_flags):
+    dev = "cuda"
+    g = _gen(31)
+    t, h, n, topk = 77, 128, 3000, 1152
+    q = torch.randn(t, h, 512, generator=g).bfloat16().to(dev)
+    kv = torch.randn(n, 512, generator=g).bfloat16().to(dev)
+    idx = make_indices(t, 1, topk, n, g)[:, 0].to(dev)
+    lens = make_lengths(t, topk, g, True).to(dev)
+    sink = make_sink("finite", h, g).to(dev)
+    out = torch.empty_like(q)
+    sparse_mqa_prefill(q, kv, idx, lens, sink, SCALE, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, lse_g = sparse_mqa_prefill(q, kv, idx, lens, sink, SCALE, out=out)
+    q.copy_(torch.randn(t, h, 512, generator=g).bfloat16().to(dev))
+    idx.copy_(make_indices(t, 1, topk, n, g)[:, 0].to(dev))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eo, el = sparse_mqa_prefill(q, kv, idx, lens, sink, SCALE)
+    assert torch.equal(out, eo) and torch.equal(lse_g, el)
