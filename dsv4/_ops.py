@@ -14,6 +14,18 @@ import torch
 # Mirror of csrc/registration.cpp, used only when the extension is missing.
 SCHEMAS = {
     "quantize_nvfp4": "(Tensor x, Tensor global_scale) -> (Tensor, Tensor)",
+    # csrc/moe
+    "nvfp4_moe": (
+        "(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w13_scale, "
+        "Tensor w13_scale_2, Tensor w2, Tensor w2_scale, Tensor w2_scale_2, Tensor? a13_scale, "
+        "Tensor? a2_scale, Tensor? expert_map, float? swiglu_limit, str activation, int cta_mode, "
+        "Tensor(a!) out) -> ()"
+    ),
+    "nvfp4_moe_gemm1_debug": (
+        "(Tensor x, Tensor topk_ids, Tensor w13, Tensor w13_scale, "
+        "Tensor w13_scale_2, Tensor? a13_scale, Tensor? a2_scale, Tensor? expert_map, "
+        "float? swiglu_limit, str activation, int cta_mode) -> (Tensor, Tensor, Tensor, Tensor)"
+    ),
     "sparse_mqa_decode": (
         "(Tensor q, Tensor kv_cache, Tensor indices, Tensor? topk_length, Tensor? attn_sink, "
         "float softmax_scale, Tensor? extra_kv_cache, Tensor? extra_indices, "

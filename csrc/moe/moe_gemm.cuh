@@ -1,0 +1,239 @@
+// Grouped GEMMs of the NVFP4 MoE, "swap AB": the NVFP4 weights are the wgmma A
+// operand (64 weight rows per CTA, dequantized e2m1 -> bf16 in registers), the
+// tokens routed to the expert are the B operand (block_n tokens per CTA, bf16 in
+// shared memory, 128-byte swizzle). Accumulation in fp32; the global scales are
+// applied in the epilogue.
+//
+// Grid: x = token tile (rows [tile * BN, tile * BN + BN) of the padded, expert-sorted
+// activation buffer; all belong to expert tile_expert[tile]; CTAs past *num_tiles
+// exit at once), y = 64-row weight tile. One warpgroup per CTA; a STAGES-deep
+// cp.async ring feeds weight codes, scales and the token tile of each 64-wide K step.
+//
+// GEMM1 (kGemm1): rows of w13 (interleaved gate/up, see moe_params.cuh), K = hidden.
+//   Epilogue: clamped SwiGLU of (gate, up) held by the same thread, staged through
+//   shared memory, then either bf16 h, or NVFP4 (codes + e4m3 scales, the exact
+//   rules of common/nvfp4.cuh) plus its bf16 expansion code * block scale, which is
+//   what GEMM2 reads as its B operand (the global scale a2 goes in GEMM2's epilogue).
+// GEMM2: rows of w2 (output hidden dims), K = intermediate. Epilogue: y (bf16) per
+//   padded row, to be combined into token order by moe_combine_kernel.
+#pragma once
+
+#include "common/nvfp4.cuh"
+#include "moe/moe_device.cuh"
+#include "moe/moe_params.cuh"
+#include "moe/wgmma_rs.cuh"
+
+namespace dsv4 {
+namespace moe {
+
+template <int BN, int STAGES>
+struct GemmSmem {
+  static constexpr int kB = BN * 128;  // one 64-wide K slice of BN token rows
+  static constexpr int kPipe = STAGES * (kB + kCodeTileBytes + kScaleTileBytes);
+  static constexpr int kStage1 = BN * 33 * 4;
+  static constexpr int kStage2 = BN * 65 * 4;
+  static constexpr int kMax = kPipe > kStage2 ? kPipe : kStage2;
+  static constexpr int kBytes = kMax + 1024;  // + alignment slack
+};
+
+template <int BN, int STAGES, bool kGemm1>
+__global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
+  const int tile = blockIdx.x;
+  if (tile >= __ldg(p.num_tiles)) return;
+  const int rt = blockIdx.y;
+  const int e = __ldg(p.tile_expert + tile);
+  const int row0 = tile * BN;
+  const int kdim = kGemm1 ? p.K : p.N;
+  const int KT = kdim / kTileK;
+  const int RT = kGemm1 ? (2 * p.N) / kTileRows : p.K / kTileRows;
+  const size_t tile_index = (size_t(e) * RT + rt) * KT;
+  const uint8_t* wq = (kGemm1 ? p.w13 : p.w2) + tile_index * kCodeTileBytes;
+  const uint8_t* wsc = (kGemm1 ? p.w13_scale : p.w2_scale) + tile_index * kScaleTileBytes;
+  const __nv_bfloat16* bsrc = (kGemm1 ? p.xg : p.h) + size_t(row0) * kdim;
+
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  using S = GemmSmem<BN, STAGES>;
+  uint8_t* sB = smem;
+  uint8_t* sW = sB + STAGES * S::kB;
+  uint8_t* sS = sW + STAGES * kCodeTileBytes;
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+
+  // Per-thread copy assignments, fixed over the K loop: 16 code bytes, 16 scale
+  // bytes (threads < 16) and BN/16 16-byte chunks of the token tile (rows r0 + 16i,
+  // chunk c, swizzled; r0 & 7 is the same for every i).
+  constexpr int kBIters = BN / 16;
+  const int r0 = tid >> 3, c0 = tid & 7;
+  const uint32_t sW_dst = smem_u32(sW) + tid * 16;
+  const uint32_t sS_dst = smem_u32(sS) + tid * 16;
+  const uint32_t sB_dst = smem_u32(sB) + r0 * 128 + ((c0 ^ (r0 & 7)) << 4);
+  // Source pointers of the next K step to fetch (advanced by one step per fetch).
+  const uint8_t* wq_src = wq + tid * 16;
+  const uint8_t* ws_src = wsc + tid * 16;
+  const __nv_bfloat16* b_src = bsrc + size_t(r0) * kdim + c0 * 8;
+  const size_t b_row16 = size_t(16) * kdim;
+  const bool scale_loader = tid < kScaleTileBytes / 16;
+
+  auto load_next = [&](int s) {
+    cp_async16(sW_dst + s * kCodeTileBytes, wq_src);
+    if (scale_loader) cp_async16(sS_dst + s * kScaleTileBytes, ws_src);
+#pragma unroll
+    for (int i = 0; i < kBIters; ++i) cp_async16(sB_dst + s * S::kB + i * 16 * 128, b_src + i * b_row16);
+    wq_src += kCodeTileBytes;
+    ws_src += kScaleTileBytes;
+    b_src += kTileK;
+  };
+
+  // Prefetch distance STAGES-1: the stage refilled at step kt was read by step kt-1,
+  // whose wgmma group every warp retired (wait_group<0>) before the barrier of step kt.
+  // (Overlapping dequant of step kt+1 with the MMAs of step kt inside one warpgroup
+  // makes ptxas serialize the wgmmas, C7513; the overlap comes from the 2-6 CTAs that
+  // share an SM instead.)
+  constexpr int kAhead = STAGES - 1;
+#pragma unroll
+  for (int s = 0; s < kAhead; ++s) {
+    if (s < KT) load_next(s);
+    cp_async_commit();
+  }
+
+  float acc[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+
+  const uint32_t sB_base = smem_u32(sB);
+  const uint32_t sW_rd = smem_u32(sW) + tid * 16;
+  const uint32_t sS_rd = smem_u32(sS) + (warp * 8 + g) * 8;
+
+  auto step = [&](int kt, int s) {
+    uint32_t af[4][4];
+    cp_async_wait<kAhead - 1>();
+    __syncthreads();
+    {
+      int ns = s + kAhead;
+      if (ns >= STAGES) ns -= STAGES;
+      if (kt + kAhead < KT) load_next(ns);
+      cp_async_commit();
+    }
+    const uint4 codes = lds128(sW_rd + s * kCodeTileBytes);
+    const uint2 sc = lds64(sS_rd + s * kScaleTileBytes);
+    dequant_tile(codes, sc, af);
+    const uint64_t desc = kmajor_sw128_desc(sB_base + s * S::kB);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) WgmmaRS<BN>::mma(acc, af[j], desc + 2 * j, 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(acc);
+  };
+
+  int s = 0;
+  for (int kt = 0; kt < KT; ++kt) {
+    step(kt, s);
+    if (++s == STAGES) s = 0;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  float* stg = reinterpret_cast<float*>(smem);
+  if constexpr (kGemm1) {
+    const float ag = p.act_nvfp4 ? __ldg(p.a13_scale + (p.a13_per_expert ? e : 0)) : 1.0f;
+    const float sg = __ldg(p.w13_scale_2 + 2 * e) * 128.0f * ag;
+    const float su = __ldg(p.w13_scale_2 + 2 * e + 1) * 128.0f * ag;
+    const float L = p.swiglu_limit;
+    constexpr int LD = 33;
+#pragma unroll
+    for (int c = 0; c < BN / 8; ++c) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float gate = acc[4 * c + i] * sg;
+        float up = acc[4 * c + 2 + i] * su;
+        if (p.has_limit) {
+          gate = fminf(gate, L);
+          up = fminf(fmaxf(up, -L), L);
+        }
+        stg[(8 * c + 2 * t + i) * LD + 8 * warp + g] = silu(gate) * up;
+      }
+    }
+    __syncthreads();
+    const int N = p.N;
+    if (!p.act_nvfp4) {
+      for (int idx = tid; idx < BN * 4; idx += kThreads) {
+        const int tok = idx >> 2, ch = idx & 3;
+        const float* v = stg + tok * LD + ch * 8;
+        uint4 o;
+        o.x = bf16x2_bits(v[0], v[1]);
+        o.y = bf16x2_bits(v[2], v[3]);
+        o.z = bf16x2_bits(v[4], v[5]);
+        o.w = bf16x2_bits(v[6], v[7]);
+        *reinterpret_cast<uint4*>(p.h + size_t(row0 + tok) * N + rt * 32 + ch * 8) = o;
+      }
+    } else {
+      const float g2 = __ldg(p.a2_scale + (p.a2_per_expert ? e : 0));
+      for (int idx = tid; idx < BN * 2; idx += kThreads) {
+        const int tok = idx >> 1, blk = idx & 1;
+        const float* v = stg + tok * LD + blk * 16;
+        float lo[8], hi[8];
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          lo[i] = v[i];
+          hi[i] = v[8 + i];
+          amax = fmaxf(amax, fmaxf(fabsf(lo[i]), fabsf(hi[i])));
+        }
+        const __nv_fp8_e4m3 s8 = nvfp4_block_scale(amax, g2);
+        const float sf = float(s8);
+        const uint32_t clo = nvfp4_encode8(lo, sf, g2);
+        const uint32_t chi = nvfp4_encode8(hi, sf, g2);
+        const size_t row = size_t(row0 + tok);
+        *reinterpret_cast<uint2*>(p.hq + row * (N / 2) + rt * 16 + blk * 8) = make_uint2(clo, chi);
+        p.hs[row * (N / 16) + rt * 2 + blk] = s8;
+        // bf16 expansion code * block scale (exact) for GEMM2's B operand.
+        uint32_t w[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          w[i] = bf16x2_bits(e2m1_value(clo >> (8 * i)) * sf, e2m1_value(clo >> (8 * i + 4)) * sf);
+          w[4 + i] = bf16x2_bits(e2m1_value(chi >> (8 * i)) * sf, e2m1_value(chi >> (8 * i + 4)) * sf);
+        }
+        uint4* dst = reinterpret_cast<uint4*>(p.h + row * N + rt * 32 + blk * 16);
+        dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+        dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+      }
+    }
+    if (p.h_debug != nullptr) {
+      for (int idx = tid; idx < BN * 32; idx += kThreads) {
+        const int tok = idx >> 5, n = idx & 31;
+        p.h_debug[size_t(row0 + tok) * N + rt * 32 + n] = stg[tok * LD + n];
+      }
+    }
+  } else {
+    const float ag = p.act_nvfp4 ? __ldg(p.a2_scale + (p.a2_per_expert ? e : 0)) : 1.0f;
+    const float sc = __ldg(p.w2_scale_2 + e) * 128.0f * ag;
+    constexpr int LD = 65;
+#pragma unroll
+    for (int c = 0; c < BN / 8; ++c) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int tok = 8 * c + 2 * t + (i & 1);
+        const int kk = 16 * warp + g + 8 * (i >> 1);
+        stg[tok * LD + kk] = acc[4 * c + i] * sc;
+      }
+    }
+    __syncthreads();
+    const int K = p.K;
+    for (int idx = tid; idx < BN * 8; idx += kThreads) {
+      const int tok = idx >> 3, ch = idx & 7;
+      const float* v = stg + tok * LD + ch * 8;
+      uint4 o;
+      o.x = bf16x2_bits(v[0], v[1]);
+      o.y = bf16x2_bits(v[2], v[3]);
+      o.z = bf16x2_bits(v[4], v[5]);
+      o.w = bf16x2_bits(v[6], v[7]);
+      *reinterpret_cast<uint4*>(p.y + size_t(row0 + tok) * K + rt * 64 + ch * 8) = o;
+    }
+  }
+}
+
+}  // namespace moe
+}  // namespace dsv4

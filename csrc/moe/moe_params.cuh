@@ -1,0 +1,81 @@
+// NVFP4 MoE (kernel family C of DESIGN.md): the one parameter struct shared by the
+// routing, gather, grouped-GEMM and combine kernels, and the prepared weight layout.
+//
+// Prepared weight layout (dsv4.moe.prepare_nvfp4_moe_weights writes it):
+//   A projection with R output rows and reduction length Kd is cut into 64 x 64
+//   tiles, stored [E, R/64, Kd/64, 2048] bytes of e2m1 codes and [E, R/64, Kd/64, 256]
+//   e4m3 block scales. Inside a code tile, thread T = 32*w + 4*g + t of the consumer
+//   warpgroup owns bytes [16T, 16T+16): four little-endian words, word j = k16 step j,
+//   holding exactly the 8 elements of its wgmma A fragment (rows 16w+g and 16w+g+8,
+//   columns 2t, 2t+1, 2t+8, 2t+9 of that k16 step). Fragment register p (p = 0..3:
+//   (row g, col 2t), (row g+8, col 2t), (row g, col 2t+8), (row g+8, col 2t+8)) has its
+//   even element at nibble 3-p and its odd element at nibble 7-p, so that
+//   x = word << 4p puts the pair at bits [12,16) and [28,32) (see dequant_pair).
+//   Inside a scale tile, thread (w, g) reads 8 bytes at 8*(8w+g): byte 2j = scale of
+//   row 16w+g, byte 2j+1 = scale of row 16w+g+8, for k16 step j.
+//   w13 rows are interleaved so that one warp holds gate and up of the same
+//   intermediate column: tile row 16w + r is gate row 32*rt + 8w + r for r < 8 and up
+//   row 32*rt + 8w + r - 8 otherwise (rt = the 64-row tile index).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+namespace dsv4 {
+namespace moe {
+
+constexpr int kTileRows = 64;     // weight rows per CTA (one wgmma M)
+constexpr int kTileK = 64;        // reduction elements per pipeline stage
+constexpr int kCodeTileBytes = kTileRows * kTileK / 2;   // 2048
+constexpr int kScaleTileBytes = kTileRows * kTileK / 16; // 256
+constexpr int kThreads = 128;     // one consumer warpgroup
+
+struct MoeParams {
+  // shapes
+  int M;         // tokens
+  int topk;      // slots per token
+  int E;         // local experts
+  int E_global;  // size of expert_map (== E without a map)
+  int K;         // hidden size
+  int N;         // intermediate size
+  int block_n;   // token tile of the grouped GEMMs (rows per tile)
+  int max_tiles; // grid bound on the number of token tiles
+  int max_rows;  // max_tiles * block_n
+
+  // inputs
+  const __nv_bfloat16* x;      // [M, K]
+  const int* topk_ids;         // [M, topk]
+  const float* topk_weights;   // [M, topk]
+  const int* expert_map;       // [E_global] or nullptr
+  const uint8_t* w13;          // prepared codes [E, 2N/64, K/64, 2048]
+  const uint8_t* w13_scale;    // prepared e4m3 bytes (uint8 tensor) [E, 2N/64, K/64, 256]
+  const float* w13_scale_2;    // [E, 2] (gate, up)
+  const uint8_t* w2;           // prepared codes [E, K/64, N/64, 2048]
+  const uint8_t* w2_scale;     // prepared e4m3 [E, K/64, N/64, 256]
+  const float* w2_scale_2;     // [E]
+  const float* a13_scale;      // nvfp4 mode: [1] or [E]; else nullptr
+  const float* a2_scale;       // nvfp4 mode: [1] or [E]; else nullptr
+  int a13_per_expert;
+  int a2_per_expert;
+  int act_nvfp4;               // 0: bf16 activations, 1: NVFP4 activations
+  int has_limit;
+  float swiglu_limit;
+
+  // workspace (sized from shapes only)
+  int* slot_pos;     // [M*topk]  padded row of each (token, slot), -1 = not local
+  int* row_slot;     // [max_rows] slot index of each padded row, -1 = padding
+  int* tile_expert;  // [max_tiles]
+  int* num_tiles;    // [1]
+  int* error_flag;   // [1] set to 1 when an expert id was out of range
+  __nv_bfloat16* xg; // [max_rows, K]  GEMM1 B operand (nvfp4 mode: code * block scale)
+  __nv_bfloat16* h;  // [max_rows, N]  GEMM2 B operand (nvfp4 mode: code * block scale)
+  uint8_t* hq;       // nvfp4 mode: [max_rows, N/2] packed codes of the SwiGLU output
+  __nv_fp8_e4m3* hs; // nvfp4 mode: [max_rows, N/16] block scales
+  float* h_debug;    // optional [max_rows, N] fp32 SwiGLU output (debug op)
+  __nv_bfloat16* y;  // [max_rows, K]  GEMM2 output per padded row
+  __nv_bfloat16* out;// [M, K]
+};
+
+}  // namespace moe
+}  // namespace dsv4

@@ -1,0 +1,323 @@
+// C++ entries of the NVFP4 MoE: dsv4::nvfp4_moe and dsv4::nvfp4_moe_gemm1_debug.
+// Validate every argument, size the workspace from shapes only (worst case
+// M*topk + experts*(block_n-1) padded rows), launch route -> gather -> GEMM1 ->
+// GEMM2 -> combine on the current stream. No host sync, no value-dependent
+// allocation: CUDA-graph capturable.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+
+#include "common/checks.h"
+#include "moe/moe_gemm.cuh"
+#include "moe/moe_routing.cuh"
+
+namespace dsv4 {
+namespace {
+
+using moe::MoeParams;
+
+struct Checked {
+  int64_t M, K, N, E, E_global, topk;
+  bool nvfp4;
+};
+
+void check_act_scale(const std::optional<at::Tensor>& s, const char* name, const at::Tensor& x, int64_t E) {
+  TORCH_CHECK(s.has_value(), "dsv4: ", name, " is required when activation=\"nvfp4\"");
+  check_same_device(*s, x, name, "x");
+  check_dtype(*s, at::kFloat, name);
+  check_contiguous(*s, name);
+  TORCH_CHECK(s->numel() == 1 || (s->dim() == 1 && s->size(0) == E), "dsv4: ", name,
+              " must hold 1 element or have shape [", E, "] (one per local expert), got shape ", s->sizes());
+}
+
+Checked check_inputs(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                     const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w13_scale_2,
+                     const at::Tensor& w2, const at::Tensor& w2_scale, const at::Tensor& w2_scale_2,
+                     const std::optional<at::Tensor>& a13_scale, const std::optional<at::Tensor>& a2_scale,
+                     const std::optional<at::Tensor>& expert_map, c10::string_view activation,
+                     int64_t cta_mode, bool need_w2) {
+  Checked c{};
+  check_cuda(x, "x");
+  check_dtype(x, at::kBFloat16, "x");
+  check_dim(x, 2, "x", "[M, K]");
+  check_contiguous(x, "x");
+  c.M = x.size(0);
+  c.K = x.size(1);
+  TORCH_CHECK(c.K > 0 && c.K % 64 == 0, "dsv4: x.shape[1] (K, hidden size) must be a positive multiple of 64, got ", c.K);
+  check_aligned(x, 16, "x");
+
+  check_same_device(topk_ids, x, "topk_ids", "x");
+  check_dtype(topk_ids, at::kInt, "topk_ids");
+  check_dim(topk_ids, 2, "topk_ids", "[M, k]");
+  check_contiguous(topk_ids, "topk_ids");
+  TORCH_CHECK(topk_ids.size(0) == c.M, "dsv4: topk_ids must have shape [M=", c.M, ", k], got ", topk_ids.sizes());
+  c.topk = topk_ids.size(1);
+  TORCH_CHECK(c.topk >= 1, "dsv4: topk_ids must have at least one column (k >= 1), got ", topk_ids.sizes());
+  check_same_device(topk_weights, x, "topk_weights", "x");
+  check_dtype(topk_weights, at::kFloat, "topk_weights");
+  check_contiguous(topk_weights, "topk_weights");
+  TORCH_CHECK(topk_weights.dim() == 2 && topk_weights.size(0) == c.M && topk_weights.size(1) == c.topk,
+              "dsv4: topk_weights must have shape [M=", c.M, ", k=", c.topk, "] like topk_ids, got ",
+              topk_weights.sizes());
+
+  const char* prep = " (pass the output of dsv4.prepare_nvfp4_moe_weights)";
+  check_same_device(w13, x, "w13", "x");
+  check_dtype(w13, at::kByte, "w13");
+  TORCH_CHECK(w13.dim() == 4 && w13.size(3) == moe::kCodeTileBytes, "dsv4: w13 must be the prepared layout [E, 2N/64, K/64, 2048]",
+              prep, ", got shape ", w13.sizes());
+  check_contiguous(w13, "w13");
+  c.E = w13.size(0);
+  c.N = w13.size(1) * 32;
+  TORCH_CHECK(c.E >= 1, "dsv4: w13 must hold at least one expert");
+  TORCH_CHECK(w13.size(2) * 64 == c.K, "dsv4: w13 has K/64 = ", w13.size(2), " tiles but x has K = ", c.K);
+  TORCH_CHECK(c.N % 64 == 0, "dsv4: the intermediate size N = ", c.N, " must be a multiple of 64");
+  check_same_device(w13_scale, x, "w13_scale", "x");
+  check_dtype(w13_scale, at::kByte, "w13_scale");
+  check_contiguous(w13_scale, "w13_scale");
+  TORCH_CHECK(w13_scale.dim() == 4 && w13_scale.size(0) == c.E && w13_scale.size(1) == w13.size(1) &&
+                  w13_scale.size(2) == w13.size(2) && w13_scale.size(3) == moe::kScaleTileBytes,
+              "dsv4: w13_scale must have the prepared shape [", c.E, ", ", w13.size(1), ", ", w13.size(2), ", 256]", prep,
+              ", got ", w13_scale.sizes());
+  check_same_device(w13_scale_2, x, "w13_scale_2", "x");
+  check_dtype(w13_scale_2, at::kFloat, "w13_scale_2");
+  check_contiguous(w13_scale_2, "w13_scale_2");
+  TORCH_CHECK(w13_scale_2.dim() == 2 && w13_scale_2.size(0) == c.E && w13_scale_2.size(1) == 2,
+              "dsv4: w13_scale_2 must have the prepared shape [", c.E, ", 2]", prep, ", got ", w13_scale_2.sizes());
+  if (need_w2) {
+    check_same_device(w2, x, "w2", "x");
+    check_dtype(w2, at::kByte, "w2");
+    check_contiguous(w2, "w2");
+    TORCH_CHECK(w2.dim() == 4 && w2.size(0) == c.E && w2.size(1) * 64 == c.K && w2.size(2) * 64 == c.N &&
+                    w2.size(3) == moe::kCodeTileBytes,
+                "dsv4: w2 must have the prepared shape [", c.E, ", ", c.K / 64, ", ", c.N / 64, ", 2048]", prep,
+                ", got ", w2.sizes());
+    check_same_device(w2_scale, x, "w2_scale", "x");
+    check_dtype(w2_scale, at::kByte, "w2_scale");
+    check_contiguous(w2_scale, "w2_scale");
+    TORCH_CHECK(w2_scale.dim() == 4 && w2_scale.size(0) == c.E && w2_scale.size(1) * 64 == c.K &&
+                    w2_scale.size(2) * 64 == c.N && w2_scale.size(3) == moe::kScaleTileBytes,
+                "dsv4: w2_scale must have the prepared shape [", c.E, ", ", c.K / 64, ", ", c.N / 64, ", 256]", prep,
+                ", got ", w2_scale.sizes());
+    check_same_device(w2_scale_2, x, "w2_scale_2", "x");
+    check_dtype(w2_scale_2, at::kFloat, "w2_scale_2");
+    check_contiguous(w2_scale_2, "w2_scale_2");
+    TORCH_CHECK(w2_scale_2.dim() == 1 && w2_scale_2.size(0) == c.E, "dsv4: w2_scale_2 must have shape [", c.E,
+                "], got ", w2_scale_2.sizes());
+  }
+
+  TORCH_CHECK(activation == "bf16" || activation == "nvfp4", "dsv4: activation must be \"bf16\" or \"nvfp4\", got \"",
+              std::string(activation), "\"");
+  c.nvfp4 = activation == "nvfp4";
+  if (c.nvfp4) {
+    check_act_scale(a13_scale, "a13_scale", x, c.E);
+    check_act_scale(a2_scale, "a2_scale", x, c.E);
+  }
+  c.E_global = c.E;
+  if (expert_map.has_value()) {
+    check_same_device(*expert_map, x, "expert_map", "x");
+    check_dtype(*expert_map, at::kInt, "expert_map");
+    check_dim(*expert_map, 1, "expert_map", "[E_global]");
+    check_contiguous(*expert_map, "expert_map");
+    c.E_global = expert_map->size(0);
+    TORCH_CHECK(c.E_global >= 1, "dsv4: expert_map must not be empty");
+  }
+  TORCH_CHECK(cta_mode == 0 || cta_mode == 1 || cta_mode == 2, "dsv4: cta_mode must be 0 (auto), 1 or 2, got ", cta_mode);
+  TORCH_CHECK(c.M * c.topk < (int64_t(1) << 30), "dsv4: M * k = ", c.M * c.topk, " slots is too large");
+  return c;
+}
+
+// Token tile of the grouped GEMMs from shapes only: expected tokens per local
+// expert under uniform routing over the global experts.
+int pick_block_n(int64_t M, int64_t topk, int64_t E_global, int64_t cta_mode) {
+  const double per_expert = double(M) * double(topk) / double(E_global);
+  if (cta_mode == 1 && per_expert > 96.0) return 64;
+  if (per_expert <= 24.0) return 16;
+  if (per_expert <= 96.0) return 64;
+  return 128;
+}
+
+template <int BN, int STAGES>
+void launch_gemms(const MoeParams& p, bool gemm2, cudaStream_t stream) {
+  using S = moe::GemmSmem<BN, STAGES>;
+  auto k1 = moe::moe_gemm_kernel<BN, STAGES, true>;
+  auto k2 = moe::moe_gemm_kernel<BN, STAGES, false>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(k1, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
+  k1<<<dim3(unsigned(p.max_tiles), unsigned(2 * p.N / moe::kTileRows)), moe::kThreads, S::kBytes, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (!gemm2) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(k2, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
+  k2<<<dim3(unsigned(p.max_tiles), unsigned(p.K / moe::kTileRows)), moe::kThreads, S::kBytes, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Runs the chain; with debug_h set it stops after GEMM1.
+void run_moe(MoeParams& p, const Checked& c, int64_t cta_mode, const at::Tensor& x, bool full) {
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const size_t route_smem = size_t(2 * c.E + 1) * sizeof(int);
+  if (route_smem > 48 * 1024)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(moe::moe_route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(route_smem)));
+  moe::moe_route_kernel<<<1, moe::kRouteThreads, route_smem, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const unsigned gather_blocks = unsigned(std::min<int64_t>(p.max_rows, int64_t(sms) * 8));
+  if (c.nvfp4)
+    moe::moe_gather_kernel<true><<<gather_blocks, 256, 0, stream>>>(p);
+  else
+    moe::moe_gather_kernel<false><<<gather_blocks, 256, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  switch (p.block_n) {
+    case 16: launch_gemms<16, 8>(p, full, stream); break;
+    case 64: launch_gemms<64, 6>(p, full, stream); break;
+    default: launch_gemms<128, 5>(p, full, stream); break;
+  }
+  if (!full) return;
+  const unsigned combine_blocks = unsigned(std::min<int64_t>(c.M, int64_t(sms) * 16));
+  moe::moe_combine_kernel<<<combine_blocks, 256, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+struct Workspace {
+  at::Tensor ints, xg, h, hq, hs, y;
+};
+
+Workspace fill_params(MoeParams& p, const Checked& c, int64_t cta_mode, const at::Tensor& x, const at::Tensor& topk_ids,
+                      const at::Tensor& topk_weights, const at::Tensor& w13, const at::Tensor& w13_scale,
+                      const at::Tensor& w13_scale_2, const at::Tensor* w2, const at::Tensor* w2_scale,
+                      const at::Tensor* w2_scale_2, const std::optional<at::Tensor>& a13_scale,
+                      const std::optional<at::Tensor>& a2_scale, const std::optional<at::Tensor>& expert_map,
+                      std::optional<double> swiglu_limit, bool full) {
+  p = MoeParams{};
+  p.M = int(c.M);
+  p.topk = int(c.topk);
+  p.E = int(c.E);
+  p.E_global = int(c.E_global);
+  p.K = int(c.K);
+  p.N = int(c.N);
+  p.block_n = pick_block_n(c.M, c.topk, c.E_global, cta_mode);
+  const int64_t S = c.M * c.topk;
+  const int64_t busy = std::min<int64_t>(c.E, S);
+  const int64_t max_tiles = std::max<int64_t>(1, (S + busy * (p.block_n - 1)) / p.block_n);
+  p.max_tiles = int(max_tiles);
+  p.max_rows = int(max_tiles * p.block_n);
+
+  Workspace ws;
+  auto opt = x.options();
+  const int64_t n_ints = S + p.max_rows + max_tiles + 2;
+  ws.ints = at::empty({n_ints}, opt.dtype(at::kInt));
+  int* ip = ws.ints.data_ptr<int>();
+  p.slot_pos = ip;
+  p.row_slot = ip + S;
+  p.tile_expert = ip + S + p.max_rows;
+  p.num_tiles = ip + S + p.max_rows + max_tiles;
+  p.error_flag = p.num_tiles + 1;
+  ws.xg = at::empty({p.max_rows, c.K}, opt);
+  ws.h = at::empty({p.max_rows, c.N}, opt);
+  p.xg = reinterpret_cast<__nv_bfloat16*>(ws.xg.data_ptr());
+  p.h = reinterpret_cast<__nv_bfloat16*>(ws.h.data_ptr());
+  if (c.nvfp4) {
+    ws.hq = at::empty({p.max_rows, c.N / 2}, opt.dtype(at::kByte));
+    ws.hs = at::empty({p.max_rows, c.N / 16}, opt.dtype(at::kFloat8_e4m3fn));
+    p.hq = ws.hq.data_ptr<uint8_t>();
+    p.hs = reinterpret_cast<__nv_fp8_e4m3*>(ws.hs.data_ptr());
+  }
+  if (full) {
+    ws.y = at::empty({p.max_rows, c.K}, opt);
+    p.y = reinterpret_cast<__nv_bfloat16*>(ws.y.data_ptr());
+  }
+
+  p.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
+  p.topk_ids = topk_ids.data_ptr<int>();
+  p.topk_weights = topk_weights.defined() ? topk_weights.data_ptr<float>() : nullptr;
+  p.expert_map = expert_map.has_value() ? expert_map->data_ptr<int>() : nullptr;
+  p.w13 = w13.data_ptr<uint8_t>();
+  p.w13_scale = reinterpret_cast<const uint8_t*>(w13_scale.data_ptr());
+  p.w13_scale_2 = w13_scale_2.data_ptr<float>();
+  if (w2 != nullptr) {
+    p.w2 = w2->data_ptr<uint8_t>();
+    p.w2_scale = reinterpret_cast<const uint8_t*>(w2_scale->data_ptr());
+    p.w2_scale_2 = w2_scale_2->data_ptr<float>();
+  }
+  p.act_nvfp4 = c.nvfp4 ? 1 : 0;
+  if (c.nvfp4) {
+    p.a13_scale = a13_scale->data_ptr<float>();
+    p.a2_scale = a2_scale->data_ptr<float>();
+    p.a13_per_expert = a13_scale->numel() > 1 ? 1 : 0;
+    p.a2_per_expert = a2_scale->numel() > 1 ? 1 : 0;
+  }
+  p.has_limit = swiglu_limit.has_value() ? 1 : 0;
+  p.swiglu_limit = swiglu_limit.has_value() ? float(*swiglu_limit) : 0.0f;
+  return ws;
+}
+
+void nvfp4_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights, const at::Tensor& w13,
+               const at::Tensor& w13_scale, const at::Tensor& w13_scale_2, const at::Tensor& w2,
+               const at::Tensor& w2_scale, const at::Tensor& w2_scale_2, const std::optional<at::Tensor>& a13_scale,
+               const std::optional<at::Tensor>& a2_scale, const std::optional<at::Tensor>& expert_map,
+               std::optional<double> swiglu_limit, c10::string_view activation, int64_t cta_mode, at::Tensor& out) {
+  const Checked c = check_inputs(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
+                                 a13_scale, a2_scale, expert_map, activation, cta_mode, true);
+  TORCH_CHECK(!swiglu_limit.has_value() || *swiglu_limit > 0, "dsv4: swiglu_limit must be positive, got ",
+              swiglu_limit.value_or(0.0));
+  check_same_device(out, x, "out", "x");
+  check_dtype(out, at::kBFloat16, "out");
+  check_contiguous(out, "out");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == c.M && out.size(1) == c.K, "dsv4: out must have shape [M=", c.M,
+              ", K=", c.K, "], got ", out.sizes());
+  if (c.M == 0) return;
+  check_aligned(out, 16, "out");
+  const at::cuda::OptionalCUDAGuard guard(x.device());
+  MoeParams p;
+  Workspace ws = fill_params(p, c, cta_mode, x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, &w2, &w2_scale,
+                             &w2_scale_2, a13_scale, a2_scale, expert_map, swiglu_limit, true);
+  p.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
+  run_moe(p, c, cta_mode, x, true);
+}
+
+// GEMM1 only, for tests: per (token, slot) the fp32 SwiGLU output h [M*k, N] that the
+// epilogue computed, its NVFP4 encoding (nvfp4 mode; zeros otherwise) and whether the
+// slot is local.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nvfp4_moe_gemm1_debug(
+    const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& w13, const at::Tensor& w13_scale,
+    const at::Tensor& w13_scale_2, const std::optional<at::Tensor>& a13_scale, const std::optional<at::Tensor>& a2_scale,
+    const std::optional<at::Tensor>& expert_map, std::optional<double> swiglu_limit, c10::string_view activation,
+    int64_t cta_mode) {
+  at::Tensor none;
+  const Checked c = check_inputs(x, topk_ids, topk_ids.to(at::kFloat), w13, w13_scale, w13_scale_2, none, none, none,
+                                 a13_scale, a2_scale, expert_map, activation, cta_mode, false);
+  const int64_t S = c.M * c.topk;
+  auto opt = x.options();
+  at::Tensor h = at::zeros({S, c.N}, opt.dtype(at::kFloat));
+  at::Tensor hq = at::zeros({S, c.N / 2}, opt.dtype(at::kByte));
+  at::Tensor hs = at::zeros({S, c.N / 16}, opt.dtype(at::kByte));
+  at::Tensor local = at::zeros({S}, opt.dtype(at::kBool));
+  if (S == 0) return {h, hq, hs.view(at::kFloat8_e4m3fn), local};
+  const at::cuda::OptionalCUDAGuard guard(x.device());
+  MoeParams p;
+  at::Tensor tw;  // undefined: GEMM1 does not read the routing weights
+  Workspace ws = fill_params(p, c, cta_mode, x, topk_ids, tw, w13, w13_scale, w13_scale_2, nullptr, nullptr, nullptr,
+                             a13_scale, a2_scale, expert_map, swiglu_limit, false);
+  at::Tensor h_rows = at::zeros({p.max_rows, c.N}, opt.dtype(at::kFloat));
+  p.h_debug = h_rows.data_ptr<float>();
+  run_moe(p, c, cta_mode, x, false);
+  at::Tensor pos = ws.ints.slice(0, 0, S).to(at::kLong);
+  local = pos >= 0;
+  at::Tensor idx = pos.clamp_min(0);
+  h = h_rows.index_select(0, idx) * local.unsqueeze(1);
+  if (c.nvfp4) {
+    hq = ws.hq.index_select(0, idx) * local.unsqueeze(1).to(at::kByte);
+    hs = ws.hs.view(at::kByte).index_select(0, idx) * local.unsqueeze(1).to(at::kByte);
+  }
+  return {h, hq, hs.view(at::kFloat8_e4m3fn), local};
+}
+
+}  // namespace
+}  // namespace dsv4
+
+TORCH_LIBRARY_IMPL(dsv4, CUDA, m) {
+  m.impl("nvfp4_moe", &dsv4::nvfp4_moe);
+  m.impl("nvfp4_moe_gemm1_debug", &dsv4::nvfp4_moe_gemm1_debug);
+}

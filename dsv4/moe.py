@@ -1,0 +1,473 @@
+"""NVFP4 routed-expert MoE: ``dsv4.prepare_nvfp4_moe_weights`` and ``dsv4.nvfp4_moe``.
+
+Math (DESIGN.md sections 1-3): per token m and slot j with local expert e,
+``y = W2_e @ swiglu(W1_e x, W3_e x)`` with ``swiglu(g, u) = silu(min(g, L)) *
+clamp(u, -L, L)`` (L = swiglu_limit; plain ``silu(g) * u`` without it), and
+``out[m] = sum_j topk_weights[m, j] * y``. Weights are NVFP4 (e2m1 codes, e4m3
+scales per 16 along K, fp32 global scale per expert). Two activation modes:
+
+* ``"bf16"`` (W4A16): activations stay bf16; weights are dequantized exactly to bf16.
+* ``"nvfp4"`` (W4A4, the numerics of a Blackwell deployment): x is quantized to
+  NVFP4 with ``a13_scale`` (per expert or one value) before GEMM1, and the SwiGLU
+  output is quantized with ``a2_scale`` before GEMM2, with the rules of
+  ``dsv4.formats.quantize_nvfp4``.
+
+CUDA (sm_90a): routing prep, a gather (NVFP4-quantizing in nvfp4 mode), grouped
+GEMM1 with the clamped-SwiGLU (+ NVFP4) epilogue, grouped GEMM2, and a
+deterministic weighted combine; weights are the 64-row wgmma A operand,
+dequantized e2m1 -> bf16 in registers; tokens are the N operand. No host sync, no
+value-dependent allocation: CUDA-graph capturable. CPU: the float32 reference
+(``dsv4.reference.nvfp4_moe``) on the un-prepared weights.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Union
+
+import torch
+
+from . import formats
+from ._ops import op
+
+__all__ = ["Nvfp4MoeWeights", "prepare_nvfp4_moe_weights", "unprepare_nvfp4_moe_weights", "nvfp4_moe"]
+
+_TILE = 64  # weight rows and K elements per prepared tile
+
+
+class Nvfp4MoeWeights(NamedTuple):
+    """Expert weights in the layout the dsv4 MoE kernels read (see
+    :func:`prepare_nvfp4_moe_weights`). E experts, hidden K, intermediate N.
+
+    w13: uint8 [E, 2N/64, K/64, 2048] (e2m1 code bits); w13_scale: uint8 [E, 2N/64, K/64, 256]
+    (block scales re-encoded losslessly, see _encode_scales); w13_scale_2: float32 [E, 2]
+    (gate, up); w2: uint8 [E, K/64, N/64, 2048]; w2_scale: uint8 [E, K/64, N/64, 256];
+    w2_scale_2: float32 [E].
+    """
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w13_scale_2: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    w2_scale_2: torch.Tensor
+
+
+# Code tiles: a [64 rows, 64 k] tile viewed as (w, hi, g) x (j, kh, t, i) with
+# row = 16w + 8hi + g and k = 16j + 8kh + 2t + i belongs to wgmma thread (w, g, t),
+# k16 step j, fragment register p = 2kh + hi, element i. Thread (w, g, t) owns the 16
+# bytes at 16 * (32w + 4g + t): four little-endian words, word j holding its 8 codes
+# bit by bit at _BIT_POS[p][i][(m, e0, e1, s)] (csrc/moe/moe_device.cuh, dequant_kstep).
+_CODE_PERM = (0, 1, 5, 2, 4, 8, 6, 7, 3, 9)  # [E,RT,w,hi,g,KT,j,kh,t,i] -> [E,RT,KT,w,g,t,j,kh,hi,i]
+_SCALE_PERM = (0, 1, 5, 2, 4, 6, 3)  # [E,RT,w,hi,g,KT,j] -> [E,RT,KT,w,g,j,hi]
+_BIT_POS = (
+    ((6, 7, 8, 15), (22, 23, 24, 31)),   # p0: the bf16x2 pattern itself
+    ((3, 4, 5, 12), (19, 20, 21, 28)),   # p1: pattern >> 3
+    ((0, 1, 2, 9), (16, 17, 18, 25)),    # p2: pattern >> 6
+    ((10, 11, 13, 14), (26, 27, 29, 30)),  # p3: the bits left over
+)
+
+
+def _inverse(perm):
+    inv = [0] * len(perm)
+    for pos, dim in enumerate(perm):
+        inv[dim] = pos
+    return tuple(inv)
+
+
+def _interleave_rows(t: torch.Tensor) -> torch.Tensor:
+    """[E, 2N, ...] gate rows then up rows -> per 64-row tile: 16w+8h+g = (gate|up)[32rt+8w+g]."""
+    E, R = t.shape[:2]
+    rest = t.shape[2:]
+    return t.reshape(E, 2, R // 64, 4, 8, *rest).permute(0, 2, 3, 1, 4, *range(5, 5 + len(rest))).reshape(E, R, *rest)
+
+
+def _deinterleave_rows(t: torch.Tensor) -> torch.Tensor:
+    E, R = t.shape[:2]
+    rest = t.shape[2:]
+    return t.reshape(E, R // 64, 4, 2, 8, *rest).permute(0, 3, 1, 2, 4, *range(5, 5 + len(rest))).reshape(E, R, *rest)
+
+
+def _bit_shifts(device) -> torch.Tensor:
+    return torch.tensor(_BIT_POS, dtype=torch.int32, device=device).reshape(8, 4)  # [(p, i), bit]
+
+
+def _tile_codes(packed: torch.Tensor, scale: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """[E, R, Kd/2] packed codes -> [E, R/64, Kd/64, 2048] (one expert at a time: the
+    bit scatter needs 32 bytes of scratch per element)."""
+    return torch.stack([_tile_codes_1(packed[e], scale[e], interleave) for e in range(packed.shape[0])])
+
+
+def _tile_codes_1(packed: torch.Tensor, scale: torch.Tensor, interleave: bool) -> torch.Tensor:
+    R, half = packed.shape
+    kd = half * 2
+    codes = formats.unpack_fp4(packed)  # [R, Kd]
+    # A zero block scale makes the block's values 0 whatever its codes: store codes 0.
+    zero = (scale.float() == 0).repeat_interleave(16, dim=-1)
+    codes = torch.where(zero, torch.zeros_like(codes), codes)
+    if interleave:
+        codes = _interleave_rows(codes[None])[0]
+    t = codes.reshape(1, R // 64, 4, 2, 8, kd // 64, 4, 2, 4, 2).permute(*_CODE_PERM)
+    t = t.reshape(R // 64, kd // 64, 512, 8).to(torch.int32)  # [.., (w,g,t,j), (p,i)]
+    bits = (t.unsqueeze(-1) >> torch.arange(4, device=t.device, dtype=torch.int32)) & 1  # [.., 8, 4]
+    word = (bits << _bit_shifts(t.device)).sum(dim=(-2, -1), dtype=torch.int32)  # [.., 512]
+    out = torch.stack([(word >> (8 * b)) & 0xFF for b in range(4)], dim=-1)
+    return out.to(torch.uint8).reshape(R // 64, kd // 64, 2048).contiguous()
+
+
+def _untile_codes(tiled: torch.Tensor, interleave: bool) -> torch.Tensor:
+    return torch.stack([_untile_codes_1(tiled[e], interleave) for e in range(tiled.shape[0])])
+
+
+def _untile_codes_1(tiled: torch.Tensor, interleave: bool) -> torch.Tensor:
+    RT, KT, _ = tiled.shape
+    b = tiled.reshape(RT, KT, 512, 4).to(torch.int32)
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    bits = (word[..., None, None] >> _bit_shifts(tiled.device)) & 1  # [.., 8, 4]
+    codes = (bits << torch.arange(4, device=tiled.device, dtype=torch.int32)).sum(-1)  # [.., 512, 8]
+    t = codes.reshape(1, RT, KT, 4, 8, 4, 4, 2, 2, 2).permute(*_inverse(_CODE_PERM))
+    codes = t.reshape(1, RT * 64, KT * 64).to(torch.uint8)
+    if interleave:
+        codes = _deinterleave_rows(codes)
+    return formats.pack_fp4(codes[0].contiguous())
+
+
+def _encode_scales(scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 scale -> prepared byte: 0 for 0, else (X + 10) << 3 | m for 2^X * (1 + m/8)."""
+    v = scale.float()
+    mant, ex = torch.frexp(v)  # v = mant * 2^ex, mant in [0.5, 1)
+    m = ((mant * 2 - 1) * 8).round().to(torch.int32)
+    b = ((ex - 1 + 10) << 3) | m
+    return torch.where(v == 0, torch.zeros_like(b), b).to(torch.uint8)
+
+
+def _decode_scales(b: torch.Tensor) -> torch.Tensor:
+    bi = b.to(torch.int32)
+    x = ((bi >> 3) - 10).float()
+    v = torch.exp2(x) * (1 + (bi & 7).float() / 8)
+    return torch.where(bi == 0, torch.zeros_like(v), v).to(torch.float8_e4m3fn)
+
+
+def _tile_scales(scale: torch.Tensor, interleave: bool) -> torch.Tensor:
+    E, R, kb = scale.shape
+    s = _encode_scales(scale)
+    if interleave:
+        s = _interleave_rows(s)
+    s = s.reshape(E, R // 64, 4, 2, 8, kb // 4, 4).permute(*_SCALE_PERM)
+    return s.reshape(E, R // 64, kb // 4, 256).contiguous()
+
+
+def _untile_scales(tiled: torch.Tensor, interleave: bool) -> torch.Tensor:
+    E, RT, KT, _ = tiled.shape
+    s = tiled.reshape(E, RT, KT, 4, 8, 4, 2).permute(*_inverse(_SCALE_PERM))
+    s = s.reshape(E, RT * 64, KT * 4)
+    if interleave:
+        s = _deinterleave_rows(s)
+    return _decode_scales(s.contiguous())
+
+
+def _is_prepared(w13: torch.Tensor) -> bool:
+    return isinstance(w13, torch.Tensor) and w13.dim() == 4
+
+
+def _check_prepared(w: Nvfp4MoeWeights) -> tuple[int, int, int]:
+    """Validates a prepared weight set; returns (E, N, K)."""
+    hint = " (pass the output of dsv4.prepare_nvfp4_moe_weights)"
+    if w.w13.dtype != torch.uint8 or w.w13.dim() != 4 or w.w13.shape[3] != 2048:
+        raise ValueError(f"dsv4: w13 must be the prepared layout uint8 [E, 2N/64, K/64, 2048]{hint}, got "
+                         f"{w.w13.dtype} {tuple(w.w13.shape)}")
+    E, rt, kt, _ = w.w13.shape
+    N, K = rt * 32, kt * 64
+    expect = {
+        "w13_scale": ((E, rt, kt, 256), torch.uint8),
+        "w13_scale_2": ((E, 2), torch.float32),
+        "w2": ((E, K // 64, N // 64, 2048), torch.uint8),
+        "w2_scale": ((E, K // 64, N // 64, 256), torch.uint8),
+        "w2_scale_2": ((E,), torch.float32),
+    }
+    for name, (shape, dtype) in expect.items():
+        t = getattr(w, name)
+        if t.dtype != dtype:
+            raise ValueError(f"dsv4: {name} must have dtype {dtype}, got {t.dtype}{hint}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"dsv4: {name} must have the prepared shape {list(shape)}, got {list(t.shape)}{hint}")
+    if N % 64:
+        raise ValueError(f"dsv4: the intermediate size N = {N} must be a multiple of 64")
+    return E, N, K
+
+
+def prepare_nvfp4_moe_weights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2) -> Nvfp4MoeWeights:
+    """One-time conversion of vLLM's stacked ModelOpt NVFP4 expert weights into the
+    layout the dsv4 MoE kernels read (a pure byte permutation; no value changes).
+
+    Args (vLLM layout, DESIGN.md section 2; E experts, hidden K, intermediate N;
+    K and N multiples of 64):
+        w13: uint8 [E, 2N, K/2] (gate rows 0..N-1, up rows N..2N-1; low nibble = even element).
+        w13_scale: float8_e4m3fn [E, 2N, K/16].
+        w13_scale_2: float32 [E] or [E, 2] (gate, up) global scales.
+        w2: uint8 [E, K, N/2].
+        w2_scale: float8_e4m3fn [E, K, N/16].
+        w2_scale_2: float32 [E].
+
+    Returns:
+        :class:`Nvfp4MoeWeights` on the same device: each projection cut into 64x64
+        tiles (w13 rows interleaved per tile so gate and up of one column meet in one
+        thread), tile bytes ordered as the wgmma A fragments of the consumer threads,
+        code bits placed for a 1-3 instruction bf16 expansion, block scales
+        re-encoded as one byte whose bf16 form is one PRMT + one IMAD away
+        (csrc/moe/moe_params.cuh and moe_device.cuh document both); w13_scale_2 as
+        [E, 2]. Lossless: the dequantized values are unchanged (codes of blocks whose
+        scale is 0 are stored as 0, which is the same value). Block scales must be
+        finite and >= 0.
+        Idempotent: passing a prepared set returns it unchanged (same tensors).
+        :func:`unprepare_nvfp4_moe_weights` inverts it.
+    """
+    if _is_prepared(w13):
+        w = Nvfp4MoeWeights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
+        _check_prepared(w)
+        return w
+    for name, t, dtype in (("w13", w13, torch.uint8), ("w13_scale", w13_scale, torch.float8_e4m3fn),
+                           ("w2", w2, torch.uint8), ("w2_scale", w2_scale, torch.float8_e4m3fn)):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 3:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"dsv4: {name} must be a 3-D {dtype} tensor (vLLM stacked layout), got {got}")
+    E, two_n, half_k = w13.shape
+    N, K = two_n // 2, half_k * 2
+    if two_n % 128 or K % 64:
+        raise ValueError(f"dsv4: w13 [E, 2N, K/2] needs N and K multiples of 64, got shape {tuple(w13.shape)}")
+    checks = {"w13_scale": (w13_scale, (E, 2 * N, K // 16)), "w2": (w2, (E, K, N // 2)),
+              "w2_scale": (w2_scale, (E, K, N // 16))}
+    for name, (t, shape) in checks.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"dsv4: {name} must have shape {list(shape)} to match w13, got {list(t.shape)}")
+    if w13_scale_2.dtype != torch.float32 or tuple(w13_scale_2.shape) not in ((E,), (E, 2)):
+        raise ValueError(f"dsv4: w13_scale_2 must be float32 [{E}] or [{E}, 2], got {w13_scale_2.dtype} "
+                         f"{tuple(w13_scale_2.shape)}")
+    if w2_scale_2.dtype != torch.float32 or tuple(w2_scale_2.shape) != (E,):
+        raise ValueError(f"dsv4: w2_scale_2 must be float32 [{E}], got {w2_scale_2.dtype} {tuple(w2_scale_2.shape)}")
+    g13 = w13_scale_2 if w13_scale_2.dim() == 2 else w13_scale_2.unsqueeze(1).expand(E, 2)
+    for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        v = t.float()
+        if bool(((v < 0) | ~torch.isfinite(v)).any()):
+            raise ValueError(f"dsv4: {name} must hold finite non-negative block scales")
+    return Nvfp4MoeWeights(
+        _tile_codes(w13, w13_scale, True), _tile_scales(w13_scale, True), g13.contiguous().clone(),
+        _tile_codes(w2, w2_scale, False), _tile_scales(w2_scale, False), w2_scale_2.contiguous().clone())
+
+
+def unprepare_nvfp4_moe_weights(weights: Nvfp4MoeWeights) -> dict:
+    """Inverse of :func:`prepare_nvfp4_moe_weights`: the vLLM stacked layout
+    (dict w13, w13_scale, w13_scale_2 [E, 2], w2, w2_scale, w2_scale_2)."""
+    w = Nvfp4MoeWeights(*weights)
+    _check_prepared(w)
+    return {
+        "w13": _untile_codes(w.w13, True), "w13_scale": _untile_scales(w.w13_scale, True),
+        "w13_scale_2": w.w13_scale_2, "w2": _untile_codes(w.w2, False),
+        "w2_scale": _untile_scales(w.w2_scale, False), "w2_scale_2": w.w2_scale_2,
+    }
+
+
+# --------------------------------------------------------------------------------------
+# op registrations
+# --------------------------------------------------------------------------------------
+
+
+def _check_call(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
+                a13_scale, a2_scale, expert_map, swiglu_limit, activation, cta_mode):
+    """Shape/dtype rules of csrc/moe/nvfp4_moe.cu, for CPU and fake calls."""
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"dsv4: x must have dtype torch.bfloat16, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"dsv4: x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    M, K = x.shape
+    if topk_ids.dtype != torch.int32:
+        raise ValueError(f"dsv4: topk_ids must have dtype torch.int32, got {topk_ids.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != M or topk_ids.shape[1] < 1:
+        raise ValueError(f"dsv4: topk_ids must have shape [M={M}, k], got {tuple(topk_ids.shape)}")
+    k = topk_ids.shape[1]
+    if topk_weights.dtype != torch.float32:
+        raise ValueError(f"dsv4: topk_weights must have dtype torch.float32, got {topk_weights.dtype}")
+    if tuple(topk_weights.shape) != (M, k):
+        raise ValueError(f"dsv4: topk_weights must have shape [M={M}, k={k}] like topk_ids, got "
+                         f"{tuple(topk_weights.shape)}")
+    E, N, Kw = _check_prepared(Nvfp4MoeWeights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2))
+    if Kw != K:
+        raise ValueError(f"dsv4: w13 has K/64 = {Kw // 64} tiles but x has K = {K}")
+    if activation not in ("bf16", "nvfp4"):
+        raise ValueError(f'dsv4: activation must be "bf16" or "nvfp4", got "{activation}"')
+    if activation == "nvfp4":
+        for name, s in (("a13_scale", a13_scale), ("a2_scale", a2_scale)):
+            if s is None:
+                raise ValueError(f'dsv4: {name} is required when activation="nvfp4"')
+            if s.dtype != torch.float32:
+                raise ValueError(f"dsv4: {name} must have dtype torch.float32, got {s.dtype}")
+            if not (s.numel() == 1 or tuple(s.shape) == (E,)):
+                raise ValueError(f"dsv4: {name} must hold 1 element or have shape [{E}] (one per local expert), "
+                                 f"got shape {tuple(s.shape)}")
+    if expert_map is not None:
+        if expert_map.dtype != torch.int32 or expert_map.dim() != 1 or expert_map.numel() == 0:
+            raise ValueError(f"dsv4: expert_map must be a non-empty 1-D torch.int32 tensor [E_global], got "
+                             f"{expert_map.dtype} {tuple(expert_map.shape)}")
+    if swiglu_limit is not None and not swiglu_limit > 0:
+        raise ValueError(f"dsv4: swiglu_limit must be positive, got {swiglu_limit}")
+    if cta_mode not in (0, 1, 2):
+        raise ValueError(f"dsv4: cta_mode must be 0 (auto), 1 or 2, got {cta_mode}")
+    return M, K, N, E, k
+
+
+@torch.library.register_fake("dsv4::nvfp4_moe")
+def _(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, a13_scale, a2_scale,
+      expert_map, swiglu_limit, activation, cta_mode, out):
+    M, K, _, _, _ = _check_call(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
+                                a13_scale, a2_scale, expert_map, swiglu_limit, activation, cta_mode)
+    if out.dtype != torch.bfloat16 or tuple(out.shape) != (M, K):
+        raise ValueError(f"dsv4: out must be torch.bfloat16 [M={M}, K={K}], got {out.dtype} {tuple(out.shape)}")
+    return None
+
+
+@torch.library.impl("dsv4::nvfp4_moe", "CPU")
+def _(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, a13_scale, a2_scale,
+      expert_map, swiglu_limit, activation, cta_mode, out):
+    from . import reference
+
+    M, K, _, _, _ = _check_call(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
+                                a13_scale, a2_scale, expert_map, swiglu_limit, activation, cta_mode)
+    if out.dtype != torch.bfloat16 or tuple(out.shape) != (M, K):
+        raise ValueError(f"dsv4: out must be torch.bfloat16 [M={M}, K={K}], got {out.dtype} {tuple(out.shape)}")
+    w = unprepare_nvfp4_moe_weights(Nvfp4MoeWeights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2))
+    y = reference.nvfp4_moe(
+        x, topk_ids, topk_weights, w["w13"], w["w13_scale"], w["w13_scale_2"], w["w2"], w["w2_scale"],
+        w["w2_scale_2"], swiglu_limit=swiglu_limit, activation=activation,
+        a13_scale=a13_scale if activation == "nvfp4" else None,
+        a2_scale=a2_scale if activation == "nvfp4" else None, expert_map=expert_map)
+    out.copy_(y.to(torch.bfloat16))
+
+
+@torch.library.register_fake("dsv4::nvfp4_moe_gemm1_debug")
+def _(x, topk_ids, w13, w13_scale, w13_scale_2, a13_scale, a2_scale, expert_map, swiglu_limit, activation, cta_mode):
+    S = topk_ids.shape[0] * topk_ids.shape[1]
+    N = w13.shape[1] * 32
+    return (x.new_empty((S, N), dtype=torch.float32), x.new_empty((S, N // 2), dtype=torch.uint8),
+            x.new_empty((S, N // 16), dtype=torch.float8_e4m3fn), x.new_empty((S,), dtype=torch.bool))
+
+
+# --------------------------------------------------------------------------------------
+# wrapper
+# --------------------------------------------------------------------------------------
+
+
+def _scale_tensor(s, device) -> Optional[torch.Tensor]:
+    if s is None:
+        return None
+    if isinstance(s, torch.Tensor):
+        return s.to(device=device, dtype=torch.float32).reshape(-1).contiguous()
+    return torch.tensor([float(s)], dtype=torch.float32, device=device)
+
+
+def _may_sync(x: torch.Tensor) -> bool:
+    if torch.compiler.is_compiling():
+        return False
+    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _check_ids(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], E: int) -> None:
+    """Host check of expert ids (one device sync); the kernels drop bad ids safely."""
+    if topk_ids.numel() == 0:
+        return
+    bound = expert_map.numel() if expert_map is not None else E
+    lo, hi = int(topk_ids.min()), int(topk_ids.max())
+    if lo < 0 or hi >= bound:
+        what = "expert_map size" if expert_map is not None else "number of local experts"
+        raise ValueError(f"dsv4: topk_ids must lie in [0, {bound}) ({what}), got values in [{lo}, {hi}]")
+    if expert_map is not None and expert_map.numel():
+        lo, hi = int(expert_map.min()), int(expert_map.max())
+        if lo < -1 or hi >= E:
+            raise ValueError(f"dsv4: expert_map values must lie in [-1, {E}), got values in [{lo}, {hi}]")
+
+
+def nvfp4_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: Union[Nvfp4MoeWeights, dict, tuple],
+    *,
+    swiglu_limit: Optional[float] = None,
+    activation: str = "bf16",
+    a13_scale: Union[float, torch.Tensor, None] = None,
+    a2_scale: Union[float, torch.Tensor, None] = None,
+    expert_map: Optional[torch.Tensor] = None,
+    cta_mode: Union[str, int] = "auto",
+    out: Optional[torch.Tensor] = None,
+    check_ids: bool = True,
+) -> torch.Tensor:
+    """Routed-expert MoE with NVFP4 weights (no routed_scaling_factor, no shared expert).
+
+    Args:
+        x: bf16 [M, K] tokens (contiguous).
+        topk_ids: [M, k] integer expert ids (int32 preferred; others are converted):
+            local ids in [0, E), or global ids in [0, E_global) with ``expert_map``.
+        topk_weights: [M, k] float routing weights (converted to fp32).
+        weights: :class:`Nvfp4MoeWeights` from :func:`prepare_nvfp4_moe_weights`
+            (prepare once at load time). A vLLM-layout dict/tuple is accepted too and
+            prepared on every call (slow).
+        swiglu_limit: L of ``silu(min(g, L)) * clamp(u, -L, L)``, or None.
+        activation: "bf16" (W4A16) or "nvfp4" (W4A4).
+        a13_scale, a2_scale: NVFP4 activation global (dequant) scales of GEMM1's input
+            and GEMM2's input (the checkpoint's ``input_scale``): a float, or an fp32
+            tensor with 1 element or [E] (per local expert). Required for "nvfp4".
+        expert_map: int [E_global] global -> local expert id, -1 = not on this rank
+            (those slots contribute nothing).
+        cta_mode: "auto" (0), 1 or 2: GEMM launch mode (see docs/perf_moe.md).
+        out: optional bf16 [M, K] output buffer.
+        check_ids: check the id ranges on the host (one device sync; skipped while
+            capturing a CUDA graph or compiling). Out-of-range ids are dropped by
+            the kernels in any case.
+
+    Returns:
+        bf16 [M, K]: ``sum_j topk_weights[m, j] * expert_{topk_ids[m, j]}(x[m])``.
+    """
+    if isinstance(weights, Nvfp4MoeWeights):
+        w = weights
+    elif isinstance(weights, dict):
+        w = prepare_nvfp4_moe_weights(*(weights[k] for k in Nvfp4MoeWeights._fields))
+    else:
+        w = prepare_nvfp4_moe_weights(*weights)
+    modes = {"auto": 0, 0: 0, 1: 1, 2: 2}
+    if cta_mode not in modes:
+        raise ValueError(f'dsv4: cta_mode must be "auto", 1 or 2, got {cta_mode!r}')
+    if topk_ids.dtype != torch.int32:
+        topk_ids = topk_ids.to(torch.int32)
+    if topk_weights.dtype != torch.float32:
+        topk_weights = topk_weights.float()
+    if expert_map is not None and expert_map.dtype != torch.int32:
+        expert_map = expert_map.to(torch.int32)
+    if activation not in ("bf16", "nvfp4"):
+        raise ValueError(f'dsv4: activation must be "bf16" or "nvfp4", got "{activation}"')
+    nvfp4 = activation == "nvfp4"
+    if nvfp4 and (a13_scale is None or a2_scale is None):
+        raise ValueError(f'dsv4: {"a13_scale" if a13_scale is None else "a2_scale"} is required when '
+                         'activation="nvfp4"')
+    a13 = _scale_tensor(a13_scale, x.device) if nvfp4 else None
+    a2 = _scale_tensor(a2_scale, x.device) if nvfp4 else None
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    if check_ids and _may_sync(x):
+        _check_ids(topk_ids, expert_map, w.w13.shape[0])
+    limit = None if swiglu_limit is None else float(swiglu_limit)
+    op("nvfp4_moe")(x, topk_ids.contiguous(), topk_weights.contiguous(), *w, a13, a2, expert_map, limit,
+                    activation, modes[cta_mode], out)
+    return out
+
+
+def _gemm1_debug(x, topk_ids, weights: Nvfp4MoeWeights, *, swiglu_limit=None, activation="bf16", a13_scale=None,
+                 a2_scale=None, expert_map=None, cta_mode="auto"):
+    """Test hook (CUDA): GEMM1 + epilogue only. Returns per (token, slot), flattened
+    to M*k rows: fp32 SwiGLU output [M*k, N] as the epilogue computed it, its NVFP4
+    codes [M*k, N/2] and e4m3 scales [M*k, N/16] (nvfp4 mode; zeros otherwise), and
+    a bool [M*k] mask of local slots."""
+    modes = {"auto": 0, 0: 0, 1: 1, 2: 2}
+    nvfp4 = activation == "nvfp4"
+    return op("nvfp4_moe_gemm1_debug")(
+        x, topk_ids.to(torch.int32), weights.w13, weights.w13_scale, weights.w13_scale_2,
+        _scale_tensor(a13_scale, x.device) if nvfp4 else None, _scale_tensor(a2_scale, x.device) if nvfp4 else None,
+        None if expert_map is None else expert_map.to(torch.int32),
+        None if swiglu_limit is None else float(swiglu_limit), activation, modes[cta_mode])

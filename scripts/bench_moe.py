@@ -1,0 +1,189 @@
+"""Benchmark of dsv4.nvfp4_moe (NVFP4 routed experts) on the H200.
+
+Shapes: V4-Flash (K=4096, N=2048, 256 global experts, EP8 -> 32 local) and V4-Pro
+(K=7168, N=3072, 384 global, EP8 -> 48 local); random top-6 routing over the GLOBAL
+experts, an expert_map making E_local of them local (so ~1/8 of the slots are
+local, as on one EP8 rank). Decode M in {1, 8, 32, 64, 128}; prefill M in
+{2048, 8192, 16384}.
+
+Baseline in the same run: bf16 torch._grouped_mm over the dequantized local
+weights + torch clamped SwiGLU (routing sort/gather and the weighted combine in
+torch too). Reported per case: median us over >= 30 event-timed calls after
+warm-up with 4 rotating input sets; effective weight bandwidth = bytes of the
+distinct local experts touched (NVFP4 codes + scales for dsv4; bf16 for the
+baseline) / time; useful TFLOP/s = 6*K*N flops per local slot / time; % of the copy
+bandwidth and of the dense bf16 GEMM rate measured in this process; speedup over
+the baseline; 2-CTA vs 1-CTA at prefill.
+
+Usage: python scripts/bench_moe.py [--quick] [--activation bf16|nvfp4|both]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from dsv4 import formats
+from dsv4.benchmarking import bf16_gemm_tflops, copy_bandwidth_tbps, median_us
+from dsv4.moe import nvfp4_moe, prepare_nvfp4_moe_weights
+
+MODELS = {
+    "flash": dict(K=4096, N=2048, E_global=256, E_local=32),
+    "pro": dict(K=7168, N=3072, E_global=384, E_local=48),
+}
+TOPK = 6
+LIMIT = 10.0
+KEYS = ("w13", "w13_scale", "w13_scale_2", "w2", "w2_scale", "w2_scale_2")
+
+
+def make_weights(m):
+    parts = []
+    for i, e0 in enumerate(range(0, m["E_local"], 8)):
+        gen = torch.Generator(device="cuda").manual_seed(100 + i)
+        parts.append(formats.random_nvfp4_moe_weights(min(8, m["E_local"] - e0), m["N"], m["K"], generator=gen,
+                                                      device="cuda"))
+    w = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    prepared = prepare_nvfp4_moe_weights(*(w[k] for k in KEYS))
+    # Baseline weights: bf16 [E, 2N, K] and [E, K, N], used transposed (K-contiguous).
+    w13 = torch.cat([formats.dequantize_experts(w["w13"][i:i + 1], w["w13_scale"][i:i + 1],
+                                                w["w13_scale_2"][i:i + 1]).to(torch.bfloat16)
+                     for i in range(m["E_local"])])
+    w2 = torch.cat([formats.dequantize_experts(w["w2"][i:i + 1], w["w2_scale"][i:i + 1],
+                                               w["w2_scale_2"][i:i + 1]).to(torch.bfloat16)
+                    for i in range(m["E_local"])])
+    return w, prepared, w13, w2
+
+
+def make_inputs(m, M, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, m["K"], generator=gen).to(torch.bfloat16).cuda()
+    scores = torch.rand(M, m["E_global"], generator=gen)
+    tw, ids = scores.topk(TOPK, dim=-1)
+    tw = (tw / tw.sum(-1, keepdim=True)).float().cuda()
+    ids = ids.to(torch.int32).cuda()
+    emap = torch.full((m["E_global"],), -1, dtype=torch.int32)
+    emap[: m["E_local"]] = torch.arange(m["E_local"], dtype=torch.int32)  # rank 0 of EP8
+    emap = emap.cuda()
+    local = emap.long()[ids.long()]
+    touched = int((torch.bincount(local[local >= 0], minlength=m["E_local"]) > 0).sum())
+    n_local = int((local >= 0).sum())
+    return dict(x=x, ids=ids, tw=tw, emap=emap, touched=touched, n_local=n_local)
+
+
+def baseline(inp, w13, w2, E, N):
+    """bf16 grouped-GEMM MoE in torch (the reference point of the issue)."""
+    x, ids, tw, emap = inp["x"], inp["ids"], inp["tw"], inp["emap"]
+    M, k = ids.shape
+    local = emap[ids.long()].reshape(-1).long()
+    key = torch.where(local >= 0, local, E)
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=E + 1)[:E]
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    xs = x[order // k]
+    h = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)
+    g, u = h[:, :N].float(), h[:, N:].float()
+    a = (torch.nn.functional.silu(g.clamp(max=LIMIT)) * u.clamp(-LIMIT, LIMIT)).to(torch.bfloat16)
+    y = torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
+    valid = (key[order] < E).unsqueeze(1)
+    y = torch.where(valid, y.float() * tw.reshape(-1)[order].unsqueeze(1), 0.0)
+    out = torch.zeros(M, x.shape[1], dtype=torch.float32, device=x.device)
+    out.index_add_(0, order // k, y)
+    return out.to(torch.bfloat16)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="short run: a few decode and one prefill size")
+    ap.add_argument("--activation", default="bf16", choices=["bf16", "nvfp4", "both"])
+    ap.add_argument("--models", default="flash,pro")
+    ap.add_argument("--iters", type=int, default=30)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_moe.py needs a CUDA device")
+    acts = ["bf16", "nvfp4"] if args.activation == "both" else [args.activation]
+    decode = [1, 64, 128] if args.quick else [1, 8, 32, 64, 128]
+    prefill = [8192] if args.quick else [2048, 8192, 16384]
+
+    copy_tbps = copy_bandwidth_tbps()
+    gemm_tflops = bf16_gemm_tflops()
+    print(f"ceilings in this process: copy {copy_tbps:.2f} TB/s (read+write), bf16 GEMM {gemm_tflops:.0f} TFLOP/s",
+          flush=True)
+    rows = []
+    for name in args.models.split(","):
+        m = MODELS[name]
+        K, N, E = m["K"], m["N"], m["E_local"]
+        w, prepared, w13, w2 = make_weights(m)
+        fp4_bytes = 3 * N * K * 9 // 16  # codes (1/2 B) + e4m3 scales (1/16 B) per element
+        bf16_bytes = 3 * N * K * 2
+        for M in decode + prefill:
+            sets = [make_inputs(m, M, seed) for seed in range(4)]
+            touched = sum(s["touched"] for s in sets) / 4
+            n_local = sum(s["n_local"] for s in sets) / 4
+            flops = n_local * 6 * K * N
+            try:
+                base_us = median_us(lambda i: baseline(sets[i], w13, w2, E, N), n_inputs=4, iters=args.iters)
+            except Exception as ex:  # keep the dsv4 numbers if the baseline cannot run
+                print(f"baseline failed at M={M}: {ex}", flush=True)
+                base_us = float("nan")
+            modes = ["auto"] if M in decode else [1, 2]
+            for act in acts:
+                kw = dict(swiglu_limit=LIMIT, activation=act, check_ids=False)
+                if act == "nvfp4":
+                    kw.update(a13_scale=w["w13_input_scale"], a2_scale=w["w2_input_scale"])
+                outs = [torch.empty(M, K, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+                res = {}
+                for cta in modes:
+                    def run(i, cta=cta):
+                        s = sets[i]
+                        nvfp4_moe(s["x"], s["ids"], s["tw"], prepared, expert_map=s["emap"], cta_mode=cta,
+                                  out=outs[i], **kw)
+                    res[cta] = median_us(run, n_inputs=4, iters=args.iters)
+                graph_us = None
+                if M in decode:  # decode runs under CUDA graphs in vLLM: time the replay too
+                    try:
+                        graphs = []
+                        for i in range(4):
+                            g = torch.cuda.CUDAGraph()
+                            with torch.cuda.graph(g):
+                                run_i = sets[i]
+                                nvfp4_moe(run_i["x"], run_i["ids"], run_i["tw"], prepared,
+                                          expert_map=run_i["emap"], out=outs[i], **kw)
+                            graphs.append(g)
+                        graph_us = median_us(lambda i: graphs[i].replay(), n_inputs=4, iters=args.iters)
+                        del graphs
+                    except Exception as ex:
+                        print(f"graph timing failed at M={M}: {ex}", flush=True)
+                for cta, us in res.items():
+                    t_us = graph_us if graph_us is not None else us
+                    tbps = touched * fp4_bytes / (t_us * 1e-6) / 1e12
+                    tflops = flops / (t_us * 1e-6) / 1e12
+                    row = dict(model=f"{name}-{E}", M=M, act=act, cta=str(cta), us=us, graph_us=graph_us, tbps=tbps,
+                               pct_copy=100 * tbps / copy_tbps, tflops=tflops, pct_gemm=100 * tflops / gemm_tflops,
+                               base_us=base_us, base_tbps=touched * bf16_bytes / (base_us * 1e-6) / 1e12,
+                               speedup=base_us / t_us, speedup_eager=base_us / us,
+                               two_vs_one=(res[1] / res[2]) if (cta == 2 and 1 in res) else None)
+                    rows.append(row)
+                    print(row, flush=True)
+        del w, prepared, w13, w2
+        torch.cuda.empty_cache()
+
+    print()
+    print(f"copy ceiling {copy_tbps:.2f} TB/s, bf16 GEMM ceiling {gemm_tflops:.0f} TFLOP/s (same process)")
+    print("us = eager call (host overhead included); graph = CUDA-graph replay (decode rows); TB/s, TFLOP/s")
+    print("and % use graph time where measured. speedup = eager baseline us / dsv4 us (graph where measured).")
+    hdr = (f"{'model':9} {'M':>6} {'act':5} {'cta':4} {'us':>9} {'graph us':>9} {'TB/s':>6} {'%copy':>6} "
+           f"{'TFLOP/s':>8} {'%gemm':>6} {'base us':>9} {'base TB/s':>9} {'speedup':>7} {'eager x':>7} {'2cta/1cta':>9}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        tv = f"{r['two_vs_one']:.2f}x" if r["two_vs_one"] else ""
+        gu = f"{r['graph_us']:.1f}" if r["graph_us"] is not None else ""
+        print(f"{r['model']:9} {r['M']:>6} {r['act']:5} {r['cta']:4} {r['us']:>9.1f} {gu:>9} {r['tbps']:>6.2f} "
+              f"{r['pct_copy']:>5.0f}% {r['tflops']:>8.1f} {r['pct_gemm']:>5.0f}% {r['base_us']:>9.1f} "
+              f"{r['base_tbps']:>9.2f} {r['speedup']:>6.2f}x {r['speedup_eager']:>6.2f}x {tv:>9}")
+
+
+if __name__ == "__main__":
+    main()

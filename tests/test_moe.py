@@ -1,0 +1,377 @@
+"""dsv4 NVFP4 MoE: prepare layout, the op chain (schema, fake, CPU, CUDA), errors,
+and the CUDA kernels against the float32 reference (dsv4.reference.nvfp4_moe)."""
+
+import pytest
+import torch
+
+import dsv4._ops
+from dsv4 import formats, reference
+from dsv4.moe import (
+    Nvfp4MoeWeights,
+    _gemm1_debug,
+    nvfp4_moe,
+    prepare_nvfp4_moe_weights,
+    unprepare_nvfp4_moe_weights,
+)
+
+KEYS = ("w13", "w13_scale", "w13_scale_2", "w2", "w2_scale", "w2_scale_2")
+
+
+def _weights(E, N, K, seed, device="cpu", chunk=8):
+    """Random NVFP4 weights (vLLM layout), generated `chunk` experts at a time."""
+    parts = []
+    for i, e0 in enumerate(range(0, E, chunk)):
+        gen = torch.Generator(device=device).manual_seed(seed * 1000 + i)
+        parts.append(formats.random_nvfp4_moe_weights(min(chunk, E - e0), N, K, generator=gen, device=device))
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def _routing(M, k, E_ids, gen, device="cpu", kind="uniform"):
+    if kind == "uniform":
+        ids = torch.stack([torch.randperm(E_ids, generator=gen)[:k] for _ in range(M)]) if M else torch.zeros(0, k)
+    elif kind == "skewed":  # every slot of every token to one expert
+        ids = torch.full((M, k), 3 % E_ids)
+    elif kind == "sparse":  # only experts 0 and 5 (and 2): the others get no token
+        ids = torch.tensor([0, 5, 2])[torch.randint(0, 3, (M, k), generator=gen)]
+    else:
+        raise ValueError(kind)
+    w = torch.rand(M, k, generator=gen) + 0.1
+    return ids.to(torch.int32).to(device), (w / w.sum(-1, keepdim=True)).float().to(device)
+
+
+def _expert_map(E_global, E_local, gen, device):
+    """E_local random global experts are local (ids 0..E_local-1), the others -1."""
+    m = torch.full((E_global,), -1, dtype=torch.int32)
+    m[torch.randperm(E_global, generator=gen)[:E_local]] = torch.arange(E_local, dtype=torch.int32)
+    return m.to(device)
+
+
+def _ref(x, ids, tw, w, **kw):
+    return reference.nvfp4_moe(x, ids, tw, *(w[k] for k in KEYS), **kw)
+
+
+def _rel_l2(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+# ---------------------------------------------------------------- CPU ---------
+
+
+@pytest.fixture(scope="module")
+def small():
+    w = _weights(4, 64, 128, seed=1)
+    return w, prepare_nvfp4_moe_weights(*(w[k] for k in KEYS))
+
+
+def test_prepare_roundtrip_and_idempotent(small):
+    w, p = small
+    assert isinstance(p, Nvfp4MoeWeights)
+    assert p.w13.shape == (4, 2, 2, 2048) and p.w2.shape == (4, 2, 1, 2048)
+    assert p.w13_scale_2.shape == (4, 2)
+    again = prepare_nvfp4_moe_weights(*p)
+    assert all(a is b for a, b in zip(again, p))
+    back = unprepare_nvfp4_moe_weights(p)
+    for k in ("w13", "w2"):
+        assert torch.equal(back[k], w[k])
+    for k in ("w13_scale", "w2_scale"):
+        assert torch.equal(back[k].view(torch.uint8), w[k].view(torch.uint8))
+    assert torch.equal(back["w13_scale_2"], w["w13_scale_2"].unsqueeze(1).expand(4, 2))
+
+
+@pytest.mark.parametrize("activation", ["bf16", "nvfp4"])
+def test_cpu_wrapper_is_the_reference(small, activation):
+    w, p = small
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 128, generator=gen).to(torch.bfloat16)
+    emap = _expert_map(9, 4, gen, "cpu")
+    emap[0] = 1
+    ids, tw = _routing(5, 3, 9, gen)
+    kw = dict(swiglu_limit=10.0, activation=activation, expert_map=emap)
+    if activation == "nvfp4":
+        kw.update(a13_scale=w["w13_input_scale"], a2_scale=w["w2_input_scale"])
+    got = nvfp4_moe(x, ids, tw, p, **kw)
+    assert got.dtype == torch.bfloat16 and got.shape == (5, 128)
+    assert torch.equal(got, _ref(x, ids, tw, w, **kw).to(torch.bfloat16))
+    # the un-prepared dict is accepted too
+    assert torch.equal(nvfp4_moe(x, ids, tw, w, **kw), got)
+
+
+def _bad_cases():
+    def base():
+        x = torch.randn(3, 128).to(torch.bfloat16)
+        ids = torch.tensor([[0, 1], [2, 3], [1, 1]], dtype=torch.int32)
+        tw = torch.full((3, 2), 0.5)
+        return x, ids, tw, {}
+
+    def mod(fn):
+        def make():
+            x, ids, tw, kw = base()
+            return fn(x, ids, tw, kw)
+        return make
+
+    return [
+        (mod(lambda x, i, t, kw: (x.float(), i, t, kw)), "x must have dtype"),
+        (mod(lambda x, i, t, kw: (x[0], i, t, kw)), "x must be 2-D"),
+        (mod(lambda x, i, t, kw: (x[:2], i, t, kw)), "topk_ids must have shape"),
+        (mod(lambda x, i, t, kw: (x, i, t[:, :1], kw)), "topk_weights must have shape"),
+        (mod(lambda x, i, t, kw: (x, i.clone().fill_(4), t, kw)), "topk_ids must lie in"),
+        (mod(lambda x, i, t, kw: (x, i.clone().fill_(-1), t, kw)), "topk_ids must lie in"),
+        (mod(lambda x, i, t, kw: (x, i, t, dict(expert_map=torch.tensor([0, 1, 2], dtype=torch.int32)))),
+         "topk_ids must lie in"),
+        (mod(lambda x, i, t, kw: (x, i, t, dict(expert_map=torch.tensor([0, 1, 2, 7], dtype=torch.int32)))),
+         "expert_map values must lie in"),
+        (mod(lambda x, i, t, kw: (x, i, t, dict(activation="nvfp4"))), "a13_scale is required"),
+        (mod(lambda x, i, t, kw: (x, i, t, dict(activation="nvfp4", a13_scale=1.0))), "a2_scale is required"),
+        (mod(lambda x, i, t, kw: (x, i, t, dict(activation="fp8"))), "activation must be"),
+        (mod(lambda x, i, t, kw: (x, i, t, dict(cta_mode=3))), "cta_mode must be"),
+        (mod(lambda x, i, t, kw: (x, i, t, dict(swiglu_limit=-1.0))), "swiglu_limit must be positive"),
+        (mod(lambda x, i, t, kw: (x[:, :64].contiguous(), i, t, kw)), "K = 64"),
+    ]
+
+
+@pytest.mark.parametrize("make,match", _bad_cases())
+def test_cpu_bad_inputs(small, make, match):
+    _, p = small
+    x, ids, tw, kw = make()
+    with pytest.raises(ValueError, match=match):
+        nvfp4_moe(x, ids, tw, p, **kw)
+
+
+def test_cpu_bad_weights(small):
+    w, p = small
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    ids = torch.zeros(2, 1, dtype=torch.int32)
+    tw = torch.ones(2, 1)
+    with pytest.raises(ValueError, match="w13_scale must have"):
+        nvfp4_moe(x, ids, tw, p._replace(w13_scale=p.w13_scale[:, :, :1].contiguous()))
+    with pytest.raises(ValueError, match="w2_scale_2 must have"):
+        nvfp4_moe(x, ids, tw, p._replace(w2_scale_2=p.w2_scale_2[:2]))
+    with pytest.raises(ValueError, match="w2 must have shape"):
+        prepare_nvfp4_moe_weights(w["w13"], w["w13_scale"], w["w13_scale_2"], w["w2"][:, :64], w["w2_scale"],
+                                  w["w2_scale_2"])
+    with pytest.raises(ValueError, match="w13 must be a 3-D"):
+        prepare_nvfp4_moe_weights(w["w13"].float(), w["w13_scale"], w["w13_scale_2"], w["w2"], w["w2_scale"],
+                                  w["w2_scale_2"])
+
+
+def _op_args(p, x, ids, tw, activation="bf16", a13=None, a2=None, emap=None, limit=None, cta=0, out=None):
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device) if out is None else out
+    return (x, ids, tw, *p, a13, a2, emap, limit, activation, cta, out)
+
+
+def test_opcheck_cpu(small):
+    w, p = small
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 128, generator=gen).to(torch.bfloat16)
+    ids, tw = _routing(4, 2, 4, gen)
+    torch.library.opcheck(torch.ops.dsv4.nvfp4_moe.default, _op_args(p, x, ids, tw, limit=10.0))
+    a = torch.tensor([0.01])
+    torch.library.opcheck(torch.ops.dsv4.nvfp4_moe.default, _op_args(p, x, ids, tw, "nvfp4", a, a * 2))
+
+
+def test_torch_compile_fullgraph_cpu(small):
+    w, p = small
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 128, generator=gen).to(torch.bfloat16)
+    ids, tw = _routing(3, 2, 4, gen)
+
+    @torch.compile(fullgraph=True)
+    def f(x, ids, tw, p):
+        return nvfp4_moe(x, ids, tw, p, swiglu_limit=10.0) * 2
+
+    assert torch.equal(f(x, ids, tw, p), nvfp4_moe(x, ids, tw, p, swiglu_limit=10.0) * 2)
+
+
+# ---------------------------------------------------------------- GPU ---------
+
+FLASH = dict(K=4096, N=2048, E_global=256, E_local=32)
+PRO = dict(K=7168, N=3072, E_global=384, E_local=48)
+_CACHE = {}
+
+
+def _gpu_model(shape):
+    key = shape["K"]
+    if key not in _CACHE:
+        _CACHE.clear()
+        torch.cuda.empty_cache()
+        w = _weights(shape["E_local"], shape["N"], shape["K"], seed=shape["K"], device="cuda")
+        _CACHE[key] = (w, prepare_nvfp4_moe_weights(*(w[k] for k in KEYS)))
+    return _CACHE[key]
+
+
+# (shape, M, routing, expert_map?, swiglu_limit, activation, cta_mode)
+GPU_MATRIX = [
+    (FLASH, 1, "uniform", True, 10.0, "bf16", "auto"),
+    (FLASH, 2, "uniform", True, None, "nvfp4", 1),
+    (FLASH, 7, "uniform", False, 10.0, "bf16", "auto"),
+    (FLASH, 64, "uniform", True, 10.0, "bf16", "auto"),
+    (FLASH, 64, "uniform", True, 10.0, "nvfp4", "auto"),
+    (FLASH, 512, "skewed", False, 10.0, "bf16", "auto"),
+    (FLASH, 512, "sparse", True, None, "nvfp4", 2),
+    (FLASH, 4096, "uniform", False, 10.0, "bf16", 1),
+    (FLASH, 4096, "uniform", False, 10.0, "nvfp4", 2),
+    (FLASH, 16384, "uniform", True, 10.0, "bf16", "auto"),
+    (PRO, 1, "uniform", True, 10.0, "nvfp4", "auto"),
+    (PRO, 64, "uniform", True, 10.0, "bf16", "auto"),
+    (PRO, 512, "uniform", False, None, "bf16", "auto"),
+    (PRO, 4096, "uniform", False, 10.0, "bf16", 2),
+    (PRO, 16384, "uniform", True, None, "nvfp4", 1),
+]
+
+
+def _case(shape, M, routing, use_map, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, shape["K"], generator=gen) * 2.0).to(torch.bfloat16).cuda()
+    E_ids = shape["E_global"] if use_map else shape["E_local"]
+    ids, tw = _routing(M, 6, E_ids, gen, "cuda", routing)
+    emap = _expert_map(shape["E_global"], shape["E_local"], gen, "cuda") if use_map else None
+    if use_map and routing != "uniform":
+        emap = torch.arange(shape["E_global"], dtype=torch.int32, device="cuda") % shape["E_local"]
+        emap[1::2] = -1
+    return x, ids, tw, emap
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck():
+    w = _weights(4, 64, 128, seed=9, device="cuda")
+    p = prepare_nvfp4_moe_weights(*(w[k] for k in KEYS))
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(6, 128, generator=gen).to(torch.bfloat16).cuda()
+    ids, tw = _routing(6, 2, 4, gen, "cuda")
+    torch.library.opcheck(torch.ops.dsv4.nvfp4_moe.default, _op_args(p, x, ids, tw, limit=10.0))
+    a = w["w13_input_scale"]
+    torch.library.opcheck(torch.ops.dsv4.nvfp4_moe.default,
+                          _op_args(p, x, ids, tw, "nvfp4", a, w["w2_input_scale"][:1].contiguous()))
+
+
+def _ref_gemm1(x, ids, w, emap, limit, activation, a13):
+    """fp32 reference SwiGLU output per flattened slot (zeros for non-local slots)."""
+    M, k = ids.shape
+    N = w["w13"].shape[1] // 2
+    local = ids.long() if emap is None else emap.long()[ids.long()]
+    flat = local.reshape(-1)
+    h = torch.zeros(M * k, N, device=x.device)
+    for e in flat.unique().tolist():
+        if e < 0:
+            continue
+        rows = (flat == e).nonzero().squeeze(1)
+        xe = x.float()[rows // k]
+        if activation == "nvfp4":
+            g = a13[e:e + 1]
+            xe = formats.dequantize_nvfp4(*formats.quantize_nvfp4(xe, g), g)
+        w13 = formats.dequantize_experts(w["w13"][e:e + 1], w["w13_scale"][e:e + 1], w["w13_scale_2"][e:e + 1])[0]
+        h[rows] = reference.swiglu(xe @ w13[:N].T, xe @ w13[N:].T, limit)
+    return h, flat
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("M", [3, 300])
+def test_gpu_gemm1_epilogue(activation, M):
+    """GEMM1 alone vs the fp32 reference; in nvfp4 mode the epilogue's NVFP4 output is
+    bit-exact vs dsv4.formats.quantize_nvfp4 of the same (fp32) GEMM1 output."""
+    w, p = _gpu_model(FLASH)
+    x, ids, _, emap = _case(FLASH, M, "uniform", True, seed=M)
+    a13, a2 = w["w13_input_scale"], w["w2_input_scale"]
+    h, hq, hs, local = _gemm1_debug(x, ids, p, swiglu_limit=10.0, activation=activation, a13_scale=a13,
+                                    a2_scale=a2, expert_map=emap)
+    ref_h, flat = _ref_gemm1(x, ids, w, emap, 10.0, activation, a13)
+    assert torch.equal(local, flat >= 0)
+    assert _rel_l2(h, ref_h) <= (2e-3 if activation == "bf16" else 1e-2)
+    if activation == "nvfp4":
+        for e in flat.unique().tolist():
+            if e < 0:
+                continue
+            rows = (flat == e).nonzero().squeeze(1)
+            codes, scales = formats.quantize_nvfp4(h[rows], a2[e:e + 1])
+            assert torch.equal(hq[rows], codes)
+            assert torch.equal(hs.view(torch.uint8)[rows], scales.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,M,routing,use_map,limit,activation,cta", GPU_MATRIX)
+def test_gpu_vs_reference(shape, M, routing, use_map, limit, activation, cta):
+    w, p = _gpu_model(shape)
+    x, ids, tw, emap = _case(shape, M, routing, use_map, seed=M + 17)
+    kw = dict(swiglu_limit=limit, activation=activation, expert_map=emap)
+    if activation == "nvfp4":
+        kw.update(a13_scale=w["w13_input_scale"], a2_scale=w["w2_input_scale"])
+    out = torch.full((M, shape["K"]), float("nan"), dtype=torch.bfloat16, device="cuda")  # poisoned
+    got = nvfp4_moe(x, ids, tw, p, cta_mode=cta, out=out, **kw)
+    assert got.data_ptr() == out.data_ptr()
+    ref = _ref(x, ids, tw, w, **kw)
+    assert torch.isfinite(got).all()
+    err = _rel_l2(got, ref)
+    assert err <= (5e-3 if activation == "bf16" else 2e-2), f"relative L2 {err:.3e}"
+    again = nvfp4_moe(x, ids, tw, p, cta_mode=cta, **kw)
+    assert torch.equal(again, got)  # deterministic
+
+
+@pytest.mark.gpu
+def test_gpu_empty_and_all_remote():
+    w, p = _gpu_model(FLASH)
+    x = torch.randn(0, 4096, device="cuda").to(torch.bfloat16)
+    ids = torch.zeros(0, 6, dtype=torch.int32, device="cuda")
+    assert nvfp4_moe(x, ids, ids.float(), p).shape == (0, 4096)
+    x, ids, tw, _ = _case(FLASH, 5, "uniform", True, seed=5)
+    emap = torch.full((256,), -1, dtype=torch.int32, device="cuda")
+    got = nvfp4_moe(x, ids, tw, p, expert_map=emap)
+    assert torch.equal(got, torch.zeros_like(got))
+
+
+@pytest.mark.gpu
+def test_gpu_bad_inputs():
+    w, p = _gpu_model(FLASH)
+    x, ids, tw, emap = _case(FLASH, 4, "uniform", True, seed=6)
+    with pytest.raises(ValueError, match="topk_ids must lie in"):
+        nvfp4_moe(x, ids, tw, p)  # global ids without the map
+    with pytest.raises(ValueError, match="a13_scale is required"):
+        nvfp4_moe(x, ids, tw, p, expert_map=emap, activation="nvfp4")
+    with pytest.raises(RuntimeError, match="x must have dtype"):
+        torch.ops.dsv4.nvfp4_moe(*_op_args(p, x.float(), ids, tw, emap=emap, out=torch.empty_like(x)))
+    with pytest.raises(RuntimeError, match="topk_weights must have shape"):
+        torch.ops.dsv4.nvfp4_moe(*_op_args(p, x, ids, tw[:, :2].contiguous(), emap=emap))
+    with pytest.raises(RuntimeError, match="a2_scale is required"):
+        torch.ops.dsv4.nvfp4_moe(*_op_args(p, x, ids, tw, "nvfp4", w["w13_input_scale"], None, emap))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["bf16", "nvfp4"])
+def test_gpu_cuda_graph_replay(activation):
+    w, p = _gpu_model(FLASH)
+    x, ids, tw, emap = _case(FLASH, 64, "uniform", True, seed=11)
+    kw = dict(swiglu_limit=10.0, activation=activation, expert_map=emap)
+    if activation == "nvfp4":
+        kw.update(a13_scale=w["w13_input_scale"], a2_scale=w["w2_input_scale"])
+    out = torch.empty_like(x)
+    nvfp4_moe(x, ids, tw, p, out=out, **kw)  # warm up outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        nvfp4_moe(x, ids, tw, p, out=out, check_ids=False, **kw)
+    for seed in (12, 13):
+        x2, ids2, tw2, _ = _case(FLASH, 64, "uniform", True, seed=seed)
+        x.copy_(x2)
+        ids.copy_(ids2)
+        tw.copy_(tw2)
+        graph.replay()
+        assert torch.equal(out, nvfp4_moe(x, ids, tw, p, **kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("M", [5, 200])
+def test_gpu_odd_k_steps(activation, M):
+    """K/64 and N/64 odd (the single-step tail of the K loop), every token tile size."""
+    w = _weights(3, 192, 320, seed=21, device="cuda")
+    p = prepare_nvfp4_moe_weights(*(w[k] for k in KEYS))
+    gen = torch.Generator().manual_seed(M)
+    x = torch.randn(M, 320, generator=gen).to(torch.bfloat16).cuda()
+    ids, tw = _routing(M, 2, 3, gen, "cuda")
+    kw = dict(swiglu_limit=10.0, activation=activation)
+    if activation == "nvfp4":
+        kw.update(a13_scale=w["w13_input_scale"], a2_scale=w["w2_input_scale"])
+    for cta in ("auto", 2):
+        got = nvfp4_moe(x, ids, tw, p, cta_mode=cta, **kw)
+        err = _rel_l2(got, _ref(x, ids, tw, w, **kw))
+        assert err <= (5e-3 if activation == "bf16" else 2e-2), f"relative L2 {err:.3e}"
