@@ -1,12 +1,28 @@
 """dsv4: DeepSeek V4 attention and NVFP4 MoE kernels for NVIDIA Hopper.
 
 Ops (CUDA kernels on sm_90a, float32 reference kernels on CPU, fake kernels for
-torch.compile): see the modules named below. ``dsv4.formats`` holds the byte
-layouts, ``dsv4.reference`` the float32 references.
+torch.compile), one module per family:
+
+- ``dsv4.quantize``: ``quantize_nvfp4``
+- ``dsv4.attention``: ``sparse_mqa_decode``, ``sparse_mqa_prefill``
+- ``dsv4.moe``: ``prepare_nvfp4_moe_weights``, ``nvfp4_moe``
+
+``dsv4.formats`` holds the byte layouts, ``dsv4.reference`` the float32 references.
 """
 
 from ._ops import HAS_CUDA_EXTENSION
+from .attention import sparse_mqa_decode, sparse_mqa_prefill
+from .moe import Nvfp4MoeWeights, nvfp4_moe, prepare_nvfp4_moe_weights, unprepare_nvfp4_moe_weights
 from .quantize import quantize_nvfp4
 
-__all__ = ["HAS_CUDA_EXTENSION", "quantize_nvfp4"]
+__all__ = [
+    "HAS_CUDA_EXTENSION",
+    "Nvfp4MoeWeights",
+    "nvfp4_moe",
+    "prepare_nvfp4_moe_weights",
+    "quantize_nvfp4",
+    "sparse_mqa_decode",
+    "sparse_mqa_prefill",
+    "unprepare_nvfp4_moe_weights",
+]
 __version__ = "0.1.0"
