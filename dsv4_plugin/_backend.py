@@ -1,0 +1,4 @@
+"""Names shared by the plugin modules (kept free of vLLM imports)."""
+
+BACKEND_NAME = "DSV4"
+BACKEND_CLASS_PATH = "dsv4_plugin.attention.DSV4AttentionBackend"

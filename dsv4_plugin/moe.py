@@ -1,0 +1,400 @@
+"""dsv4 NVFP4 experts for vLLM 0.33.0's DeepSeek V4 routed MoE.
+
+Hook: vLLM's supported quantization-plugin API (``register_quantization_config``),
+not a patch. :class:`DSV4DeepseekV4Config` is vLLM's own ``DeepseekV4FP8Config``
+(linear layers, shared experts, MXFP4/FP8 experts: all unchanged) registered
+under the name ``dsv4_nvfp4_moe``. vLLM asks custom quantization configs first
+whether they claim a checkpoint; ours claims DeepSeek V4 checkpoints whose routed
+experts are ModelOpt NVFP4 (``quantization_config.moe_quant_algo == "NVFP4"``)
+unless ``DSV4_MOE=0``. Its ``get_quant_method`` returns :class:`DSV4NvFp4FusedMoE`
+for the routed experts only when the DSV4 attention backend is selected; in every
+other case it returns exactly what ``DeepseekV4FP8Config`` returns.
+
+:class:`DSV4NvFp4FusedMoE` is vLLM's ``ModelOptNvFp4FusedMoE`` (same parameters,
+same checkpoint loading) whose kernel is a modular ``FusedMoEKernel``: vLLM's
+prepare/finalize (no activation quantization, EP dispatch when configured) around
+:class:`DSV4NvFp4Experts`, a ``FusedMoEExpertsModular`` that calls
+``dsv4.moe.nvfp4_moe`` with vLLM's ``topk_ids`` / ``topk_weights`` / ``expert_map``.
+Weights are converted once at load by ``dsv4.moe.prepare_nvfp4_moe_weights``.
+
+Activation mode (``DSV4_MOE_ACTIVATION``):
+  * ``bf16`` (default): W4A16. e2m1 x e4m3 weights dequantize exactly to bf16, so
+    this is the most accurate mode and the one vLLM itself runs on Hopper (Marlin
+    W4A16). Hopper has no FP4 tensor cores, so A4 would cost accuracy for no speed.
+  * ``nvfp4``: W4A4 with the checkpoint's ``input_scale`` (max over experts, as
+    vLLM's Blackwell NVFP4 backends do): the numerics of a Blackwell deployment.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from vllm.logger import init_logger
+from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.fused_moe import modular_kernel as mk
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.all2all_utils import maybe_make_prepare_finalize
+from vllm.model_executor.layers.fused_moe.config import (
+    FusedMoEConfig,
+    FusedMoEParallelConfig,
+    FusedMoEQuantConfig,
+    nvfp4_w4a16_moe_quant_config,
+)
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
+    TopKWeightAndReduceNoOP,
+)
+from vllm.model_executor.layers.quantization.modelopt import (
+    ModelOptNvFp4Config,
+    ModelOptNvFp4FusedMoE,
+)
+from vllm.model_executor.layers.quantization.utils.quant_utils import (
+    QuantKey,
+    is_layer_skipped,
+    kNvfp4Dynamic,
+    kNvfp4Static,
+)
+from vllm.models.deepseek_v4.quant_config import DeepseekV4FP8Config
+
+logger = init_logger(__name__)
+
+QUANT_NAME = "dsv4_nvfp4_moe"
+ACTIVATION_MODES = ("bf16", "nvfp4")
+DEFAULT_ACTIVATION = "bf16"
+
+
+def moe_enabled() -> bool:
+    """DSV4_MOE=0 keeps vLLM's own MoE kernels."""
+    return os.environ.get("DSV4_MOE", "1").strip() != "0"
+
+
+def activation_mode() -> str:
+    mode = os.environ.get("DSV4_MOE_ACTIVATION", DEFAULT_ACTIVATION).strip().lower()
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(
+            f"DSV4_MOE_ACTIVATION={mode!r} is not supported; use one of {ACTIVATION_MODES}"
+        )
+    return mode
+
+
+def _dsv4_moe_ops():
+    from dsv4 import moe as ops
+
+    return ops
+
+
+def _storages(obj, seen=None) -> set[int]:
+    """data_ptrs of every tensor storage reachable from a weights object."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        seen.add(obj.untyped_storage().data_ptr())
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _storages(v, seen)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _storages(v, seen)
+    elif hasattr(obj, "__dict__"):
+        for v in vars(obj).values():
+            _storages(v, seen)
+    return seen
+
+
+class DSV4NvFp4Experts(mk.FusedMoEExpertsModular):
+    """Modular experts that run ``dsv4.moe.nvfp4_moe`` (standard activation format).
+
+    Takes unquantized (bf16) hidden states, does routing prep, both grouped GEMMs,
+    clamped SwiGLU and the weighted top-k combine itself, honours ``expert_map``
+    (-1 = expert not on this rank) for expert parallelism.
+    """
+
+    def __init__(
+        self,
+        moe_config: FusedMoEConfig,
+        quant_config: FusedMoEQuantConfig,
+        *,
+        activation: str = DEFAULT_ACTIVATION,
+        swiglu_limit: float | None = None,
+        a13_scale: torch.Tensor | None = None,
+        a2_scale: torch.Tensor | None = None,
+    ):
+        super().__init__(moe_config, quant_config)
+        if activation not in ACTIVATION_MODES:
+            raise ValueError(f"activation must be one of {ACTIVATION_MODES}, got {activation!r}")
+        if activation == "nvfp4" and (a13_scale is None or a2_scale is None):
+            raise ValueError('activation="nvfp4" needs the checkpoint input scales')
+        self.dsv4_activation = activation
+        self.swiglu_limit = None if swiglu_limit is None else float(swiglu_limit)
+        self.dsv4_a13_scale = a13_scale
+        self.dsv4_a2_scale = a2_scale
+        self.weights = None
+
+    # -- weights ---------------------------------------------------------------
+
+    def load_weights(self, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2) -> None:
+        """One-time conversion into dsv4's layout (vLLM stacked ModelOpt tensors in)."""
+        self.weights = _dsv4_moe_ops().prepare_nvfp4_moe_weights(
+            w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2
+        )
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self.load_weights(
+            layer.w13_weight,
+            layer.w13_weight_scale,
+            layer.w13_weight_scale_2,
+            layer.w2_weight,
+            layer.w2_weight_scale,
+            layer.w2_weight_scale_2,
+        )
+        # The layer's checkpoint-layout tensors are only read for their shapes
+        # from now on; if prepare made copies, release the originals (keeping the
+        # shapes through a zero-stride view) so expert memory is not held twice.
+        kept = _storages(self.weights)
+        for name in (
+            "w13_weight",
+            "w13_weight_scale",
+            "w2_weight",
+            "w2_weight_scale",
+        ):
+            p = getattr(layer, name)
+            if p.untyped_storage().data_ptr() not in kept and p.numel() > 0:
+                p.data = p.data.new_empty(1).expand(p.shape)
+
+    # -- capability flags used by vLLM's oracle ----------------------------------
+
+    @staticmethod
+    def activation_format() -> mk.FusedMoEActivationFormat:
+        return mk.FusedMoEActivationFormat.Standard
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return True  # dsv4 has CUDA (sm_90a) kernels and float32 CPU kernels
+
+    @staticmethod
+    def _supports_no_act_and_mul() -> bool:
+        return False
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key: QuantKey | None, activation_key: QuantKey | None) -> bool:
+        return weight_key == kNvfp4Static and activation_key in (None, kNvfp4Dynamic)
+
+    @staticmethod
+    def _supports_activation(activation: MoEActivation) -> bool:
+        return activation == MoEActivation.SILU
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config: FusedMoEParallelConfig) -> bool:
+        return not moe_parallel_config.use_batched_activation_format
+
+    @property
+    def expects_unquantized_inputs(self) -> bool:
+        return True
+
+    def supports_expert_map(self) -> bool:
+        return True
+
+    def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
+        return TopKWeightAndReduceNoOP()  # nvfp4_moe applies topk weights and sums
+
+    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts,
+                         expert_tokens_meta, activation):
+        return ((0,), (0,), (M, K))
+
+    # -- compute -----------------------------------------------------------------
+
+    def apply(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: MoEActivation,
+        global_num_experts: int,
+        expert_map: torch.Tensor | None,
+        a1q_scale: torch.Tensor | None,
+        a2_scale: torch.Tensor | None,
+        workspace13: torch.Tensor,
+        workspace2: torch.Tensor,
+        expert_tokens_meta: mk.ExpertTokensMetadata | None,
+        apply_router_weight_on_input: bool,
+    ) -> None:
+        if self.weights is None:
+            raise RuntimeError("DSV4NvFp4Experts: weights were never loaded")
+        if apply_router_weight_on_input:
+            raise NotImplementedError("dsv4 experts apply the router weights after GEMM2")
+        if activation != MoEActivation.SILU:
+            raise NotImplementedError(f"dsv4 experts implement SwiGLU only, got {activation}")
+        if topk_ids.dtype != torch.int32:
+            topk_ids = topk_ids.to(torch.int32)
+        if topk_weights.dtype != torch.float32:
+            topk_weights = topk_weights.float()
+        if expert_map is not None and expert_map.dtype != torch.int32:
+            expert_map = expert_map.to(torch.int32)
+        _dsv4_moe_ops().nvfp4_moe(
+            hidden_states,
+            topk_ids,
+            topk_weights,
+            self.weights,
+            swiglu_limit=self.swiglu_limit,
+            activation=self.dsv4_activation,
+            a13_scale=self.dsv4_a13_scale,
+            a2_scale=self.dsv4_a2_scale,
+            expert_map=expert_map,
+            out=output,
+            check_ids=False,  # ids come from vLLM's router; the kernels drop invalid ones
+        )
+
+
+class DSV4NvFp4FusedMoE(ModelOptNvFp4FusedMoE):
+    """vLLM's ModelOpt NVFP4 MoE method (same weights and loading), dsv4 kernel."""
+
+    def __init__(self, quant_config: ModelOptNvFp4Config, moe_config: FusedMoEConfig,
+                 activation: str | None = None) -> None:
+        # Not ModelOptNvFp4FusedMoE.__init__: that one selects one of vLLM's own
+        # NVFP4 backends (and logs it); everything it sets is set here instead.
+        FusedMoEMethodBase.__init__(self, moe_config)
+        self.quant_config = quant_config
+        self.use_a16 = False
+        self.per_token_activation = False
+        self.nvfp4_backend = None
+        self.experts_cls = DSV4NvFp4Experts
+        self.use_global_sf = False
+        self.dsv4_activation = activation or activation_mode()
+        if moe_config.moe_parallel_config.enable_eplb:
+            raise NotImplementedError(
+                "dsv4 NVFP4 MoE does not support EPLB (weights are converted once at "
+                "load); run without --enable-eplb or with DSV4_MOE=0"
+            )
+        logger.info_once(
+            "dsv4 plugin: DeepSeek V4 NVFP4 routed experts run dsv4.moe.nvfp4_moe "
+            "(activation=%s)", self.dsv4_activation
+        )
+
+    @property
+    def supports_eplb(self) -> bool:
+        return False
+
+    def get_fused_moe_quant_config(self, layer: RoutedExperts) -> FusedMoEQuantConfig:
+        # Activations enter unquantized (the experts quantize them themselves in
+        # nvfp4 mode), so prepare/finalize must not quantize: the W4A16 config.
+        return nvfp4_w4a16_moe_quant_config(
+            g1_alphas=layer.w13_weight_scale_2,
+            g2_alphas=layer.w2_weight_scale_2,
+            w1_scale=layer.w13_weight_scale,
+            w2_scale=layer.w2_weight_scale,
+            gemm1_clamp_limit=getattr(layer, "swiglu_limit", None) or self.moe.swiglu_limit,
+        )
+
+    def process_weights_after_loading(self, layer: RoutedExperts) -> None:
+        if self.moe.is_act_and_mul and not torch.allclose(
+            layer.w13_weight_scale_2[:, 0], layer.w13_weight_scale_2[:, 1]
+        ):
+            logger.warning_once(
+                "dsv4 plugin: w1 and w3 weight_scale_2 differ; dsv4 applies each to its "
+                "own rows (gate / up)"
+            )
+        a13 = a2 = None
+        if self.dsv4_activation == "nvfp4":
+            # One activation scale for all experts (the quantized tensor is shared),
+            # like vLLM's Blackwell NVFP4 backends (amax_for_moe_activation_quant).
+            a13 = layer.w13_input_scale.max().float().reshape(1)
+            a2 = layer.w2_input_scale.max().float().reshape(1)
+        swiglu_limit = getattr(layer, "swiglu_limit", None)
+        if swiglu_limit is None:
+            swiglu_limit = self.moe.swiglu_limit
+        self.moe_quant_config = self.get_fused_moe_quant_config(layer)
+        prepare_finalize = maybe_make_prepare_finalize(
+            moe=self.moe,
+            quant_config=self.moe_quant_config,
+            routing_tables=layer._expert_routing_tables(),
+            allow_new_interface=True,
+            use_monolithic=False,
+        )
+        assert prepare_finalize is not None
+        experts = DSV4NvFp4Experts(
+            self.moe,
+            self.moe_quant_config,
+            activation=self.dsv4_activation,
+            swiglu_limit=swiglu_limit,
+            a13_scale=a13,
+            a2_scale=a2,
+        )
+        experts.process_weights_after_loading(layer)
+        self.moe_kernel = mk.FusedMoEKernel(prepare_finalize, experts)
+
+
+def dsv4_selected() -> bool:
+    """Is the DSV4 attention backend selected in the config being built?"""
+    from vllm.config import get_current_vllm_config
+
+    from .attention import is_dsv4_selected
+
+    try:
+        cfg = get_current_vllm_config()
+    except Exception:
+        return False
+    return is_dsv4_selected(cfg)
+
+
+class DSV4DeepseekV4Config(DeepseekV4FP8Config):
+    """DeepseekV4FP8Config that hands NVFP4 routed experts to dsv4 under DSV4."""
+
+    @classmethod
+    def get_name(cls):  # type: ignore[override]
+        return QUANT_NAME
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
+        if user_quant == QUANT_NAME:
+            return QUANT_NAME
+        if not moe_enabled() or not isinstance(hf_quant_cfg, dict):
+            return None
+        if user_quant not in (None, "deepseek_v4_fp8"):
+            return None
+        if hf_quant_cfg.get("quant_method") not in ("fp8", "deepseek_v4_fp8"):
+            return None
+        if getattr(hf_config, "model_type", None) != "deepseek_v4":
+            return None
+        if (hf_quant_cfg.get("moe_quant_algo") or "").upper() != "NVFP4":
+            return None
+        if getattr(hf_config, "expert_dtype", "fp4") != "fp4":
+            return None
+        return QUANT_NAME
+
+    def _dsv4_method_for(self, layer, prefix):
+        """DSV4NvFp4FusedMoE if this layer's experts go to dsv4, else None."""
+        if (
+            isinstance(layer, RoutedExperts)
+            and moe_enabled()
+            and dsv4_selected()
+            and self.expert_dtype == "fp4"
+            and self.moe_quant_algo == "NVFP4"
+            and not is_layer_skipped(
+                prefix=prefix,
+                ignored_layers=self.ignored_layers,
+                fused_mapping=self.packed_modules_mapping,
+            )
+        ):
+            return DSV4NvFp4FusedMoE
+        return None
+
+    def get_quant_method(self, layer, prefix):
+        method_cls = self._dsv4_method_for(layer, prefix)
+        if method_cls is not None:
+            return method_cls(self._get_nvfp4_config(), layer.moe_config)
+        return super().get_quant_method(layer, prefix)
+
+
+def register_moe() -> None:
+    """Register the quantization config under QUANT_NAME (idempotent)."""
+    from vllm.model_executor.layers.quantization import (
+        QUANTIZATION_METHODS,
+        register_quantization_config,
+    )
+
+    if QUANT_NAME not in QUANTIZATION_METHODS:
+        register_quantization_config(QUANT_NAME)(DSV4DeepseekV4Config)
