@@ -62,41 +62,48 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
   // Per-thread copy assignments, fixed over the K loop: 16 code bytes, 16 scale
-  // bytes (threads < 16) and BN/16 16-byte chunks of the token tile (rows r0 + 16i,
-  // chunk c, swizzled; r0 & 7 is the same for every i).
-  constexpr int kBIters = BN / 16;
+  // bytes (threads < 16) and max(BN/16, 1) 16-byte chunks of the token tile (rows
+  // r0 + 16i, chunk c, swizzled; r0 & 7 is the same for every i; at BN = 8 only the
+  // first 64 threads copy).
+  constexpr int kBIters = BN >= 16 ? BN / 16 : 1;
   const int r0 = tid >> 3, c0 = tid & 7;
+  const bool b_loader = BN >= 16 || tid < BN * 8;
   const uint32_t sW_dst = smem_u32(sW) + tid * 16;
   const uint32_t sS_dst = smem_u32(sS) + tid * 16;
   const uint32_t sB_dst = smem_u32(sB) + r0 * 128 + ((c0 ^ (r0 & 7)) << 4);
   // Source pointers of the next K step to fetch (advanced by one step per fetch).
   const uint8_t* wq_src = wq + tid * 16;
   const uint8_t* ws_src = wsc + tid * 16;
-  const __nv_bfloat16* b_src = bsrc + size_t(r0) * kdim + c0 * 8;
+  const __nv_bfloat16* b_src = bsrc + size_t(b_loader ? r0 : 0) * kdim + c0 * 8;
   const size_t b_row16 = size_t(16) * kdim;
   const bool scale_loader = tid < kScaleTileBytes / 16;
 
-  auto load_next = [&](int s) {
-    cp_async16(sW_dst + s * kCodeTileBytes, wq_src);
-    if (scale_loader) cp_async16(sS_dst + s * kScaleTileBytes, ws_src);
+  // One commit group per K step (empty past the end), so group counts stay exact.
+  auto load_next = [&](int kt, int s) {
+    if (kt < KT) {
+      cp_async16(sW_dst + s * kCodeTileBytes, wq_src);
+      if (scale_loader) cp_async16(sS_dst + s * kScaleTileBytes, ws_src);
+      if (b_loader) {
 #pragma unroll
-    for (int i = 0; i < kBIters; ++i) cp_async16(sB_dst + s * S::kB + i * 16 * 128, b_src + i * b_row16);
-    wq_src += kCodeTileBytes;
-    ws_src += kScaleTileBytes;
-    b_src += kTileK;
+        for (int i = 0; i < kBIters; ++i) cp_async16(sB_dst + s * S::kB + i * 16 * 128, b_src + i * b_row16);
+      }
+      wq_src += kCodeTileBytes;
+      ws_src += kScaleTileBytes;
+      b_src += kTileK;
+    }
+    cp_async_commit();
   };
 
-  // Prefetch distance STAGES-1: the stage refilled at step kt was read by step kt-1,
-  // whose wgmma group every warp retired (wait_group<0>) before the barrier of step kt.
-  // (Overlapping dequant of step kt+1 with the MMAs of step kt inside one warpgroup
-  // makes ptxas serialize the wgmmas, C7513; the overlap comes from the 2-6 CTAs that
-  // share an SM instead.)
-  constexpr int kAhead = STAGES - 1;
+  // K steps go in pairs (one barrier, one wgmma commit/wait per 128 of K). Prefetch
+  // distance STAGES-2 steps: the two stages refilled by pair kt were read by pair
+  // kt-2, whose wgmmas every warp retired (wait_group<0>) before this pair's barrier.
+  // (Overlapping the dequant of the next pair with the MMAs of this one inside one
+  // warpgroup makes ptxas serialize the wgmmas, C7513; the overlap comes from the
+  // 2-8 CTAs that share an SM instead.)
+  static_assert(STAGES % 2 == 0 && STAGES >= 4, "pairs of stages must not wrap");
+  constexpr int kAhead = STAGES - 2;
 #pragma unroll
-  for (int s = 0; s < kAhead; ++s) {
-    if (s < KT) load_next(s);
-    cp_async_commit();
-  }
+  for (int s = 0; s < kAhead; ++s) load_next(s, s);
 
   float acc[BN / 2];
 #pragma unroll
@@ -106,32 +113,43 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
   const uint32_t sW_rd = smem_u32(sW) + tid * 16;
   const uint32_t sS_rd = smem_u32(sS) + (warp * 8 + g) * 8;
 
-  auto step = [&](int kt, int s) {
-    uint32_t af[4][4];
-    cp_async_wait<kAhead - 1>();
-    __syncthreads();
-    {
-      int ns = s + kAhead;
-      if (ns >= STAGES) ns -= STAGES;
-      if (kt + kAhead < KT) load_next(ns);
-      cp_async_commit();
-    }
-    const uint4 codes = lds128(sW_rd + s * kCodeTileBytes);
-    const uint2 sc = lds64(sS_rd + s * kScaleTileBytes);
-    dequant_tile(codes, sc, af);
+  auto mma_tile = [&](int s, const uint32_t(&af)[4][4]) {
     const uint64_t desc = kmajor_sw128_desc(sB_base + s * S::kB);
-    wgmma_fence();
 #pragma unroll
     for (int j = 0; j < 4; ++j) WgmmaRS<BN>::mma(acc, af[j], desc + 2 * j, 1);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_acc(acc);
   };
 
   int s = 0;
-  for (int kt = 0; kt < KT; ++kt) {
-    step(kt, s);
-    if (++s == STAGES) s = 0;
+  int kt = 0;
+  for (; kt + 1 < KT; kt += 2) {
+    cp_async_wait<kAhead - 2>();
+    __syncthreads();
+    int ns = s + kAhead;
+    if (ns >= STAGES) ns -= STAGES;
+    load_next(kt + kAhead, ns);
+    load_next(kt + kAhead + 1, ns + 1);
+    uint32_t a0[4][4], a1[4][4];
+    dequant_tile(lds128(sW_rd + s * kCodeTileBytes), lds64(sS_rd + s * kScaleTileBytes), a0);
+    dequant_tile(lds128(sW_rd + (s + 1) * kCodeTileBytes), lds64(sS_rd + (s + 1) * kScaleTileBytes), a1);
+    wgmma_fence();
+    mma_tile(s, a0);
+    mma_tile(s + 1, a1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(acc);
+    s += 2;
+    if (s == STAGES) s = 0;
+  }
+  if (kt < KT) {  // odd KT: the last step alone
+    cp_async_wait<kAhead - 1>();
+    __syncthreads();
+    uint32_t a0[4][4];
+    dequant_tile(lds128(sW_rd + s * kCodeTileBytes), lds64(sS_rd + s * kScaleTileBytes), a0);
+    wgmma_fence();
+    mma_tile(s, a0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(acc);
   }
   cp_async_wait<0>();
   __syncthreads();

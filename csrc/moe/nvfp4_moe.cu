@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <optional>
 #include <string>
 
@@ -131,13 +132,15 @@ Checked check_inputs(const at::Tensor& x, const at::Tensor& topk_ids, const at::
 }
 
 // Token tile of the grouped GEMMs from shapes only: expected tokens per local
-// expert under uniform routing over the global experts.
+// expert under uniform routing over the global experts. cta_mode 2 selects the wide
+// 128-token tile (still one CTA per tile: the 2-CTA cluster / TMA-multicast kernel is
+// not implemented yet); 1 and auto use 64 at prefill, which measured faster.
 int pick_block_n(int64_t M, int64_t topk, int64_t E_global, int64_t cta_mode) {
   const double per_expert = double(M) * double(topk) / double(E_global);
-  if (cta_mode == 1 && per_expert > 96.0) return 64;
+  if (per_expert <= 4.0) return 8;
   if (per_expert <= 24.0) return 16;
-  if (per_expert <= 96.0) return 64;
-  return 128;
+  if (cta_mode == 2 && per_expert > 96.0) return 128;
+  return 64;
 }
 
 template <int BN, int STAGES>
@@ -145,11 +148,20 @@ void launch_gemms(const MoeParams& p, bool gemm2, cudaStream_t stream) {
   using S = moe::GemmSmem<BN, STAGES>;
   auto k1 = moe::moe_gemm_kernel<BN, STAGES, true>;
   auto k2 = moe::moe_gemm_kernel<BN, STAGES, false>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(k1, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
+  // Opt in to the shared memory once per device and instantiation (a host-side
+  // call per step otherwise; setting it twice from racing threads is harmless).
+  static std::atomic<uint64_t> attrs_set{0};
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = uint64_t(1) << (dev & 63);
+  if (!(attrs_set.load(std::memory_order_relaxed) & bit)) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(k1, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(k2, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
+    attrs_set.fetch_or(bit);
+  }
   k1<<<dim3(unsigned(p.max_tiles), unsigned(2 * p.N / moe::kTileRows)), moe::kThreads, S::kBytes, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (!gemm2) return;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(k2, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
   k2<<<dim3(unsigned(p.max_tiles), unsigned(p.K / moe::kTileRows)), moe::kThreads, S::kBytes, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -170,9 +182,10 @@ void run_moe(MoeParams& p, const Checked& c, int64_t cta_mode, const at::Tensor&
     moe::moe_gather_kernel<false><<<gather_blocks, 256, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   switch (p.block_n) {
+    case 8: launch_gemms<8, 8>(p, full, stream); break;
     case 16: launch_gemms<16, 8>(p, full, stream); break;
     case 64: launch_gemms<64, 6>(p, full, stream); break;
-    default: launch_gemms<128, 5>(p, full, stream); break;
+    default: launch_gemms<128, 4>(p, full, stream); break;
   }
   if (!full) return;
   const unsigned combine_blocks = unsigned(std::min<int64_t>(c.M, int64_t(sms) * 16));
@@ -181,7 +194,7 @@ void run_moe(MoeParams& p, const Checked& c, int64_t cta_mode, const at::Tensor&
 }
 
 struct Workspace {
-  at::Tensor ints, xg, h, hq, hs, y;
+  at::Tensor bytes, ints, hq, hs;  // hq/hs: uint8 views (nvfp4 mode)
 };
 
 Workspace fill_params(MoeParams& p, const Checked& c, int64_t cta_mode, const at::Tensor& x, const at::Tensor& topk_ids,
@@ -204,30 +217,39 @@ Workspace fill_params(MoeParams& p, const Checked& c, int64_t cta_mode, const at
   p.max_tiles = int(max_tiles);
   p.max_rows = int(max_tiles * p.block_n);
 
+  // One allocation for the whole workspace (fewer allocator calls per step):
+  // ints | xg | h | [hq | hs] | [y], each part 256-byte aligned.
   Workspace ws;
   auto opt = x.options();
   const int64_t n_ints = S + p.max_rows + max_tiles + 2;
-  ws.ints = at::empty({n_ints}, opt.dtype(at::kInt));
-  int* ip = ws.ints.data_ptr<int>();
+  auto up = [](int64_t b) { return (b + 255) / 256 * 256; };
+  const int64_t b_ints = up(n_ints * 4), b_xg = up(int64_t(p.max_rows) * c.K * 2), b_h = up(int64_t(p.max_rows) * c.N * 2);
+  const int64_t b_hq = c.nvfp4 ? up(int64_t(p.max_rows) * c.N / 2) : 0;
+  const int64_t b_hs = c.nvfp4 ? up(int64_t(p.max_rows) * c.N / 16) : 0;
+  const int64_t b_y = full ? up(int64_t(p.max_rows) * c.K * 2) : 0;
+  ws.bytes = at::empty({b_ints + b_xg + b_h + b_hq + b_hs + b_y}, opt.dtype(at::kByte));
+  uint8_t* base = ws.bytes.data_ptr<uint8_t>();
+  ws.ints = ws.bytes.slice(0, 0, n_ints * 4).view(at::kInt);
+  int* ip = reinterpret_cast<int*>(base);
   p.slot_pos = ip;
   p.row_slot = ip + S;
   p.tile_expert = ip + S + p.max_rows;
   p.num_tiles = ip + S + p.max_rows + max_tiles;
   p.error_flag = p.num_tiles + 1;
-  ws.xg = at::empty({p.max_rows, c.K}, opt);
-  ws.h = at::empty({p.max_rows, c.N}, opt);
-  p.xg = reinterpret_cast<__nv_bfloat16*>(ws.xg.data_ptr());
-  p.h = reinterpret_cast<__nv_bfloat16*>(ws.h.data_ptr());
+  uint8_t* cur = base + b_ints;
+  p.xg = reinterpret_cast<__nv_bfloat16*>(cur);
+  cur += b_xg;
+  p.h = reinterpret_cast<__nv_bfloat16*>(cur);
+  cur += b_h;
   if (c.nvfp4) {
-    ws.hq = at::empty({p.max_rows, c.N / 2}, opt.dtype(at::kByte));
-    ws.hs = at::empty({p.max_rows, c.N / 16}, opt.dtype(at::kFloat8_e4m3fn));
-    p.hq = ws.hq.data_ptr<uint8_t>();
-    p.hs = reinterpret_cast<__nv_fp8_e4m3*>(ws.hs.data_ptr());
+    p.hq = cur;
+    ws.hq = ws.bytes.slice(0, cur - base, cur - base + int64_t(p.max_rows) * c.N / 2).view({p.max_rows, c.N / 2});
+    cur += b_hq;
+    p.hs = reinterpret_cast<__nv_fp8_e4m3*>(cur);
+    ws.hs = ws.bytes.slice(0, cur - base, cur - base + int64_t(p.max_rows) * c.N / 16).view({p.max_rows, c.N / 16});
+    cur += b_hs;
   }
-  if (full) {
-    ws.y = at::empty({p.max_rows, c.K}, opt);
-    p.y = reinterpret_cast<__nv_bfloat16*>(ws.y.data_ptr());
-  }
+  if (full) p.y = reinterpret_cast<__nv_bfloat16*>(cur);
 
   p.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
   p.topk_ids = topk_ids.data_ptr<int>();
@@ -309,7 +331,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nvfp4_moe_gemm1_debug
   h = h_rows.index_select(0, idx) * local.unsqueeze(1);
   if (c.nvfp4) {
     hq = ws.hq.index_select(0, idx) * local.unsqueeze(1).to(at::kByte);
-    hs = ws.hs.view(at::kByte).index_select(0, idx) * local.unsqueeze(1).to(at::kByte);
+    hs = ws.hs.index_select(0, idx) * local.unsqueeze(1).to(at::kByte);
   }
   return {h, hq, hs.view(at::kFloat8_e4m3fn), local};
 }
