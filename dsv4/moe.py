@@ -416,7 +416,7 @@ def nvfp4_moe(
             tensor with 1 element or [E] (per local expert). Required for "nvfp4".
         expert_map: int [E_global] global -> local expert id, -1 = not on this rank
             (those slots contribute nothing).
-        cta_mode: "auto" (0), 1 or 2: GEMM launch mode (see docs/perf_moe.md).
+        cta_mode: "auto" (0), 1 or 2: GEMM launch mode (see docs/perf.md, nvfp4_moe).
         out: optional bf16 [M, K] output buffer.
         check_ids: check the id ranges on the host (one device sync; skipped while
             capturing a CUDA graph or compiling). Out-of-range ids are dropped by

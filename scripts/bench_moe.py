@@ -21,6 +21,7 @@ Usage: python scripts/bench_moe.py [--quick] [--activation bf16|nvfp4|both]
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import torch
@@ -99,6 +100,7 @@ def main():
     ap.add_argument("--activation", default="bf16", choices=["bf16", "nvfp4", "both"])
     ap.add_argument("--models", default="flash,pro")
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--json", help="also write the rows and ceilings here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_moe.py needs a CUDA device")
@@ -169,6 +171,9 @@ def main():
         del w, prepared, w13, w2
         torch.cuda.empty_cache()
 
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(copy_tbps=copy_tbps, gemm_tflops=gemm_tflops, rows=rows), f, indent=1)
     print()
     print(f"copy ceiling {copy_tbps:.2f} TB/s, bf16 GEMM ceiling {gemm_tflops:.0f} TFLOP/s (same process)")
     print("us = eager call (host overhead included); graph = CUDA-graph replay (decode rows); TB/s, TFLOP/s")
