@@ -1,0 +1,137 @@
+"""CPU tests of scripts/decode_latency.py (the decode-latency main job) and dsv4.latency."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dsv4 import latency as L
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "decode_latency.py")
+OUTPUTS = ("decode_latency.json", "decode_latency.txt", "decode_latency.md", "latency_vs_batch.png",
+           "step_breakdown.png")
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("decode_latency", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_script(*args, env=None):
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, **(env or {})), timeout=300)
+
+
+def check_outputs(out_dir):
+    for name in OUTPUTS:
+        path = os.path.join(out_dir, name)
+        assert os.path.getsize(path) > 0, name
+    for name in OUTPUTS[3:]:
+        with open(os.path.join(out_dir, name), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
+    with open(os.path.join(out_dir, "decode_latency.json")) as f:
+        return json.load(f)
+
+
+def test_cpu_reference_default_run(tmp_path):
+    """The documented no-GPU command: tiny shapes, both models, all outputs written."""
+    r = run_script("--cpu-reference", "--out-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "decode step estimate" in r.stdout
+    data = check_outputs(tmp_path)
+    assert data["meta"]["mode"] == "cpu-reference"
+    assert set(data["models"]) == {"flash", "pro"}
+    # per model: (1 SWA + 2 contexts x (CSA, HCA) + 1 MoE) x 2 batches
+    assert len(data["components"]) == 2 * 2 * (1 + 2 * 2 + 1)
+    for row in data["components"]:
+        assert row["dsv4_us"] > 0 and row["torch_us"] > 0, row
+        # the torch baselines compute the same thing as the float32 reference kernels
+        if row["component"] == "moe":
+            assert row["rel_diff"] < 0.05, row
+        else:
+            assert row["max_abs_diff"] < 0.05, row
+    assert len(data["steps"]) == 2 * 2 * 2
+    assert all(s["dsv4"]["total_us"] > 0 and s["torch"]["total_us"] > 0 for s in data["steps"])
+    assert data["meta"]["not_included"]
+
+
+def test_cpu_reference_step_is_the_schedule_sum(tmp_path):
+    dl = load_script()
+    rc = dl.main(["--cpu-reference", "--model", "pro", "--batch", "2", "--context", "1K", "--iters", "1",
+                  "--activation", "both", "--layers", "pro=1,2,3", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    data = check_outputs(tmp_path)
+    assert data["models"]["pro"]["layers"] == {"swa": 1, "csa": 2, "hca": 3}
+    comp = {(r["component"], r.get("activation")): r for r in data["components"]}
+    assert len(comp) == 5  # SWA, CSA, HCA, MoE W4A16, MoE W4A4
+    assert len(data["steps"]) == 2
+    for step in data["steps"]:
+        moe = comp[("moe", step["activation"])]
+        for impl in ("dsv4", "torch"):
+            want = (comp[("attn_swa", None)][impl + "_us"] + 2 * comp[("attn_csa", None)][impl + "_us"]
+                    + 3 * comp[("attn_hca", None)][impl + "_us"] + 6 * moe[impl + "_us"])
+            assert step[impl]["total_us"] == pytest.approx(want)
+
+
+def test_without_gpu_one_line_and_nonzero_exit(tmp_path):
+    r = run_script("--out-dir", str(tmp_path / "out"), env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode != 0
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "GPU" in lines[0] and "--cpu-reference" in lines[0], r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["--ep", "3"], ["--ep", "0"], ["--batch", "0"], ["--batch", "a,b"], ["--context", "64"], ["--context", "2M"],
+    ["--context", "4G"], ["--iters", "0"], ["--layers", "pro=1,2"], ["--layers", "qwen=1,2,3"],
+    ["--layers", "pro=0,0,0"], ["--model", "v3"], ["--activation", "fp8"],
+])
+def test_argument_errors(argv, capsys):
+    dl = load_script()
+    with pytest.raises(SystemExit) as e:
+        dl.parse_args(argv + ["--cpu-reference"])
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_argument_parsing():
+    dl = load_script()
+    a = dl.parse_args(["--context", "4K,32k,128K,1M", "--batch", "8,1,8", "--ep", "128"])
+    assert a.context == [4096, 32768, 131072, 1 << 20]
+    assert a.batch == [1, 8]
+    assert a.models == ["flash", "pro"] and a.acts == ["bf16"] and a.iters == 50
+    a = dl.parse_args(["--cpu-reference", "--model", "flash"])
+    assert (a.batch, a.context, a.iters, a.models) == ([1, 2], [512, 2048], 3, ["flash"])
+
+
+def test_layer_schedules_match_the_models():
+    assert L.MODELS["flash"].n_layers == 43 and L.MODELS["pro"].n_layers == 61
+    assert L.MODELS["flash"].layers == {"swa": 2, "csa": 21, "hca": 20}
+    assert L.MODELS["pro"].layers == {"swa": 0, "csa": 30, "hca": 31}
+
+
+def test_attention_keys():
+    flash, pro = L.MODELS["flash"], L.MODELS["pro"]
+    assert L.attention_keys("swa", flash, 4096) == (128, 0)
+    assert L.attention_keys("csa", flash, 4096) == (128, 512)
+    assert L.attention_keys("csa", pro, 2048) == (128, 512)  # fewer visible entries than top-k
+    assert L.attention_keys("hca", pro, 131072) == (128, 1024)
+
+
+def test_step_estimate():
+    layers = {"swa": 2, "csa": 21, "hca": 20}
+    est = L.step_estimate(layers, {"swa": 1.0, "csa": 2.0, "hca": 3.0}, 10.0)
+    assert est == {"swa_us": 2.0, "csa_us": 42.0, "hca_us": 60.0, "moe_us": 430.0, "total_us": 534.0}
+    assert L.step_estimate(layers, {"swa": 1.0, "csa": None, "hca": 3.0}, 10.0) is None
+    assert L.step_estimate(layers, {"swa": 1.0, "csa": 2.0, "hca": 3.0}, None) is None
+    # a layer type the model does not have needs no measurement
+    assert L.step_estimate({"swa": 0, "csa": 1, "hca": 1}, {"csa": 1.0, "hca": 1.0}, 1.0)["total_us"] == 4.0
