@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -28,53 +27,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from dsv4 import formats
 from dsv4.attention import sparse_mqa_decode, sparse_mqa_prefill
+from dsv4.benchmarking import bf16_gemm_tflops, copy_bandwidth_tbps, graph_median_us, median_us
 
 SCALE = 512**-0.5
-
-
-def time_fn(fn, n_inputs, iters, warmup=5):
-    for k in range(warmup):
-        fn(k % n_inputs)
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for k in range(iters):
-        starts[k].record()
-        fn(k % n_inputs)
-        ends[k].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e-3  # seconds
-
-
-def time_graphs(fn, n_inputs, iters):
-    """Like time_fn, but each input set's call is captured once in a CUDA graph and the
-    graphs are replayed (no host/dispatcher overhead in the timing, as in vLLM)."""
-    for k in range(n_inputs):
-        fn(k)  # warm-up (also configures the kernels outside capture)
-    torch.cuda.synchronize()
-    graphs = []
-    for k in range(n_inputs):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn(k)
-        graphs.append(g)
-    torch.cuda.synchronize()
-    return time_fn(lambda k: graphs[k].replay(), n_inputs, iters)
-
-
-def gemm_ceiling(iters):
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    t = time_fn(lambda k: torch.matmul(a, b), 1, iters)
-    return 2 * n**3 / t / 1e12
-
-
-def copy_ceiling(iters):
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    t = time_fn(lambda k: y.copy_(x), 1, iters)
-    return 2 * x.numel() / t / 1e12
+time_us = graph_median_us  # --eager switches to median_us (host overhead included)
 
 
 def random_fp8_cache(num_blocks, block_size, seed):
@@ -112,7 +68,7 @@ def bench_decode(name, h, topk, window, batches, iters, caches, n_inputs=4):
             sparse_mqa_decode(q, swa_cache.unsqueeze(2), swa, lens_w, sink, SCALE,
                               comp_cache.unsqueeze(2), idx, lens_c, out=out)
 
-        t = time_graphs(run, n_inputs, iters)
+        t = time_us(run, n_inputs=n_inputs, iters=iters) * 1e-6
         keys = topk + window
         flops = 2.0 * h * 1024 * keys * b
         nbytes = b * (2 * h * 512 * 2 + h * 4 + keys * (576 + 8 + 4))
@@ -138,7 +94,7 @@ def bench_prefill(ts, iters, n_rows=1 << 16, topk=1152, h=128, n_inputs=2):
             q, idx = inputs[k]
             sparse_mqa_prefill(q, kv, idx, None, sink, SCALE, out=out)
 
-        t = time_graphs(run, n_inputs, iters)
+        t = time_us(run, n_inputs=n_inputs, iters=iters) * 1e-6
         flops = 2.0 * h * 1024 * topk * t_
         nbytes = t_ * (2 * h * 512 * 2 + h * 4 + topk * (1024 + 4))
         rows.append(dict(name=f"prefill H={h} T={t_} topk={topk}", us=t * 1e6, tflops=flops / t / 1e12,
@@ -158,13 +114,12 @@ def main():
                     help="time eager calls (includes host/dispatcher overhead) instead of CUDA-graph replays")
     args = ap.parse_args()
     iters = max(30, args.iters)
-    global time_graphs
-    if args.eager:
-        time_graphs = time_fn  # noqa: F811
+    global time_us
+    time_us = median_us if args.eager else graph_median_us
     torch.backends.cuda.matmul.allow_tf32 = False
 
-    gemm = gemm_ceiling(iters)
-    copy = copy_ceiling(iters)
+    gemm = bf16_gemm_tflops()
+    copy = copy_bandwidth_tbps()
     print(f"ceilings: bf16 matmul 8192^3 {gemm:.0f} TFLOP/s, device copy {copy:.2f} TB/s", flush=True)
 
     batches = [1, 32, 128] if args.quick else [1, 8, 32, 64, 128, 256]

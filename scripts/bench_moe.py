@@ -27,7 +27,7 @@ import sys
 import torch
 
 from dsv4 import formats
-from dsv4.benchmarking import bf16_gemm_tflops, copy_bandwidth_tbps, median_us
+from dsv4.benchmarking import bf16_gemm_tflops, copy_bandwidth_tbps, graph_median_us, median_us
 from dsv4.moe import nvfp4_moe, prepare_nvfp4_moe_weights
 
 MODELS = {
@@ -144,17 +144,12 @@ def main():
                     res[cta] = median_us(run, n_inputs=4, iters=args.iters)
                 graph_us = None
                 if M in decode:  # decode runs under CUDA graphs in vLLM: time the replay too
+                    def run_auto(i):
+                        s = sets[i]
+                        nvfp4_moe(s["x"], s["ids"], s["tw"], prepared, expert_map=s["emap"], out=outs[i], **kw)
+
                     try:
-                        graphs = []
-                        for i in range(4):
-                            g = torch.cuda.CUDAGraph()
-                            with torch.cuda.graph(g):
-                                run_i = sets[i]
-                                nvfp4_moe(run_i["x"], run_i["ids"], run_i["tw"], prepared,
-                                          expert_map=run_i["emap"], out=outs[i], **kw)
-                            graphs.append(g)
-                        graph_us = median_us(lambda i: graphs[i].replay(), n_inputs=4, iters=args.iters)
-                        del graphs
+                        graph_us = graph_median_us(run_auto, n_inputs=4, iters=args.iters)
                     except Exception as ex:
                         print(f"graph timing failed at M={M}: {ex}", flush=True)
                 for cta, us in res.items():
