@@ -228,12 +228,7 @@ class DSV4NvFp4Experts(mk.FusedMoEExpertsModular):
             raise NotImplementedError("dsv4 experts apply the router weights after GEMM2")
         if activation != MoEActivation.SILU:
             raise NotImplementedError(f"dsv4 experts implement SwiGLU only, got {activation}")
-        if topk_ids.dtype != torch.int32:
-            topk_ids = topk_ids.to(torch.int32)
-        if topk_weights.dtype != torch.float32:
-            topk_weights = topk_weights.float()
-        if expert_map is not None and expert_map.dtype != torch.int32:
-            expert_map = expert_map.to(torch.int32)
+        # dsv4.moe.nvfp4_moe casts ids/weights/expert_map to the dtypes the op takes
         _dsv4_moe_ops().nvfp4_moe(
             hidden_states,
             topk_ids,

@@ -73,6 +73,12 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// Eight floats -> eight bf16 (round to nearest) in one 16-byte word, for vector stores.
+__device__ __forceinline__ uint4 bf16x8_bits(const float* v) {
+  return make_uint4(bf16x2_bits(v[0], v[1]), bf16x2_bits(v[2], v[3]), bf16x2_bits(v[4], v[5]),
+                    bf16x2_bits(v[6], v[7]));
+}
+
 // Bit layout of one prepared code word (the 8 elements of one thread's A fragment
 // for one k16 step; see moe_params.cuh). Fragment register p holds an (even, odd)
 // element pair; each element's e2m1 code has bits s (sign), e1, e0 (exponent), m.

@@ -180,11 +180,7 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
       for (int idx = tid; idx < BN * 4; idx += kThreads) {
         const int tok = idx >> 2, ch = idx & 3;
         const float* v = stg + tok * LD + ch * 8;
-        uint4 o;
-        o.x = bf16x2_bits(v[0], v[1]);
-        o.y = bf16x2_bits(v[2], v[3]);
-        o.z = bf16x2_bits(v[4], v[5]);
-        o.w = bf16x2_bits(v[6], v[7]);
+        const uint4 o = bf16x8_bits(v);
         *reinterpret_cast<uint4*>(p.h + size_t(row0 + tok) * N + rt * 32 + ch * 8) = o;
       }
     } else {
@@ -243,11 +239,7 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
     for (int idx = tid; idx < BN * 8; idx += kThreads) {
       const int tok = idx >> 3, ch = idx & 7;
       const float* v = stg + tok * LD + ch * 8;
-      uint4 o;
-      o.x = bf16x2_bits(v[0], v[1]);
-      o.y = bf16x2_bits(v[2], v[3]);
-      o.z = bf16x2_bits(v[4], v[5]);
-      o.w = bf16x2_bits(v[6], v[7]);
+      const uint4 o = bf16x8_bits(v);
       *reinterpret_cast<uint4*>(p.y + size_t(row0 + tok) * K + rt * 64 + ch * 8) = o;
     }
   }

@@ -174,11 +174,7 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const MoeParams p) {
           acc[2 * i + 1] = fmaf(w, f.y, acc[2 * i + 1]);
         }
       }
-      uint4 o;
-      o.x = bf16x2_bits(acc[0], acc[1]);
-      o.y = bf16x2_bits(acc[2], acc[3]);
-      o.z = bf16x2_bits(acc[4], acc[5]);
-      o.w = bf16x2_bits(acc[6], acc[7]);
+      const uint4 o = bf16x8_bits(acc);
       *(reinterpret_cast<uint4*>(p.out + size_t(tkn) * p.K) + c) = o;
     }
   }
