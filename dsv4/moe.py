@@ -314,13 +314,17 @@ def _check_call(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_s
     return M, K, N, E, k
 
 
+def _check_out(out: torch.Tensor, M: int, K: int) -> None:
+    if out.dtype != torch.bfloat16 or tuple(out.shape) != (M, K):
+        raise ValueError(f"dsv4: out must be torch.bfloat16 [M={M}, K={K}], got {out.dtype} {tuple(out.shape)}")
+
+
 @torch.library.register_fake("dsv4::nvfp4_moe")
 def _(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, a13_scale, a2_scale,
       expert_map, swiglu_limit, activation, cta_mode, out):
     M, K, _, _, _ = _check_call(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
                                 a13_scale, a2_scale, expert_map, swiglu_limit, activation, cta_mode)
-    if out.dtype != torch.bfloat16 or tuple(out.shape) != (M, K):
-        raise ValueError(f"dsv4: out must be torch.bfloat16 [M={M}, K={K}], got {out.dtype} {tuple(out.shape)}")
+    _check_out(out, M, K)
     return None
 
 
@@ -331,8 +335,7 @@ def _(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_s
 
     M, K, _, _, _ = _check_call(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
                                 a13_scale, a2_scale, expert_map, swiglu_limit, activation, cta_mode)
-    if out.dtype != torch.bfloat16 or tuple(out.shape) != (M, K):
-        raise ValueError(f"dsv4: out must be torch.bfloat16 [M={M}, K={K}], got {out.dtype} {tuple(out.shape)}")
+    _check_out(out, M, K)
     w = unprepare_nvfp4_moe_weights(Nvfp4MoeWeights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2))
     y = reference.nvfp4_moe(
         x, topk_ids, topk_weights, w["w13"], w["w13_scale"], w["w13_scale_2"], w["w2"], w["w2_scale"],

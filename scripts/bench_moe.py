@@ -28,6 +28,7 @@ import torch
 
 from dsv4 import formats
 from dsv4.benchmarking import bf16_gemm_tflops, copy_bandwidth_tbps, graph_median_us, median_us
+from dsv4.latency import moe_bf16_baseline
 from dsv4.moe import nvfp4_moe, prepare_nvfp4_moe_weights
 
 MODELS = {
@@ -75,23 +76,7 @@ def make_inputs(m, M, seed):
 
 def baseline(inp, w13, w2, E, N):
     """bf16 grouped-GEMM MoE in torch (the reference point of the issue)."""
-    x, ids, tw, emap = inp["x"], inp["ids"], inp["tw"], inp["emap"]
-    M, k = ids.shape
-    local = emap[ids.long()].reshape(-1).long()
-    key = torch.where(local >= 0, local, E)
-    order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=E + 1)[:E]
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    xs = x[order // k]
-    h = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)
-    g, u = h[:, :N].float(), h[:, N:].float()
-    a = (torch.nn.functional.silu(g.clamp(max=LIMIT)) * u.clamp(-LIMIT, LIMIT)).to(torch.bfloat16)
-    y = torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
-    valid = (key[order] < E).unsqueeze(1)
-    y = torch.where(valid, y.float() * tw.reshape(-1)[order].unsqueeze(1), 0.0)
-    out = torch.zeros(M, x.shape[1], dtype=torch.float32, device=x.device)
-    out.index_add_(0, order // k, y)
-    return out.to(torch.bfloat16)
+    return moe_bf16_baseline(inp["x"], inp["ids"], inp["tw"], inp["emap"], w13, w2, LIMIT)
 
 
 def main():
