@@ -22,6 +22,7 @@ value-dependent allocation: CUDA-graph capturable. CPU: the float32 reference
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -428,12 +429,16 @@ def nvfp4_moe(
     Returns:
         bf16 [M, K]: ``sum_j topk_weights[m, j] * expert_{topk_ids[m, j]}(x[m])``.
     """
-    if isinstance(weights, Nvfp4MoeWeights):
-        w = weights
-    elif isinstance(weights, dict):
-        w = prepare_nvfp4_moe_weights(*(weights[k] for k in Nvfp4MoeWeights._fields))
-    else:
-        w = prepare_nvfp4_moe_weights(*weights)
+    if isinstance(weights, dict):
+        weights = tuple(weights[k] for k in Nvfp4MoeWeights._fields)
+    if not _is_prepared(weights[0]):
+        # converting the whole expert set on every call is a large hidden cost
+        warnings.warn(
+            "dsv4.nvfp4_moe got weights in vLLM's stacked layout and converts them on every "
+            "call; call dsv4.prepare_nvfp4_moe_weights once at load time instead",
+            stacklevel=2,
+        )
+    w = weights if isinstance(weights, Nvfp4MoeWeights) else prepare_nvfp4_moe_weights(*weights)
     modes = {"auto": 0, 0: 0, 1: 1, 2: 2}
     if cta_mode not in modes:
         raise ValueError(f'dsv4: cta_mode must be "auto", 1 or 2, got {cta_mode!r}')
