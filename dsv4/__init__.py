@@ -5,6 +5,7 @@ torch.compile), one module per family:
 
 - ``dsv4.quantize``: ``quantize_nvfp4``
 - ``dsv4.attention``: ``sparse_mqa_decode``, ``sparse_mqa_prefill``
+- ``dsv4.fmha``: ``fmha`` (dense masked attention over [compressed | window] KV)
 - ``dsv4.moe``: ``prepare_nvfp4_moe_weights``, ``nvfp4_moe``
 
 ``dsv4.formats`` holds the byte layouts, ``dsv4.reference`` the float32 references.
@@ -12,11 +13,13 @@ torch.compile), one module per family:
 
 from ._ops import HAS_CUDA_EXTENSION
 from .attention import sparse_mqa_decode, sparse_mqa_prefill
+from .fmha import fmha
 from .moe import Nvfp4MoeWeights, nvfp4_moe, prepare_nvfp4_moe_weights, unprepare_nvfp4_moe_weights
 from .quantize import quantize_nvfp4
 
 __all__ = [
     "HAS_CUDA_EXTENSION",
+    "fmha",
     "Nvfp4MoeWeights",
     "nvfp4_moe",
     "prepare_nvfp4_moe_weights",
