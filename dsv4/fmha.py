@@ -114,6 +114,9 @@ def fmha(
     CUDA supports D = 512 with K = V shared by one KV head and Hq in {64, 128} (DeepSeek
     V4); anything else raises ValueError there (the CPU path runs every shape).
     """
+    # checked on every device, so a call that works on CPU tensors works on CUDA ones
+    if isinstance(max_seqlen_kv, bool) or not isinstance(max_seqlen_kv, int) or max_seqlen_kv < 0:
+        raise ValueError(f"dsv4: max_seqlen_kv must be a non-negative int, got {max_seqlen_kv!r}")
     k, v = kv if isinstance(kv, tuple) else (kv, kv)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     if q.device.type != "cuda":
@@ -132,8 +135,6 @@ def fmha(
             f"128 query heads (DeepSeek V4); got q {tuple(q.shape)}, k {tuple(k.shape)}, "
             f"v {'= k' if v is k else tuple(v.shape)}. Other shapes run on CPU tensors only for now."
         )
-    if isinstance(max_seqlen_kv, bool) or not isinstance(max_seqlen_kv, int) or max_seqlen_kv < 0:
-        raise ValueError(f"dsv4: max_seqlen_kv must be a non-negative int, got {max_seqlen_kv!r}")
     indices, lengths = visible_rows(q.shape[0], cu_seqlens_q, cu_seqlens_kv, n_comp, width=max(1, max_seqlen_kv),
                                     window=window, causal=causal, ratio=ratio, seq_start_pos=seq_start_pos)
     return sparse_mqa_prefill(q, k.reshape(k.shape[0], HEAD_DIM), indices, lengths, attn_sink, scale, out=out)

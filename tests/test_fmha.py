@@ -81,6 +81,13 @@ def test_cpu_path_is_the_reference_for_any_shape():
     torch.testing.assert_close(lse, ref_lse)
 
 
+@pytest.mark.parametrize("bad", [-1, 2.5, True, None])
+def test_max_seqlen_kv_must_be_a_host_int(bad):
+    q, kv, cu_q, cu_kv, nc, *_ = _inputs(CASES[1])
+    with pytest.raises(ValueError, match="max_seqlen_kv must be a non-negative int"):
+        fmha(q, kv, cu_q, cu_kv, nc, max_seqlen_kv=bad)
+
+
 def test_visible_rows_compiles():
     f = torch.compile(visible_rows, fullgraph=True, backend="eager", dynamic=False)
     args = (4, torch.tensor([0, 4]), torch.tensor([0, 10]), torch.tensor([3]))
