@@ -109,6 +109,11 @@ def main():
     ap.add_argument("--json", type=str, default=None)
     ap.add_argument("--flags", type=str, default=None,
                     help="comma list of DSV4_ATTN_FLAGS variants to compare (default: the built-in default)")
+    ap.add_argument("--prefill-flags", type=str, default=None,
+                    help="variants for the prefill part (default: --flags)")
+    ap.add_argument("--comp-blocks", type=int, default=16384,
+                    help="compressed fp8 cache blocks of 64 slots (default 16384 = 600 MB)")
+    ap.add_argument("--swa-blocks", type=int, default=4096, help="window fp8 cache blocks of 64 slots")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--eager", action="store_true",
                     help="time eager calls (includes host/dispatcher overhead) instead of CUDA-graph replays")
@@ -124,8 +129,8 @@ def main():
 
     batches = [1, 32, 128] if args.quick else [1, 8, 32, 64, 128, 256]
     # Caches much larger than L2 (50 MB): 1M compressed slots (~600 MB), 256K window slots.
-    comp = random_fp8_cache(16384, 64, 1)
-    swa = random_fp8_cache(4096, 64, 2)
+    comp = random_fp8_cache(args.comp_blocks, 64, 1)
+    swa = random_fp8_cache(args.swa_blocks, 64, 2)
     variants = args.flags.split(",") if args.flags else [None]
     rows = []
     for v in variants:
@@ -141,7 +146,8 @@ def main():
     del comp, swa
     torch.cuda.empty_cache()
     if not args.skip_prefill:
-        for v in variants:
+        pvariants = args.prefill_flags.split(",") if args.prefill_flags else variants
+        for v in pvariants:
             if v is None:
                 os.environ.pop("DSV4_ATTN_FLAGS", None)
             else:

@@ -21,9 +21,10 @@ from dsv4.attention import sparse_mqa_decode, sparse_mqa_prefill
 
 HAS_GPU = torch.cuda.is_available() and dsv4._ops.HAS_CUDA_EXTENSION
 # Kernel implementation variants (csrc/attention/sparse_mqa_params.cuh kFlag*): 0 = first
-# version, 3 = lazy O rescale + cp.async bf16 gather, 7 = 3 + wide fp8 gather. None = the
-# built-in default (7).
-FLAG_VARIANTS = [None, "0", "3"]
+# version, 7 = lazy O rescale + cp.async bf16 gather + wide fp8 gather (d-split consumers),
+# 24 = key-split consumers + bit-field fp8 dequant on the narrow fp8 gather, no lazy rescale,
+# no S/PV overlap. None = the built-in default (63: everything).
+FLAG_VARIANTS = [None, "0", "7", "24"]
 
 
 @pytest.fixture
@@ -409,6 +410,38 @@ def test_decode_gpu(case, attn_flags):
     assert o is out
     ro, rl = ref_decode(q, rows, idx, lens, sink, SCALE, rows2, idx2, lens2)
     assert_close(o, lse, ro, rl)
+
+
+@pytest.mark.parametrize("attn_flags", FLAG_VARIANTS, indirect=True)
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
+def test_decode_fp8_dequant_exact(attn_flags):
+    """One visible key per token: every head's output is exactly that key's dequantized row,
+    for every e4m3 code but NaN and scale bytes from 2^-127 (results underflow into bf16
+    subnormals) to 2^73, so the kernel's dequant must round like the reference."""
+    dev = "cuda"
+    nb, bs = 4, 16
+    n = nb * bs
+    g = _gen(5)
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)
+    data = codes[torch.randint(0, codes.numel(), (n, 448), generator=g)]
+    data[0, : codes.numel()] = codes
+    data[1, : codes.numel()] = codes.flip(0)
+    exps = torch.tensor([0, 1, 64, 120, 127, 134, 135, 200], dtype=torch.uint8)
+    scl = exps[torch.randint(0, exps.numel(), (n, 7), generator=g)]
+    scl[0], scl[1] = exps[:7], exps[1:]
+    rope = torch.randn(n, 64, generator=g).bfloat16().view(torch.uint8).reshape(n, 128)
+    cache = formats.new_fp8_ds_mla_cache(nb, bs, device=dev)
+    data_view, scale_view = formats._fp8_ds_mla_regions(cache)
+    data_view.copy_(torch.cat([data, rope], 1).reshape(nb, bs, 576).to(dev))
+    scale_view[..., :7] = scl.reshape(nb, bs, 7).to(dev)
+    deq = formats.dequantize_fp8_ds_mla_cache(cache)
+    q = torch.randn(n, 1, 64, 512, generator=g).bfloat16().to(dev)
+    idx = torch.arange(n, dtype=torch.int32, device=dev).reshape(n, 1, 1)
+    out, lse = sparse_mqa_decode(q, cache, idx, None, None, SCALE)
+    assert torch.isfinite(lse).all()
+    assert torch.equal(out[:, 0], deq[:, None, :].expand(n, 64, 512))
 
 
 # (T, H, N, topk, ragged, sink)

@@ -132,9 +132,9 @@ int pick_splits(int64_t base_ctas, int64_t max_tiles, int sms) {
   return best;
 }
 
-template <bool kFp8>
+template <bool kFp8, bool kKeySplit>
 void launch_main(const SparseMqaParams& p, int64_t grid, cudaStream_t stream) {
-  auto kernel = attention::sparse_mqa_fwd_kernel<kFp8>;
+  auto kernel = attention::sparse_mqa_fwd_kernel<kFp8, kKeySplit>;
   static bool configured = false;
   if (!configured) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, attention::kSmemBytes));
@@ -204,10 +204,11 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   }
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int64_t grid = base * p.num_splits;
+  const bool ks = (p.flags & attention::kFlagKeySplit) != 0;
   if (kind == CacheKind::kFp8) {
-    launch_main<true>(p, grid, stream);
+    ks ? launch_main<true, true>(p, grid, stream) : launch_main<true, false>(p, grid, stream);
   } else {
-    launch_main<false>(p, grid, stream);
+    ks ? launch_main<false, true>(p, grid, stream) : launch_main<false, false>(p, grid, stream);
   }
   if (p.num_splits > 1) {
     attention::sparse_mqa_combine_kernel<<<dim3(static_cast<unsigned>(tokens * H)), 128, 0, stream>>>(p);

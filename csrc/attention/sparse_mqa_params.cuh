@@ -48,9 +48,13 @@ struct SparseMqaParams {
 constexpr int kFlagLazyRescale = 1;   // skip the O rescale when no row max changed
 constexpr int kFlagCpAsyncBf16 = 2;   // bf16 sources: cp.async straight into smem (no registers)
 constexpr int kFlagFp8Wide = 4;       // fp8 rows: 8 rows per warp in flight (lane = 16-byte column)
+constexpr int kFlagKeySplit = 8;      // consumers split S by keys (32 each) instead of by d
+constexpr int kFlagFp8BitDequant = 16;  // fp8 -> bf16 by moving bit fields + 2 bf16 multiplies
+constexpr int kFlagOverlapS = 32;     // key-split only: issue S(j+1) behind PV(j)
 // Default = all three: fastest measured on the H200 (docs/perf_attention.md); 0 is the
 // first version. Every variant is covered by tests/test_attention.py.
-constexpr int kDefaultFlags = kFlagLazyRescale | kFlagCpAsyncBf16 | kFlagFp8Wide;
+constexpr int kDefaultFlags = kFlagLazyRescale | kFlagCpAsyncBf16 | kFlagFp8Wide | kFlagKeySplit | kFlagFp8BitDequant |
+                                   kFlagOverlapS;
 
 }  // namespace attention
 }  // namespace dsv4
