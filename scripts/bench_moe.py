@@ -15,13 +15,20 @@ baseline) / time; useful TFLOP/s = 6*K*N flops per local slot / time; % of the c
 bandwidth and of the dense bf16 GEMM rate measured in this process; speedup over
 the baseline; 2-CTA vs 1-CTA at prefill.
 
-Usage: python scripts/bench_moe.py [--quick] [--activation bf16|nvfp4|both]
+Usage: python scripts/bench_moe.py [--quick] [--activation bf16|nvfp4|both] [--models flash,pro]
+    [--decode 1,64] [--prefill 8192] [--variants "sk=0,pdl=0;sk=1,pdl=1"] [--profile]
+
+--variants times every case under each set of DSV4_MOE_* switches (sk -> DSV4_MOE_STREAMK:
+stream-K GEMM grid off/on; pdl -> DSV4_MOE_PDL: programmatic dependent launch off/on), in
+the same process; without it the library's defaults run. --profile prints per-kernel device
+times (torch.profiler) of the first model's decode sizes under each variant.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -79,6 +86,44 @@ def baseline(inp, w13, w2, E, N):
     return moe_bf16_baseline(inp["x"], inp["ids"], inp["tw"], inp["emap"], w13, w2, LIMIT)
 
 
+SWITCHES = {"sk": "DSV4_MOE_STREAMK", "pdl": "DSV4_MOE_PDL"}
+
+
+def set_variant(v):
+    """Sets the DSV4_MOE_* switches of one variant ('' = library defaults)."""
+    for env in SWITCHES.values():
+        os.environ.pop(env, None)
+    for kv in filter(None, v.split(",")):
+        k, val = kv.split("=")
+        os.environ[SWITCHES[k.strip()]] = val.strip()
+
+
+def profile_kernels(name, M, variant, fn, iters=20):
+    """Mean device time per call of each kernel of one nvfp4_moe call (CUDA graph replay)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            graph.replay()
+        torch.cuda.synchronize()
+    times = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            key = ev.name.split("<")[0].split("(")[0].replace("void ", "").replace("dsv4::moe::", "")
+            if "gemm" in ev.name:
+                key += "1" if "true" in ev.name else "2"
+            times[key] = times.get(key, 0.0) + ev.time_range.elapsed_us() / iters
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in times.items())
+    print(f"profile {name} M={M} [{variant or 'default'}]: sum {sum(times.values()):.1f} us: {parts}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="short run: a few decode and one prefill size")
@@ -86,12 +131,21 @@ def main():
     ap.add_argument("--models", default="flash,pro")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", help="also write the rows and ceilings here")
+    ap.add_argument("--decode", help="comma-separated decode M (default 1,8,32,64,128; --quick 1,64,128)")
+    ap.add_argument("--prefill", help="comma-separated prefill M (default 2048,8192,16384; --quick 8192); '' = none")
+    ap.add_argument("--variants", default="", help="';'-separated sets of k=v switches, e.g. 'sk=0,pdl=0;sk=1,pdl=1'")
+    ap.add_argument("--profile", action="store_true", help="per-kernel device times at decode sizes")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_moe.py needs a CUDA device")
     acts = ["bf16", "nvfp4"] if args.activation == "both" else [args.activation]
     decode = [1, 64, 128] if args.quick else [1, 8, 32, 64, 128]
     prefill = [8192] if args.quick else [2048, 8192, 16384]
+    if args.decode is not None:
+        decode = [int(v) for v in args.decode.split(",") if v]
+    if args.prefill is not None:
+        prefill = [int(v) for v in args.prefill.split(",") if v]
+    variants = [v.strip() for v in args.variants.split(";")] if args.variants else [""]
 
     copy_tbps = copy_bandwidth_tbps()
     gemm_tflops = bf16_gemm_tflops()
@@ -115,7 +169,8 @@ def main():
                 print(f"baseline failed at M={M}: {ex}", flush=True)
                 base_us = float("nan")
             modes = ["auto"] if M in decode else [1, 2]
-            for act in acts:
+            for act, var in [(a, v) for a in acts for v in variants]:
+                set_variant(var)
                 kw = dict(swiglu_limit=LIMIT, activation=act, check_ids=False)
                 if act == "nvfp4":
                     kw.update(a13_scale=w["w13_input_scale"], a2_scale=w["w2_input_scale"])
@@ -141,13 +196,27 @@ def main():
                     t_us = graph_us if graph_us is not None else us
                     tbps = touched * fp4_bytes / (t_us * 1e-6) / 1e12
                     tflops = flops / (t_us * 1e-6) / 1e12
-                    row = dict(model=f"{name}-{E}", M=M, act=act, cta=str(cta), us=us, graph_us=graph_us, tbps=tbps,
-                               pct_copy=100 * tbps / copy_tbps, tflops=tflops, pct_gemm=100 * tflops / gemm_tflops,
-                               base_us=base_us, base_tbps=touched * bf16_bytes / (base_us * 1e-6) / 1e12,
+                    row = dict(model=f"{name}-{E}", M=M, act=act, variant=var, cta=str(cta), us=us, graph_us=graph_us,
+                               tbps=tbps, pct_copy=100 * tbps / copy_tbps, tflops=tflops,
+                               pct_gemm=100 * tflops / gemm_tflops, base_us=base_us,
+                               base_tbps=touched * bf16_bytes / (base_us * 1e-6) / 1e12,
                                speedup=base_us / t_us, speedup_eager=base_us / us,
                                two_vs_one=(res[1] / res[2]) if (cta == 2 and 1 in res) else None)
                     rows.append(row)
                     print(row, flush=True)
+            set_variant("")
+        if args.profile:
+            for M in decode:
+                inp = make_inputs(m, M, 0)
+                for v in variants:
+                    set_variant(v)
+                    try:
+                        profile_kernels(name, M, v, lambda: nvfp4_moe(inp["x"], inp["ids"], inp["tw"], prepared,
+                                                                        expert_map=inp["emap"], swiglu_limit=LIMIT,
+                                                                        check_ids=False))
+                    except Exception as ex:  # keep the timings if the profiler cannot run here
+                        print(f"profile failed at M={M}: {ex}", flush=True)
+            set_variant("")
         del w, prepared, w13, w2
         torch.cuda.empty_cache()
 
@@ -158,14 +227,14 @@ def main():
     print(f"copy ceiling {copy_tbps:.2f} TB/s, bf16 GEMM ceiling {gemm_tflops:.0f} TFLOP/s (same process)")
     print("us = eager call (host overhead included); graph = CUDA-graph replay (decode rows); TB/s, TFLOP/s")
     print("and % use graph time where measured. speedup = eager baseline us / dsv4 us (graph where measured).")
-    hdr = (f"{'model':9} {'M':>6} {'act':5} {'cta':4} {'us':>9} {'graph us':>9} {'TB/s':>6} {'%copy':>6} "
+    hdr = (f"{'model':9} {'M':>6} {'act':5} {'variant':15} {'cta':4} {'us':>9} {'graph us':>9} {'TB/s':>6} {'%copy':>6} "
            f"{'TFLOP/s':>8} {'%gemm':>6} {'base us':>9} {'base TB/s':>9} {'speedup':>7} {'eager x':>7} {'2cta/1cta':>9}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         tv = f"{r['two_vs_one']:.2f}x" if r["two_vs_one"] else ""
         gu = f"{r['graph_us']:.1f}" if r["graph_us"] is not None else ""
-        print(f"{r['model']:9} {r['M']:>6} {r['act']:5} {r['cta']:4} {r['us']:>9.1f} {gu:>9} {r['tbps']:>6.2f} "
+        print(f"{r['model']:9} {r['M']:>6} {r['act']:5} {r['variant'] or 'default':15} {r['cta']:4} {r['us']:>9.1f} {gu:>9} {r['tbps']:>6.2f} "
               f"{r['pct_copy']:>5.0f}% {r['tflops']:>8.1f} {r['pct_gemm']:>5.0f}% {r['base_us']:>9.1f} "
               f"{r['base_tbps']:>9.2f} {r['speedup']:>6.2f}x {r['speedup_eager']:>6.2f}x {tv:>9}")
 

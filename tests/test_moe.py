@@ -376,3 +376,42 @@ def test_gpu_odd_k_steps(activation, M):
         got = nvfp4_moe(x, ids, tw, p, cta_mode=cta, **kw)
         err = _rel_l2(got, _ref(x, ids, tw, w, **kw))
         assert err <= (5e-3 if activation == "bf16" else 2e-2), f"relative L2 {err:.3e}"
+
+
+# Stream-K (persistent, split-K with an in-kernel deterministic fixup) against the
+# classic grid, forced either way with DSV4_MOE_STREAMK for every token tile: decode
+# tiles (where it is the default), the prefill tiles (64 and the cta_mode=2 128), an
+# item split over many CTAs (M=1) and odd K-step counts (segments of odd length).
+STREAMK_CASES = [
+    (FLASH, 1, "uniform", True, 10.0, "bf16", "auto"),
+    (FLASH, 64, "uniform", True, 10.0, "nvfp4", "auto"),
+    (FLASH, 160, "uniform", False, None, "bf16", "auto"),
+    (FLASH, 2048, "uniform", False, 10.0, "nvfp4", 1),
+    (FLASH, 4096, "uniform", False, 10.0, "bf16", 2),
+    (PRO, 64, "uniform", True, 10.0, "nvfp4", "auto"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("streamk", ["0", "1"])
+@pytest.mark.parametrize("shape,M,routing,use_map,limit,activation,cta", STREAMK_CASES)
+def test_gpu_streamk_forced(monkeypatch, streamk, shape, M, routing, use_map, limit, activation, cta):
+    monkeypatch.setenv("DSV4_MOE_STREAMK", streamk)
+    test_gpu_vs_reference(shape, M, routing, use_map, limit, activation, cta)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["bf16", "nvfp4"])
+def test_gpu_streamk_odd_k_steps(monkeypatch, activation):
+    monkeypatch.setenv("DSV4_MOE_STREAMK", "1")
+    for M in (5, 200):
+        test_gpu_odd_k_steps(activation, M)
+
+
+@pytest.mark.gpu
+def test_gpu_without_pdl(monkeypatch):
+    """The chain launched without programmatic dependent launch (DSV4_MOE_PDL=0)."""
+    monkeypatch.setenv("DSV4_MOE_PDL", "0")
+    test_gpu_vs_reference(FLASH, 64, "uniform", True, 10.0, "bf16", "auto")
+    test_gpu_vs_reference(FLASH, 4096, "uniform", False, 10.0, "nvfp4", 1)
+    test_gpu_cuda_graph_replay("bf16")

@@ -4,10 +4,9 @@
 // shared memory, 128-byte swizzle). Accumulation in fp32; the global scales are
 // applied in the epilogue.
 //
-// Grid: x = token tile (rows [tile * BN, tile * BN + BN) of the padded, expert-sorted
-// activation buffer; all belong to expert tile_expert[tile]; CTAs past *num_tiles
-// exit at once), y = 64-row weight tile. One warpgroup per CTA; a STAGES-deep
-// cp.async ring feeds weight codes, scales and the token tile of each 64-wide K step.
+// One warpgroup per CTA; a STAGES-deep cp.async ring feeds weight codes, scales and
+// the token tile of each 64-wide K step. Grids (classic and stream-K): see
+// moe_gemm_kernel at the end.
 //
 // GEMM1 (kGemm1): rows of w13 (interleaved gate/up, see moe_params.cuh), K = hidden.
 //   Epilogue: clamped SwiGLU of (gate, up) held by the same thread, staged through
@@ -36,29 +35,43 @@ struct GemmSmem {
   static constexpr int kBytes = kMax + 1024;  // + alignment slack
 };
 
+// Release / acquire of the stream-K partial flags (gpu scope).
+__device__ __forceinline__ void flag_release(int* f) {
+  asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(f), "r"(1) : "memory");
+}
+__device__ __forceinline__ int flag_acquire(const int* f) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(f) : "memory");
+  return v;
+}
+
+// Minimum K steps per stream-K CTA: fewer and the pipeline prologue and the partial
+// round trip cost more than the extra parallelism gives.
+constexpr int kStreamKMinSteps = 8;
+
+// K steps [kb, ke) of item (tile, rt), then its epilogue. kb > 0: only the fp32
+// partial is written (slot `cta`) and flagged. kb == 0 and ke < KT: the partials of
+// CTAs cta+1 .. last_cta (which hold the rest of this item's K range) are added
+// first, in that order.
 template <int BN, int STAGES, bool kGemm1>
-__global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
-  const int tile = blockIdx.x;
-  if (tile >= __ldg(p.num_tiles)) return;
-  const int rt = blockIdx.y;
+__device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, int tile, int rt, int kb, int ke,
+                                             int cta, int last_cta, int tid) {
   const int e = __ldg(p.tile_expert + tile);
   const int row0 = tile * BN;
   const int kdim = kGemm1 ? p.K : p.N;
   const int KT = kdim / kTileK;
   const int RT = kGemm1 ? (2 * p.N) / kTileRows : p.K / kTileRows;
-  const size_t tile_index = (size_t(e) * RT + rt) * KT;
+  const int nk = ke - kb;
+  const size_t tile_index = (size_t(e) * RT + rt) * KT + kb;
   const uint8_t* wq = (kGemm1 ? p.w13 : p.w2) + tile_index * kCodeTileBytes;
   const uint8_t* wsc = (kGemm1 ? p.w13_scale : p.w2_scale) + tile_index * kScaleTileBytes;
-  const __nv_bfloat16* bsrc = (kGemm1 ? p.xg : p.h) + size_t(row0) * kdim;
+  const __nv_bfloat16* bsrc = (kGemm1 ? p.xg : p.h) + size_t(row0) * kdim + size_t(kb) * kTileK;
 
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   using S = GemmSmem<BN, STAGES>;
   uint8_t* sB = smem;
   uint8_t* sW = sB + STAGES * S::kB;
   uint8_t* sS = sW + STAGES * kCodeTileBytes;
 
-  const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
   // Per-thread copy assignments, fixed over the K loop: 16 code bytes, 16 scale
@@ -80,7 +93,7 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
 
   // One commit group per K step (empty past the end), so group counts stay exact.
   auto load_next = [&](int kt, int s) {
-    if (kt < KT) {
+    if (kt < nk) {
       cp_async16(sW_dst + s * kCodeTileBytes, wq_src);
       if (scale_loader) cp_async16(sS_dst + s * kScaleTileBytes, ws_src);
       if (b_loader) {
@@ -121,7 +134,7 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
 
   int s = 0;
   int kt = 0;
-  for (; kt + 1 < KT; kt += 2) {
+  for (; kt + 1 < nk; kt += 2) {
     cp_async_wait<kAhead - 2>();
     __syncthreads();
     int ns = s + kAhead;
@@ -140,7 +153,7 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
     s += 2;
     if (s == STAGES) s = 0;
   }
-  if (kt < KT) {  // odd KT: the last step alone
+  if (kt < nk) {  // odd step count: the last step alone
     cp_async_wait<kAhead - 1>();
     __syncthreads();
     uint32_t a0[4][4];
@@ -153,6 +166,30 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
   }
   cp_async_wait<0>();
   __syncthreads();
+
+  // Partials are stored thread-major ([i][tid]) so the owner's same thread reads
+  // back exactly its own fragment layout with coalesced accesses.
+  constexpr int kPartial = kTileRows * BN;
+  if (kb > 0) {
+    float* dst = p.sk_partial + size_t(cta) * kPartial + tid;
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) __stcg(dst + i * kThreads, acc[i]);
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) flag_release(p.sk_flags + (kGemm1 ? 0 : p.sk_ctas) + cta);
+    return;
+  }
+  if (ke < KT) {
+    const int* flags = p.sk_flags + (kGemm1 ? 0 : p.sk_ctas);
+    for (int j = cta + 1; j <= last_cta; ++j) {
+      if (tid == 0)
+        while (flag_acquire(flags + j) == 0) __nanosleep(32);
+      __syncthreads();
+      const float* src = p.sk_partial + size_t(j) * kPartial + tid;
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[i] += __ldcg(src + i * kThreads);
+    }
+  }
 
   float* stg = reinterpret_cast<float*>(smem);
   if constexpr (kGemm1) {
@@ -242,6 +279,70 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
       const uint4 o = bf16x8_bits(v);
       *reinterpret_cast<uint4*>(p.y + size_t(row0 + tok) * K + rt * 64 + ch * 8) = o;
     }
+  }
+}
+
+// Grids. Classic (moe_gemm_kernel): x = token tile (rows [tile * BN, tile * BN + BN) of
+// the padded, expert-sorted activation buffer; all belong to expert
+// tile_expert[tile]; CTAs past *num_tiles exit at once), y = 64-row weight tile.
+// Stream-K (moe_gemm_streamk_kernel): x = persistent CTA; the T = tiles * RT * KT iterations
+// (item-major, item = tile * RT + rt, so one CTA streams contiguous weight tiles)
+// are cut into equal contiguous ranges, which removes the partial last wave of the
+// classic grid (at decode a CTA's whole K loop is latency-bound, so a few
+// left-over CTAs cost a full CTA duration) and spreads small M over every SM.
+// The grid must fit on the GPU at once (the host sizes it from the occupancy):
+// an owner CTA waits for the partials of CTAs with higher indices.
+template <int BN, int STAGES, bool kGemm1>
+__global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
+  pdl_wait();
+  pdl_launch_dependents();
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int KT = (kGemm1 ? p.K : p.N) / kTileK;
+  if (int(blockIdx.x) >= __ldg(p.num_tiles)) return;
+  gemm_segment<BN, STAGES, kGemm1>(p, smem, blockIdx.x, blockIdx.y, 0, KT, 0, 0, threadIdx.x);
+}
+
+// Register caps of the stream-K kernel at decode tiles: without them the segment
+// loop's state pushes GEMM1 to ~83-121 registers (5 or fewer CTAs per SM instead of
+// the classic kernel's 7). The caps are the tightest that ptxas meets without spills.
+template <int BN, bool kGemm1>
+constexpr int kStreamKMinCtas = BN <= 8 ? (kGemm1 ? 6 : 7) : (BN <= 16 ? 6 : 1);
+
+template <int BN, int STAGES, bool kGemm1>
+__global__ void __launch_bounds__(kThreads, kStreamKMinCtas<BN, kGemm1>) moe_gemm_streamk_kernel(const MoeParams p) {
+  pdl_wait();
+  pdl_launch_dependents();
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int num_tiles = __ldg(p.num_tiles);
+  const int KT = (kGemm1 ? p.K : p.N) / kTileK;
+  const int RT = kGemm1 ? (2 * p.N) / kTileRows : p.K / kTileRows;
+  // 32-bit on purpose (64-bit division is a register-hungry subroutine): T < 2^31
+  // for any shape the host accepts (tiles * RT * KT ~ M * k * K * N / (BN * 64^2)).
+  // CTA c gets q iterations, one more for the first r CTAs.
+  const int T = num_tiles * RT * KT;
+  const int P = min(int(gridDim.x), (T + kStreamKMinSteps - 1) / kStreamKMinSteps);
+  const int c = blockIdx.x;
+  if (c >= P) return;
+  const int q = T / P, r = T - q * P;
+  int it = c * q + min(c, r);
+  const int end = it + q + (c < r ? 1 : 0);
+#pragma unroll 1
+  while (it < end) {
+    // Opaque, so that per-thread addresses are recomputed per segment instead of
+    // being hoisted out of the loop (and held through the epilogue).
+    int tid = threadIdx.x;
+    asm volatile("" : "+r"(tid));
+    const int item = it / KT;
+    const int kb = it - item * KT;
+    const int ke = min(KT, kb + (end - it));
+    // CTA holding the item's last iteration.
+    const int last = (item + 1) * KT - 1;
+    const int last_cta = last < r * (q + 1) ? last / (q + 1) : r + (last - r * (q + 1)) / q;
+    gemm_segment<BN, STAGES, kGemm1>(p, smem, item / RT, item - (item / RT) * RT, kb, ke, c, last_cta, tid);
+    it += ke - kb;
+    if (it < end) __syncthreads();  // the epilogue's staging smem is the next prologue's ring
   }
 }
 

@@ -73,6 +73,14 @@ struct MoeParams {
   uint8_t* hq;       // nvfp4 mode: [max_rows, N/2] packed codes of the SwiGLU output
   __nv_fp8_e4m3* hs; // nvfp4 mode: [max_rows, N/16] block scales
   float* h_debug;    // optional [max_rows, N] fp32 SwiGLU output (debug op)
+  // Stream-K grouped GEMMs (streamk = 1): a persistent grid of sk_ctas CTAs splits
+  // the (tile, weight-row tile, K step) iterations evenly; an item cut between CTAs
+  // is finished by the CTA holding its K start, which adds the others' partials in
+  // CTA order (deterministic).
+  int streamk;
+  int sk_ctas;       // size of each flag array (>= either GEMM's grid)
+  float* sk_partial; // [sk_ctas, 64 * block_n] fp32, one partial per CTA at most
+  int* sk_flags;     // [2, sk_ctas] (GEMM1, GEMM2): partial of CTA c is ready; zeroed by routing
   __nv_bfloat16* y;  // [max_rows, K]  GEMM2 output per padded row
   __nv_bfloat16* out;// [M, K]
 };

@@ -41,6 +41,7 @@ __device__ __forceinline__ int resolve_expert(const MoeParams& p, int i) {
 // independently and the combine reads rows by slot, so results are deterministic.
 // Dynamic shared memory: 2 * E + 1 ints.
 __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const MoeParams p) {
+  pdl_launch_dependents();
   extern __shared__ int rsm[];
   int* cnt = rsm;            // [E]
   int* tile_off = rsm + p.E; // [E + 1]
@@ -49,6 +50,8 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const MoeParam
   const int BN = p.block_n;
   for (int e = tid; e < p.E; e += kRouteThreads) cnt[e] = 0;
   if (tid == 0) *p.error_flag = 0;
+  if (p.streamk)
+    for (int i = tid; i < 2 * p.sk_ctas; i += kRouteThreads) p.sk_flags[i] = 0;
   __syncthreads();
 
   for (int base = warp * 32; base < S; base += kRouteThreads) {
@@ -110,6 +113,8 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const MoeParam
 // Two adjacent lanes share a 16-element block. blockDim.x is a multiple of 32.
 template <bool kNvfp4>
 __global__ void __launch_bounds__(256) moe_gather_kernel(const MoeParams p) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int rows = __ldg(p.num_tiles) * p.block_n;
   const int chunks = p.K / 8;
   for (int r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -155,6 +160,7 @@ __global__ void __launch_bounds__(256) moe_gather_kernel(const MoeParams p) {
 
 // out[t] = sum_j topk_weights[t, j] * y[slot_pos[t, j]] in slot order (fp32), bf16 out.
 __global__ void __launch_bounds__(256) moe_combine_kernel(const MoeParams p) {
+  pdl_wait();
   const int chunks = p.K / 8;
   for (int tkn = blockIdx.x; tkn < p.M; tkn += gridDim.x) {
     for (int c = threadIdx.x; c < chunks; c += blockDim.x) {

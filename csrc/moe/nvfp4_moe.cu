@@ -8,7 +8,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <optional>
 #include <string>
 
@@ -143,27 +145,98 @@ int pick_block_n(int64_t M, int64_t topk, int64_t E_global, int64_t cta_mode) {
   return 64;
 }
 
+struct GemmOccupancy {
+  int gemm1, gemm2;  // resident CTAs per SM
+};
+
+// Opts in to the shared memory and reads the stream-K occupancy once per instantiation
+// per device (host-side calls per step otherwise; racing first calls do the same
+// work twice, which is harmless).
 template <int BN, int STAGES>
-void launch_gemms(const MoeParams& p, bool gemm2, cudaStream_t stream) {
+GemmOccupancy gemm_setup() {
   using S = moe::GemmSmem<BN, STAGES>;
-  auto k1 = moe::moe_gemm_kernel<BN, STAGES, true>;
-  auto k2 = moe::moe_gemm_kernel<BN, STAGES, false>;
-  // Opt in to the shared memory once per device and instantiation (a host-side
-  // call per step otherwise; setting it twice from racing threads is harmless).
-  static std::atomic<uint64_t> attrs_set{0};
+  static std::atomic<int> cached[64];  // gemm1 | gemm2 << 16 per device, 0 = not yet
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
-  const uint64_t bit = uint64_t(1) << (dev & 63);
-  if (!(attrs_set.load(std::memory_order_relaxed) & bit)) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(k1, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(k2, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
-    attrs_set.fetch_or(bit);
+  std::atomic<int>& slot = cached[dev & 63];
+  int v = slot.load(std::memory_order_acquire);
+  if (v == 0) {
+    auto k1 = moe::moe_gemm_streamk_kernel<BN, STAGES, true>;
+    auto k2 = moe::moe_gemm_streamk_kernel<BN, STAGES, false>;
+    for (auto k : {k1, k2, moe::moe_gemm_kernel<BN, STAGES, true>, moe::moe_gemm_kernel<BN, STAGES, false>})
+      C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
+    int o1 = 0, o2 = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o1, k1, moe::kThreads, S::kBytes));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o2, k2, moe::kThreads, S::kBytes));
+    TORCH_CHECK(o1 > 0 && o2 > 0, "dsv4: nvfp4_moe GEMM kernels do not fit on this device");
+    v = o1 | (o2 << 16);
+    slot.store(v, std::memory_order_release);
   }
-  k1<<<dim3(unsigned(p.max_tiles), unsigned(2 * p.N / moe::kTileRows)), moe::kThreads, S::kBytes, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (!gemm2) return;
-  k2<<<dim3(unsigned(p.max_tiles), unsigned(p.K / moe::kTileRows)), moe::kThreads, S::kBytes, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return GemmOccupancy{v & 0xFFFF, v >> 16};
+}
+
+GemmOccupancy gemm_setup_for(int block_n) {
+  switch (block_n) {
+    case 8: return gemm_setup<8, 8>();
+    case 16: return gemm_setup<16, 8>();
+    case 64: return gemm_setup<64, 6>();
+    default: return gemm_setup<128, 4>();
+  }
+}
+
+// Stream-K (persistent, evenly split K ranges) or the classic grid (one CTA per
+// token tile x weight-row tile, hardware-scheduled). DSV4_MOE_STREAMK=0/1 forces
+// either (benchmarks and tests); by default stream-K runs at decode token tiles,
+// where the classic grid's last partial wave of latency-bound CTAs is expensive.
+// The spin-wait of an owner CTA cannot deadlock even when fewer CTAs than the grid
+// are resident: the partial it waits for is the first thing the (higher-index)
+// writer CTA computes, and writers never wait unless they own a later item.
+bool use_streamk(int block_n) {
+  const char* env = std::getenv("DSV4_MOE_STREAMK");
+  if (env != nullptr && env[0] != '\0') return env[0] != '0';
+  return block_n <= 16;
+}
+
+// Launch with programmatic stream serialization (see pdl_wait in moe_device.cuh):
+// the kernel may be scheduled while its predecessor in the stream drains, which
+// hides the launch gap between the five kernels of a (decode-sized) call.
+// DSV4_MOE_PDL=0 turns it off.
+bool use_pdl() {
+  const char* env = std::getenv("DSV4_MOE_PDL");
+  return env == nullptr || env[0] != '0';
+}
+
+void launch(void (*kernel)(MoeParams), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
+            const MoeParams& p) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+}
+
+template <int BN, int STAGES>
+void launch_gemms(const MoeParams& p, bool gemm2, cudaStream_t stream, int sms, bool pdl) {
+  using S = moe::GemmSmem<BN, STAGES>;
+  const GemmOccupancy occ = gemm_setup<BN, STAGES>();
+  if (p.streamk) {
+    launch(moe::moe_gemm_streamk_kernel<BN, STAGES, true>, dim3(unsigned(occ.gemm1 * sms)), moe::kThreads, S::kBytes,
+           stream, pdl, p);
+    if (gemm2)
+      launch(moe::moe_gemm_streamk_kernel<BN, STAGES, false>, dim3(unsigned(occ.gemm2 * sms)), moe::kThreads, S::kBytes,
+             stream, pdl, p);
+    return;
+  }
+  const dim3 g1(unsigned(p.max_tiles), unsigned(2 * p.N / moe::kTileRows));
+  const dim3 g2(unsigned(p.max_tiles), unsigned(p.K / moe::kTileRows));
+  launch(moe::moe_gemm_kernel<BN, STAGES, true>, g1, moe::kThreads, S::kBytes, stream, pdl, p);
+  if (gemm2) launch(moe::moe_gemm_kernel<BN, STAGES, false>, g2, moe::kThreads, S::kBytes, stream, pdl, p);
 }
 
 // Runs the chain; with debug_h set it stops after GEMM1.
@@ -176,21 +249,18 @@ void run_moe(MoeParams& p, const Checked& c, int64_t cta_mode, const at::Tensor&
   moe::moe_route_kernel<<<1, moe::kRouteThreads, route_smem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const unsigned gather_blocks = unsigned(std::min<int64_t>(p.max_rows, int64_t(sms) * 8));
-  if (c.nvfp4)
-    moe::moe_gather_kernel<true><<<gather_blocks, 256, 0, stream>>>(p);
-  else
-    moe::moe_gather_kernel<false><<<gather_blocks, 256, 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const bool pdl = use_pdl();
+  launch(c.nvfp4 ? moe::moe_gather_kernel<true> : moe::moe_gather_kernel<false>, dim3(gather_blocks), dim3(256), 0,
+         stream, pdl, p);
   switch (p.block_n) {
-    case 8: launch_gemms<8, 8>(p, full, stream); break;
-    case 16: launch_gemms<16, 8>(p, full, stream); break;
-    case 64: launch_gemms<64, 6>(p, full, stream); break;
-    default: launch_gemms<128, 4>(p, full, stream); break;
+    case 8: launch_gemms<8, 8>(p, full, stream, sms, pdl); break;
+    case 16: launch_gemms<16, 8>(p, full, stream, sms, pdl); break;
+    case 64: launch_gemms<64, 6>(p, full, stream, sms, pdl); break;
+    default: launch_gemms<128, 4>(p, full, stream, sms, pdl); break;
   }
   if (!full) return;
   const unsigned combine_blocks = unsigned(std::min<int64_t>(c.M, int64_t(sms) * 16));
-  moe::moe_combine_kernel<<<combine_blocks, 256, 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(moe::moe_combine_kernel, dim3(combine_blocks), dim3(256), 0, stream, pdl, p);
 }
 
 struct Workspace {
@@ -216,18 +286,26 @@ Workspace fill_params(MoeParams& p, const Checked& c, int64_t cta_mode, const at
   const int64_t max_tiles = std::max<int64_t>(1, (S + busy * (p.block_n - 1)) / p.block_n);
   p.max_tiles = int(max_tiles);
   p.max_rows = int(max_tiles * p.block_n);
+  // Stream-K indexes its iterations (tiles x weight-row tiles x K steps) in 32 bits.
+  const int64_t sk_iters = max_tiles * (2 * c.N / moe::kTileRows) * (c.K / moe::kTileK);
+  p.streamk = use_streamk(p.block_n) && sk_iters < (int64_t(1) << 31) ? 1 : 0;
+  if (p.streamk) {
+    const GemmOccupancy occ = gemm_setup_for(p.block_n);
+    p.sk_ctas = std::max(occ.gemm1, occ.gemm2) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  }
 
   // One allocation for the whole workspace (fewer allocator calls per step):
-  // ints | xg | h | [hq | hs] | [y], each part 256-byte aligned.
+  // ints | xg | h | [hq | hs] | [y] | [stream-K partials], each part 256-byte aligned.
   Workspace ws;
   auto opt = x.options();
-  const int64_t n_ints = S + p.max_rows + max_tiles + 2;
+  const int64_t n_ints = S + p.max_rows + max_tiles + 2 + 2 * int64_t(p.sk_ctas);
   auto up = [](int64_t b) { return (b + 255) / 256 * 256; };
   const int64_t b_ints = up(n_ints * 4), b_xg = up(int64_t(p.max_rows) * c.K * 2), b_h = up(int64_t(p.max_rows) * c.N * 2);
   const int64_t b_hq = c.nvfp4 ? up(int64_t(p.max_rows) * c.N / 2) : 0;
   const int64_t b_hs = c.nvfp4 ? up(int64_t(p.max_rows) * c.N / 16) : 0;
   const int64_t b_y = full ? up(int64_t(p.max_rows) * c.K * 2) : 0;
-  ws.bytes = at::empty({b_ints + b_xg + b_h + b_hq + b_hs + b_y}, opt.dtype(at::kByte));
+  const int64_t b_part = up(int64_t(p.sk_ctas) * moe::kTileRows * p.block_n * 4);
+  ws.bytes = at::empty({b_ints + b_xg + b_h + b_hq + b_hs + b_y + b_part}, opt.dtype(at::kByte));
   uint8_t* base = ws.bytes.data_ptr<uint8_t>();
   ws.ints = ws.bytes.slice(0, 0, n_ints * 4).view(at::kInt);
   int* ip = reinterpret_cast<int*>(base);
@@ -236,6 +314,7 @@ Workspace fill_params(MoeParams& p, const Checked& c, int64_t cta_mode, const at
   p.tile_expert = ip + S + p.max_rows;
   p.num_tiles = ip + S + p.max_rows + max_tiles;
   p.error_flag = p.num_tiles + 1;
+  p.sk_flags = p.error_flag + 1;
   uint8_t* cur = base + b_ints;
   p.xg = reinterpret_cast<__nv_bfloat16*>(cur);
   cur += b_xg;
@@ -250,6 +329,8 @@ Workspace fill_params(MoeParams& p, const Checked& c, int64_t cta_mode, const at
     cur += b_hs;
   }
   if (full) p.y = reinterpret_cast<__nv_bfloat16*>(cur);
+  cur += b_y;
+  if (p.streamk) p.sk_partial = reinterpret_cast<float*>(cur);
 
   p.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
   p.topk_ids = topk_ids.data_ptr<int>();
