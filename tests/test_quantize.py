@@ -80,6 +80,74 @@ def test_torch_compile_fullgraph_cpu():
     assert torch.equal(codes, ref_codes) and torch.equal(s2, ref_scales.float() * 2)
 
 
+_BOUNDARIES = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+
+
+def _hard_blocks(g, gen, n=4000):
+    """Blocks whose elements sit on and next to every rounding boundary of their own
+    block (t_k * scale * g +- 2 bf16 ulps), every bf16 magnitude below a few block
+    maxima (subnormals included), signed zeros, tiny negatives and infinities."""
+    x = torch.randn(n, 16, generator=gen) * torch.exp(torch.randn(n, 1, generator=gen) * 2)
+    x = x.to(torch.bfloat16)
+    amax = x.float().abs().amax(-1, keepdim=True)
+    d = torch.clamp((amax / 6.0) / g, max=448.0).to(torch.float8_e4m3fn).float() * g
+    pick = _BOUNDARIES[torch.randint(0, 7, (n, 15), generator=gen)]
+    near = (pick * d).to(torch.bfloat16).view(torch.int16)
+    near = (near + torch.randint(-2, 3, (n, 15), generator=gen).to(torch.int16)).view(torch.bfloat16)
+    near = torch.where(near.float().abs() <= amax, near, x[:, 1:])
+    sign = torch.where(torch.rand(n, 15, generator=gen) < 0.5, -1.0, 1.0).to(torch.bfloat16)
+    blocks = [torch.cat([amax.to(torch.bfloat16), near * sign], 1)]
+    every = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    for top in (1.0, 6.0, 2688.0, 0.01):
+        top_b = torch.tensor([top * g]).to(torch.bfloat16)
+        vals = every[every.float() <= top_b.float()]
+        vals = torch.cat([vals, vals[: (-vals.numel()) % 15]]).reshape(-1, 15)
+        sign = torch.where(torch.rand(vals.shape, generator=gen) < 0.5, -1.0, 1.0).to(torch.bfloat16)
+        blocks.append(torch.cat([top_b.expand(vals.shape[0], 1), vals * sign], 1))
+    special = torch.full((4, 16), 1.0).to(torch.bfloat16)
+    special[0, 1:] = -0.0
+    special[1, 1:] = -1e-40  # negative bf16 subnormals: code 8 (y < 0), not 0
+    special[2, 1:] = float("-inf")
+    special[3, 1::2] = 0.0
+    blocks.append(special)
+    return torch.cat(blocks)
+
+
+def _threshold_codes(x, g):
+    """Model of the CUDA kernel's rule (csrc/common/nvfp4.cuh, nvfp4_thresholds):
+    the magnitude code counts the boundaries k with |x| > A_k * d (ties down) or
+    |x| >= B_k * d (ties up), compared exactly in float64; the kernel compares |x|
+    against the bf16 rounding of those products instead, which is the same for bf16
+    x. Returns (codes, mask of the blocks the kernel encodes this way)."""
+    amax = x.float().abs().amax(-1, keepdim=True)
+    sf = torch.clamp((amax / 6.0) / g, max=448.0).to(torch.float8_e4m3fn).float()
+    denom = (sf * g).double()
+    # y = RN_f32(x / d) passes t iff x / d > t + ulp/2 (ties down) or >= t - ulp/2 (ties up)
+    bounds = [(0.25 + 2**-26, True), (0.75 - 2**-25, False), (1.25 + 2**-24, True), (1.75 - 2**-24, False),
+              (2.5 + 2**-23, True), (3.5 - 2**-23, False), (5.0 + 2**-22, True)]
+    mag = x.float().abs().double()
+    code = torch.zeros(x.shape, dtype=torch.int32)
+    for m, strict in bounds:
+        P = m * denom  # exact: 25 x 24 significant bits
+        code += (mag > P if strict else mag >= P).to(torch.int32)
+    code |= (x.float() < 0).to(torch.int32) << 3
+    code = torch.where(sf == 0, 0, code)
+    fast = ((denom >= 2.0**-100) & (denom <= 2.0**16))[:, 0]
+    return code.to(torch.uint8), fast
+
+
+@pytest.mark.parametrize("g", [1.0, 0.37, 1e-3, 2.0**-60, 123.0])
+def test_threshold_rule_matches_reference_cpu(g):
+    # The CUDA encoder replaces x / d by comparisons against per-block bf16 bounds;
+    # check that rule against dsv4.formats on the hardest inputs we have.
+    g = float(torch.tensor(g, dtype=torch.float32))
+    x = _hard_blocks(g, torch.Generator().manual_seed(11), n=2000)
+    code, fast = _threshold_codes(x, g)
+    assert fast.float().mean() > 0.5
+    ref = formats.unpack_fp4(formats.quantize_nvfp4(x, g)[0])
+    assert torch.equal(code[fast], ref[fast])
+
+
 # ---------------------------------------------------------------- GPU ---------
 
 SHAPES = [(1, 16), (3, 48), (127, 512), (1000, 7168), (4096, 2048), (77, 4096)]
@@ -109,6 +177,20 @@ def test_gpu_saturating_and_subnormal_scales():
         ref_codes, ref_scales = formats.quantize_nvfp4(x, g)
         assert torch.equal(codes.cpu(), ref_codes)
         assert torch.equal(scales.cpu().view(torch.uint8), ref_scales.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("g", [1.0, 0.37, 1e-3, 2.0**-60, 123.0, 7000.0])
+def test_gpu_rounding_boundaries(g):
+    # every rounding boundary of the block's own scale +- 2 ulps, every bf16
+    # magnitude under a few maxima, signed zeros, negative subnormals, infinities;
+    # g = 7000 sends many blocks down the exact-division path (d > 2^16)
+    g = float(torch.tensor(g, dtype=torch.float32))
+    x = _hard_blocks(g, torch.Generator().manual_seed(12))
+    codes, scales = dsv4.quantize_nvfp4(x.cuda(), g)
+    ref_codes, ref_scales = formats.quantize_nvfp4(x, g)
+    assert torch.equal(scales.cpu().view(torch.uint8), ref_scales.view(torch.uint8))
+    assert torch.equal(codes.cpu(), ref_codes)
 
 
 @pytest.mark.gpu

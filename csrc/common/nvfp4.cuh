@@ -3,6 +3,7 @@
 // the quantize op and the MoE epilogue are tested bit-exact against it.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <stdint.h>
 
@@ -84,6 +85,77 @@ __device__ __forceinline__ uint32_t nvfp4_encode8(const float (&x)[8], const Nvf
 #pragma unroll
   for (int i = 0; i < 8; ++i) packed |= e2m1_code(x[i] / d.denom) << (4 * i);
   return packed;
+}
+
+// Encoding bf16 inputs by per-block thresholds.
+//
+// For a fixed divisor d the code magnitude is a monotone step function of |x|, and x
+// is bf16, so "y = RN(x / d) rounds to code >= k" is exactly "|x| >= T_k" for seven
+// bf16 values T_k that depend on d only. Computing them once per block (in double,
+// where m * d is exact) turns the per-element work into packed bf16x2 compares
+// and adds (about half the instructions of nvfp4_encode8), bit-identical by
+// construction.
+//
+// Boundary k of the e2m1 grid sits at t_k = .25 .75 1.25 1.75 2.5 3.5 5; ties at
+// .75, 1.75 and 3.5 go up (to the even code), the others down. With y = RN_f32(q),
+// q = |x| / d: y > t  <=>  q > t + ulp(t)/2, and y >= t  <=>  q >= t - ulp(t)/2
+// (each t has an even last mantissa bit, so the f32 tie goes to t). ulp(t)/2 =
+// 2^(exponent(t) - 24).
+struct Nvfp4Thresholds {
+  uint32_t t[7];  // T_1..T_7, each replicated into both halves of a bf16x2 word
+};
+
+// Smallest bf16 (bit pattern, replicated) above P (strict) or at or above P, for a
+// positive P in the normal f32 range: floor to bf16 by truncating the double's
+// high word, then step up one bf16 ulp unless P is a bf16 value and the bound is
+// not strict.
+__device__ __forceinline__ uint32_t nvfp4_bf16_bound(double P, bool strict) {
+  const uint32_t hi = uint32_t(__double2hiint(P)), lo = uint32_t(__double2loint(P));
+  uint32_t t = (hi >> 13) - (uint32_t(1023 - 127) << 7);
+  t += strict ? 1u : uint32_t(((hi & 0x1fffu) | lo) != 0u);
+  return t * 0x10001u;
+}
+
+// Only for 2^-100 <= denom <= 2^16 (as Nvfp4Divisor::fast): every product below is
+// then a normal f32 magnitude, and no nonzero x / d underflows to a signed zero,
+// so the code's sign bit is simply x < 0.
+__device__ __forceinline__ Nvfp4Thresholds nvfp4_thresholds(float denom) {
+  const double d = double(denom);
+  Nvfp4Thresholds T;
+  T.t[0] = nvfp4_bf16_bound((0.25 + 0x1p-26) * d, true);
+  T.t[1] = nvfp4_bf16_bound((0.75 - 0x1p-25) * d, false);
+  T.t[2] = nvfp4_bf16_bound((1.25 + 0x1p-24) * d, true);
+  T.t[3] = nvfp4_bf16_bound((1.75 - 0x1p-24) * d, false);
+  T.t[4] = nvfp4_bf16_bound((2.5 + 0x1p-23) * d, true);
+  T.t[5] = nvfp4_bf16_bound((3.5 - 0x1p-23) * d, false);
+  T.t[6] = nvfp4_bf16_bound((5.0 + 0x1p-22) * d, true);
+  return T;
+}
+
+__device__ __forceinline__ __nv_bfloat162 as_bf16x2(uint32_t w) { return *reinterpret_cast<const __nv_bfloat162*>(&w); }
+
+// One bf16x2 word (elements 2i, 2i+1) -> their codes in the low byte of each half.
+// Each bound passed adds 1.0 (bf16 set-on-compare), accumulated from 128 (+8 for
+// x < 0, which excludes -0 as the reference does): 128 + c is exact in bf16 for
+// c <= 15, so the code is the low byte. The adds run on the FMA pipes; a binary
+// search over the bounds with bit selects (3 compares + 7 LOP3 per word) was 5%
+// slower because the integer pipe was the limit (docs/perf.md, v7).
+__device__ __forceinline__ uint32_t nvfp4_pair_codes(uint32_t w, const Nvfp4Thresholds& T) {
+  const __nv_bfloat162 x = as_bf16x2(w), a = __habs2(x);
+  __nv_bfloat162 acc = __hfma2(__hlt2(x, __float2bfloat162_rn(0.0f)), __float2bfloat162_rn(8.0f),
+                               __float2bfloat162_rn(128.0f));
+#pragma unroll
+  for (int k = 0; k < 7; ++k) acc = __hadd2(acc, __hge2(a, as_bf16x2(T.t[k])));
+  return *reinterpret_cast<const uint32_t*>(&acc);
+}
+
+// Four bf16x2 words (8 consecutive elements) -> 8 nibbles, element 0 lowest.
+__device__ __forceinline__ uint32_t nvfp4_encode8_bf16(const uint32_t (&w)[4], const Nvfp4Thresholds& T) {
+  const uint32_t v0 = nvfp4_pair_codes(w[0], T), v1 = nvfp4_pair_codes(w[1], T);
+  const uint32_t v2 = nvfp4_pair_codes(w[2], T), v3 = nvfp4_pair_codes(w[3], T);
+  const uint32_t p01 = __byte_perm(v0, v1, 0x6240), p23 = __byte_perm(v2, v3, 0x6240);
+  const uint32_t even = __byte_perm(p01, p23, 0x5410), odd = __byte_perm(p01, p23, 0x7632);
+  return odd * 16u + even;  // no carries: every byte of `even` is < 16
 }
 
 // `scale` is the decoded block scale; a zero scale (all-zero block, or underflow)

@@ -41,10 +41,12 @@ std::tuple<at::Tensor, at::Tensor> quantize_nvfp4(const at::Tensor& x, const at:
   p.blocks_per_row = FastDivmod(uint32_t(K / 16));
   p.x_row_stride = M > 1 ? x.stride(0) : K;
 
-  constexpr int kThreads = 256, kUnroll = 2;
+  // 512 x 1 with 2 resident CTAs per SM (56 registers) was the fastest of the
+  // thread/unroll/grid combinations measured for v7 (docs/perf.md)
+  constexpr int kThreads = 512, kUnroll = 1;
   const int64_t per_cta = int64_t(kThreads) * kUnroll;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t blocks = std::min<int64_t>((nblocks + per_cta - 1) / per_cta, int64_t(sms) * 8);
+  const int64_t blocks = std::min<int64_t>((nblocks + per_cta - 1) / per_cta, int64_t(sms) * 4);
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (p.x_row_stride == K)
     quantize_nvfp4_kernel<kThreads, kUnroll, true><<<dim3(unsigned(blocks)), kThreads, 0, stream>>>(p);

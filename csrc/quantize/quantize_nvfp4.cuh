@@ -2,9 +2,9 @@
 // element) and e4m3 block scales [M, K/16], both row-major and dense. This is the
 // activation layout the NVFP4 MoE kernels read.
 //
-// Memory bound in bytes, but the exact rounding rules cost ~20 instructions per
-// element, so the kernel is written to keep both the memory system and the FMA
-// pipes busy (see docs/perf.md, quantize_nvfp4).
+// Memory bound in bytes, but DESIGN's exact rounding rule made it instruction
+// bound: it is met with per-block bf16 thresholds (nvfp4_thresholds), which
+// roughly halves the per-element work (see docs/perf.md, quantize_nvfp4).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -25,7 +25,39 @@ struct QuantizeNvfp4Params {
   int64_t x_row_stride;
 };
 
-// One thread per 16-element block: the per-block work (amax, scale, reciprocal)
+// Encodes block b from its 16 bf16 values (8 bf16x2 words) and stores its codes
+// and scale.
+__device__ __forceinline__ void encode_block(const QuantizeNvfp4Params& p, uint32_t b, const uint32_t* w, float g) {
+  // bf16 max is exact, so the amax can be taken on packed pairs
+  __nv_bfloat162 m2 = __habs2(as_bf16x2(w[0]));
+#pragma unroll
+  for (int i = 1; i < 8; ++i) m2 = __hmax2(m2, __habs2(as_bf16x2(w[i])));
+  const float amax = fmaxf(__low2float(m2), __high2float(m2));
+  const __nv_fp8_e4m3 s = nvfp4_block_scale(amax, g);
+  uint2 word = make_uint2(0, 0);
+  if (float(s) != 0.0f) {
+    const float denom = float(s) * g;
+    if (denom >= 0x1p-100f && denom <= 0x1p16f) {
+      const Nvfp4Thresholds T = nvfp4_thresholds(denom);
+      const uint32_t w0[4] = {w[0], w[1], w[2], w[3]}, w1[4] = {w[4], w[5], w[6], w[7]};
+      word = make_uint2(nvfp4_encode8_bf16(w0, T), nvfp4_encode8_bf16(w1, T));
+    } else {
+      // divisors outside [2^-100, 2^16]: exact division per element
+      float v[2][8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float2 f = __bfloat1622float2(as_bf16x2(w[i]));
+        v[i / 4][2 * (i % 4)] = f.x;
+        v[i / 4][2 * (i % 4) + 1] = f.y;
+      }
+      word = make_uint2(nvfp4_encode8(v[0], float(s), g), nvfp4_encode8(v[1], float(s), g));
+    }
+  }
+  reinterpret_cast<uint2*>(p.codes)[b] = word;
+  p.scales[b] = s;
+}
+
+// One thread per 16-element block: the per-block work (amax, scale, thresholds)
 // is done once, and the thread loads its next blocks before encoding the current
 // ones so that enough bytes stay in flight while it computes.
 template <bool kContiguous>
@@ -63,27 +95,7 @@ __global__ void __launch_bounds__(kThreads) quantize_nvfp4_kernel(const Quantize
     for (int u = 0; u < kUnroll; ++u) {
       const uint32_t b = base + u * kThreads + threadIdx.x;
       if (b >= p.blocks) continue;
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(raw[u]);
-      // bf16 max is exact, so the amax can be taken on packed pairs
-      __nv_bfloat162 m2 = __habs2(h[0]);
-#pragma unroll
-      for (int i = 1; i < 8; ++i) m2 = __hmax2(m2, __habs2(h[i]));
-      const float amax = fmaxf(__low2float(m2), __high2float(m2));
-      const __nv_fp8_e4m3 s = nvfp4_block_scale(amax, g);
-      uint2 word = make_uint2(0, 0);
-      if (float(s) != 0.0f) {
-        const Nvfp4Divisor d = nvfp4_divisor(float(s), g);
-        float v[2][8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const float2 f = __bfloat1622float2(h[i]);
-          v[i / 4][2 * (i % 4)] = f.x;
-          v[i / 4][2 * (i % 4) + 1] = f.y;
-        }
-        word = make_uint2(nvfp4_encode8(v[0], d), nvfp4_encode8(v[1], d));
-      }
-      reinterpret_cast<uint2*>(p.codes)[b] = word;
-      p.scales[b] = s;
+      encode_block(p, b, reinterpret_cast<const uint32_t*>(raw[u]), g);
     }
   }
 }
