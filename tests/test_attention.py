@@ -21,10 +21,11 @@ from dsv4.attention import sparse_mqa_decode, sparse_mqa_prefill
 
 HAS_GPU = torch.cuda.is_available() and dsv4._ops.HAS_CUDA_EXTENSION
 # Kernel implementation variants (csrc/attention/sparse_mqa_params.cuh kFlag*): 0 = first
-# version, 7 = lazy O rescale + cp.async bf16 gather + wide fp8 gather (d-split consumers),
-# 24 = key-split consumers + bit-field fp8 dequant on the narrow fp8 gather, no lazy rescale,
-# no S/PV overlap. None = the built-in default (63: everything).
-FLAG_VARIANTS = [None, "0", "7", "24"]
+# version, None = the built-in default 7 (lazy O rescale + cp.async bf16 gather + wide fp8
+# gather, d-split consumers), 63 = key-split consumers + S/PV overlap + bit-field fp8 dequant
+# on top of 7, 24 = key-split + bit-field dequant on the narrow fp8 gather, no lazy rescale,
+# no S/PV overlap.
+FLAG_VARIANTS = [None, "0", "63", "24"]
 
 
 @pytest.fixture

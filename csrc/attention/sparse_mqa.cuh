@@ -10,7 +10,10 @@
 //        (wgmma m64n64k16, Q and K from smem), the two partials are summed through smem
 //        (both consumers then hold the identical S), both run the same online softmax,
 //        and WG1+g accumulates O[:, 256g : 256g+256] = P V (wgmma m64n256k16, P from
-//        registers, V = the same smem tile read MN-major).
+//        registers, V = the same smem tile read MN-major). The consumers also load Q
+//        (cp.async), so the producer's first gather overlaps it.
+// kKeySplit (flag 8, measured slower, docs/perf.md v1) splits S by keys instead: 32 keys per
+// consumer over the full d, only row maxima and bf16 P halves cross warpgroups.
 // The smem tile layout (Q and KV alike): 8 column blocks of 64 d (8 KB each), each block
 // 64 rows x 128 B with the 128-byte swizzle (16-byte chunk j of row r at j ^ (r % 8)).
 #pragma once

@@ -51,10 +51,10 @@ constexpr int kFlagFp8Wide = 4;       // fp8 rows: 8 rows per warp in flight (la
 constexpr int kFlagKeySplit = 8;      // consumers split S by keys (32 each) instead of by d
 constexpr int kFlagFp8BitDequant = 16;  // fp8 -> bf16 by moving bit fields + 2 bf16 multiplies
 constexpr int kFlagOverlapS = 32;     // key-split only: issue S(j+1) behind PV(j)
-// Default = all three: fastest measured on the H200 (docs/perf_attention.md); 0 is the
-// first version. Every variant is covered by tests/test_attention.py.
-constexpr int kDefaultFlags = kFlagLazyRescale | kFlagCpAsyncBf16 | kFlagFp8Wide | kFlagKeySplit | kFlagFp8BitDequant |
-                                   kFlagOverlapS;
+// Default = 7 (d-split consumers, lazy rescale, cp.async bf16 gather, wide fp8 gather): the
+// fastest measured on the H200 (docs/perf.md, v1: key-split 15/47 and the bit-field dequant 63
+// were not faster). 0 is the first version. Every variant is covered by tests/test_attention.py.
+constexpr int kDefaultFlags = kFlagLazyRescale | kFlagCpAsyncBf16 | kFlagFp8Wide;
 
 }  // namespace attention
 }  // namespace dsv4
