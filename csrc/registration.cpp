@@ -34,4 +34,9 @@ TORCH_LIBRARY(dsv4, m) {
   m.def(
       "sparse_mqa_prefill(Tensor q, Tensor kv, Tensor indices, Tensor? topk_length, "
       "Tensor? attn_sink, float softmax_scale, Tensor(a!) out) -> Tensor");
+  // csrc/fmha
+  m.def(
+      "dense_fmha(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_kv, Tensor n_comp, "
+      "Tensor? seq_start_pos, Tensor? attn_sink, float softmax_scale, int window, bool causal, int ratio, "
+      "int max_seqlen_q, Tensor(a!) out) -> Tensor");
 }

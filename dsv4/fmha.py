@@ -8,12 +8,18 @@ query sees window entries in ``[p - window + 1, p]`` and compressed entry w iff
 ``w < (p + 1) // ratio``. Per-head sink in the denominator; lse excludes the sink; a query
 with nothing visible gets zeros and lse = -inf.
 
-CUDA today: the visible rows of each query are two contiguous ranges, so they are written
-as an index list (on the device, no host sync) and run through the sparse MQA prefill
-kernel, which covers DeepSeek V4's case (head dim 512, one shared KV head = K = V, 64 or
-128 query heads, bf16). Other head dims and GQA run on the CPU reference only and raise a
-clear error on CUDA; a dedicated dense kernel (contiguous tiles instead of gathered rows,
-head dims 64-256) is the open part of this op.
+CUDA: two kernels behind one call.
+
+* Head dims 64, 128, 256 (any GQA/MQA grouping, K and V of the same head dim): the dense
+  kernel ``dsv4::dense_fmha`` (csrc/fmha/): masks computed in the kernel from positions,
+  KV read as contiguous tiles. It does not split the KV axis: one CTA walks all of its
+  query rows' visible keys.
+* Head dim 512 with one KV head that is both K and V and 64 or 128 query heads
+  (DeepSeek V4): the visible rows of each query are two contiguous ranges, written as an
+  index list on the device (no host sync) and run through the sparse MQA prefill kernel,
+  which has the wgmma pipeline for that shape.
+
+Anything else raises a clear error on CUDA (the CPU path runs every shape).
 """
 
 from __future__ import annotations
@@ -23,9 +29,27 @@ from typing import Optional, Union
 import torch
 
 from . import reference
+from ._ops import op
 from .attention import HEAD_DIM, sparse_mqa_prefill
 
-__all__ = ["fmha"]
+__all__ = ["fmha", "index_width", "visible_rows"]
+
+DENSE_HEAD_DIMS = (64, 128, 256)
+
+
+@torch.library.register_fake("dsv4::dense_fmha")
+def _(q, k, v, cu_seqlens_q, cu_seqlens_kv, n_comp, seq_start_pos, attn_sink, softmax_scale, window, causal,
+      ratio, max_seqlen_q, out):
+    return q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+
+
+@torch.library.impl("dsv4::dense_fmha", "CPU")
+def _(q, k, v, cu_seqlens_q, cu_seqlens_kv, n_comp, seq_start_pos, attn_sink, softmax_scale, window, causal,
+      ratio, max_seqlen_q, out):
+    o, lse = reference.dense_fmha(q, k, v, cu_seqlens_q, cu_seqlens_kv, n_comp, window=window, causal=causal,
+                                  ratio=ratio, seq_start_pos=seq_start_pos, sink=attn_sink, scale=softmax_scale)
+    out.copy_(o)
+    return lse
 
 
 def visible_rows(
@@ -75,6 +99,22 @@ def visible_rows(
     return idx.to(torch.int32), lengths.to(torch.int32)
 
 
+def index_width(max_seqlen_kv: int, *, window: int, causal: bool, ratio: int, has_start_pos: bool) -> int:
+    """Host-side upper bound on any query's visible row count, the index list width.
+
+    Causal, positions starting at 0: a query at position p < L_w sees at most
+    min((p + 1) // ratio, n_comp) compressed entries, and n * (ratio + 1) <= n_comp + L_w
+    <= max_seqlen_kv bounds that by max_seqlen_kv // (ratio + 1); the window part adds
+    at most ``window``. For DeepSeek V4 (ratio 4, window 128) this is ~1/5 of
+    max_seqlen_kv, which keeps the index list (and its memory traffic) small. Otherwise
+    (not causal, or sequences starting at arbitrary positions) max_seqlen_kv.
+    """
+    if not causal or has_start_pos or ratio < 1:
+        return max_seqlen_kv
+    win = min(window, max_seqlen_kv) if window > 0 else max_seqlen_kv
+    return min(max_seqlen_kv, max_seqlen_kv // (ratio + 1) + win)
+
+
 def fmha(
     q: torch.Tensor,
     kv: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]],
@@ -90,6 +130,7 @@ def fmha(
     attn_sink: Optional[torch.Tensor] = None,
     softmax_scale: Optional[float] = None,
     out: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense masked attention over a ragged batch (see the module docstring for the masks).
 
@@ -107,16 +148,23 @@ def fmha(
             absolute position of each sequence's first window entry (default 0).
         attn_sink: fp32 ``[Hq]`` or None. softmax_scale: default ``D ** -0.5``.
         out: optional output buffer ``[Tq, Hq, Dv]`` of q's dtype.
+        max_seqlen_q: host int >= every sequence's query count (sizes the dense kernel's
+            grid; default Tq, always safe). A smaller value leaves rows unwritten.
 
     Returns:
         ``(out [Tq, Hq, Dv], lse fp32 [Tq, Hq])``.
 
-    CUDA supports D = 512 with K = V shared by one KV head and Hq in {64, 128} (DeepSeek
-    V4); anything else raises ValueError there (the CPU path runs every shape).
+    CUDA supports D in {64, 128, 256} with Dv = D (dense kernel, any Hq multiple of Hkv)
+    and D = 512 with K = V shared by one KV head and Hq in {64, 128} (DeepSeek V4);
+    anything else raises ValueError there (the CPU path runs every shape).
     """
     # checked on every device, so a call that works on CPU tensors works on CUDA ones
     if isinstance(max_seqlen_kv, bool) or not isinstance(max_seqlen_kv, int) or max_seqlen_kv < 0:
         raise ValueError(f"dsv4: max_seqlen_kv must be a non-negative int, got {max_seqlen_kv!r}")
+    if max_seqlen_q is None:
+        max_seqlen_q = q.shape[0]
+    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+        raise ValueError(f"dsv4: max_seqlen_q must be a non-negative int, got {max_seqlen_q!r}")
     k, v = kv if isinstance(kv, tuple) else (kv, kv)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     if q.device.type != "cuda":
@@ -128,13 +176,25 @@ def fmha(
             out = torch.empty(o.shape, dtype=q.dtype, device=q.device)
         out.copy_(o)
         return out, lse
+    d = q.shape[-1] if q.dim() == 3 else None
+    if d in DENSE_HEAD_DIMS and k.dim() == 3 and v.dim() == 3 and k.shape[-1] == d and v.shape[-1] == d:
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        ints = [t.to(torch.int32) for t in (cu_seqlens_q, cu_seqlens_kv, n_comp)]
+        start = seq_start_pos.to(torch.int32) if seq_start_pos is not None else None
+        lse = op("dense_fmha")(q, k, v, *ints, start, attn_sink, scale, int(window), bool(causal), int(ratio),
+                               max_seqlen_q, out)
+        return out, lse
     if not (v is k and k.dim() == 3 and k.shape[1] == 1 and q.dim() == 3 and q.shape[-1] == HEAD_DIM
             and k.shape[-1] == HEAD_DIM and q.shape[1] in (64, 128)):
         raise ValueError(
-            "dsv4.fmha on CUDA supports head dim 512 with one KV head that is both K and V and 64 or "
-            f"128 query heads (DeepSeek V4); got q {tuple(q.shape)}, k {tuple(k.shape)}, "
-            f"v {'= k' if v is k else tuple(v.shape)}. Other shapes run on CPU tensors only for now."
+            "dsv4.fmha on CUDA supports head dims 64/128/256 (k and v of the same head dim) and head dim 512 "
+            "with one KV head that is both K and V and 64 or 128 query heads (DeepSeek V4); got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {'= k' if v is k else tuple(v.shape)}. "
+            "Other shapes run on CPU tensors only."
         )
-    indices, lengths = visible_rows(q.shape[0], cu_seqlens_q, cu_seqlens_kv, n_comp, width=max(1, max_seqlen_kv),
+    width = max(1, index_width(max_seqlen_kv, window=window, causal=causal, ratio=ratio,
+                               has_start_pos=seq_start_pos is not None))
+    indices, lengths = visible_rows(q.shape[0], cu_seqlens_q, cu_seqlens_kv, n_comp, width=width,
                                     window=window, causal=causal, ratio=ratio, seq_start_pos=seq_start_pos)
     return sparse_mqa_prefill(q, k.reshape(k.shape[0], HEAD_DIM), indices, lengths, attn_sink, scale, out=out)

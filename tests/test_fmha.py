@@ -11,7 +11,7 @@ import torch
 
 from dsv4 import reference
 from dsv4.attention import sparse_mqa_prefill
-from dsv4.fmha import fmha, visible_rows
+from dsv4.fmha import fmha, index_width, visible_rows
 
 # (q lengths, kv lengths, n_comp, window, causal, ratio, start positions)
 CASES = [
@@ -52,6 +52,28 @@ def test_index_lists_match_dense_reference(case):
                                   idx, lengths, sink, 512**-0.5)
     torch.testing.assert_close(out.float(), ref_out, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_index_width_bounds_every_visible_set(seed):
+    # random ragged causal batches starting at position 0: the host-side width that the
+    # CUDA path sizes its index list with must cover every query's visible rows
+    gen = torch.Generator().manual_seed(seed)
+    S = int(torch.randint(1, 6, (1,), generator=gen))
+    ratio = int(torch.randint(1, 9, (1,), generator=gen))
+    window = int(torch.randint(-1, 40, (1,), generator=gen))
+    lw = torch.randint(0, 300, (S,), generator=gen)
+    nc = torch.minimum(torch.randint(0, 120, (S,), generator=gen), lw // ratio + torch.randint(0, 3, (S,), generator=gen))
+    tq = torch.minimum(lw, torch.randint(0, 300, (S,), generator=gen))
+    cu_q = torch.cat([torch.zeros(1, dtype=torch.long), tq.cumsum(0)])
+    cu_kv = torch.cat([torch.zeros(1, dtype=torch.long), (nc + lw).cumsum(0)])
+    max_kv = int((nc + lw).max())
+    width = index_width(max_kv, window=window, causal=True, ratio=ratio, has_start_pos=False)
+    _, lengths = visible_rows(int(cu_q[-1]), cu_q, cu_kv, nc, width=max(1, max_kv), window=window, causal=True,
+                              ratio=ratio)
+    assert (int(lengths.max()) if lengths.numel() else 0) <= width <= max_kv
+    assert index_width(max_kv, window=window, causal=False, ratio=ratio, has_start_pos=False) == max_kv
+    assert index_width(max_kv, window=window, causal=True, ratio=ratio, has_start_pos=True) == max_kv
 
 
 def test_visible_rows_hand_example():
@@ -121,11 +143,83 @@ def test_gpu_vs_reference(case, heads):
 
 @pytest.mark.gpu
 def test_gpu_unsupported_shape_is_a_clear_error():
-    q = torch.randn(4, 64, 128, device="cuda").bfloat16()
-    kv = torch.randn(10, 1, 128, device="cuda").bfloat16()
-    cu = torch.tensor([0, 4], device="cuda")
+    cu, ckv, nc = (torch.tensor(v, device="cuda") for v in ([0, 4], [0, 10], [2]))
+    kv = torch.randn(10, 1, 96, device="cuda").bfloat16()
+    with pytest.raises(ValueError, match="head dims 64/128/256"):
+        fmha(torch.randn(4, 8, 96, device="cuda").bfloat16(), kv, cu, ckv, nc, max_seqlen_kv=10)
+    # D = 512 through the sparse kernel needs one shared K = V head
+    kv2 = torch.randn(10, 2, 512, device="cuda").bfloat16()
     with pytest.raises(ValueError, match="head dim 512"):
-        fmha(q, kv, cu, torch.tensor([0, 10], device="cuda"), torch.tensor([2], device="cuda"), max_seqlen_kv=10)
+        fmha(torch.randn(4, 64, 512, device="cuda").bfloat16(), kv2, cu, ckv, nc, max_seqlen_kv=10)
+
+
+# dense kernel (head dims 64-256): ragged batches, GQA, long sequences (many KV and query
+# tiles), sink variants, separate k and v
+LONG = ([300, 77], [1000, 260], [200, 40], 128, True, 4, [0, 33])
+DENSE_CASES = CASES + [LONG, ([130], [700], [0], 0, True, 1, None), ([65], [400], [100], 64, False, 4, None)]
+
+
+def _dense_inputs(case, d, hq, hkv, seed, separate_v):
+    qlens, kvlens, ncomp, window, causal, ratio, starts = case
+    gen = torch.Generator().manual_seed(seed)
+    cu_q = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32)
+    cu_kv = torch.tensor([0] + list(torch.tensor(kvlens).cumsum(0)), dtype=torch.int32)
+    n_kv = max(1, int(cu_kv[-1]))
+    q = torch.randn(int(cu_q[-1]), hq, d, generator=gen).bfloat16()
+    k = torch.randn(n_kv, hkv, d, generator=gen).bfloat16()
+    v = torch.randn(n_kv, hkv, d, generator=gen).bfloat16() if separate_v else k
+    sink = torch.randn(hq, generator=gen)
+    sink[0], sink[-1] = float("-inf"), float("inf")  # no sink / output forced to zero
+    start = torch.tensor(starts, dtype=torch.int32) if starts is not None else None
+    return q, k, v, cu_q, cu_kv, torch.tensor(ncomp, dtype=torch.int32), window, causal, ratio, start, sink
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(len(DENSE_CASES)))
+@pytest.mark.parametrize("d, hq, hkv", [(64, 8, 2), (128, 4, 4), (256, 6, 1)])
+def test_gpu_dense_vs_reference(case, d, hq, hkv):
+    q, k, v, cu_q, cu_kv, nc, window, causal, ratio, start, sink = _dense_inputs(
+        DENSE_CASES[case], d, hq, hkv, seed=case * 7 + d, separate_v=case % 2 == 0)
+    nkv = int(cu_kv[-1])
+    ref_out, ref_lse = reference.dense_fmha(q, k[:nkv], v[:nkv], cu_q, cu_kv, nc, window=window, causal=causal,
+                                            ratio=ratio, seq_start_pos=start, sink=sink, scale=0.3 / d**0.5)
+    dev = [t.cuda() if t is not None else None for t in (q, k, v, cu_q, cu_kv, nc, start, sink)]
+    qd, kd, vd, cqd, ckd, ncd, sd, sinkd = dev
+    out = torch.full_like(qd, float("nan"))  # poisoned: every row must be written
+    max_q = int((cu_q[1:] - cu_q[:-1]).max()) if case % 3 else None  # exact bound, or the default (Tq)
+    got, lse = fmha(qd, (kd, vd), cqd, ckd, ncd, max_seqlen_kv=max(1, int((cu_kv[1:] - cu_kv[:-1]).max())),
+                    window=window, causal=causal, ratio=ratio, seq_start_pos=sd, attn_sink=sinkd,
+                    softmax_scale=0.3 / d**0.5, out=out, max_seqlen_q=max_q)
+    assert got is out and not torch.isnan(got).any()
+    if q.shape[0]:
+        err = (got.float().cpu() - ref_out).norm() / ref_out.norm().clamp(min=1e-30)
+        assert err <= 3e-3, err
+        assert bool((got[:, -1].float() == 0).all())  # sink = +inf
+    torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-3, rtol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_dense_opcheck():
+    q, k, v, cu_q, cu_kv, nc, window, causal, ratio, start, sink = _dense_inputs(CASES[0], 64, 4, 2, 3, True)
+    args = [t.cuda() for t in (q, k, v, cu_q, cu_kv, nc)] + [None, sink.cuda(), 0.125, window, causal, ratio,
+                                                             int(q.shape[0]), torch.empty_like(q.cuda())]
+    torch.library.opcheck(torch.ops.dsv4.dense_fmha.default, args)
+
+
+@pytest.mark.gpu
+def test_gpu_dense_bad_inputs():
+    q, k, v, cu_q, cu_kv, nc, *_ = _dense_inputs(CASES[0], 64, 6, 4, 3, True)
+    q, k, v, cu_q, cu_kv, nc = (t.cuda() for t in (q, k, v, cu_q, cu_kv, nc))
+    with pytest.raises(RuntimeError, match="multiple of k/v heads"):
+        fmha(q, (k, v), cu_q, cu_kv, nc, max_seqlen_kv=40)
+    with pytest.raises(RuntimeError, match="must have dtype"):
+        fmha(q[:, :4].float(), (k[:, :2].float(), v[:, :2].float()), cu_q, cu_kv, nc, max_seqlen_kv=40)
+    with pytest.raises(RuntimeError, match="n_comp must have shape"):
+        fmha(q[:, :4], (k[:, :2], v[:, :2]), cu_q, cu_kv, nc[:2], max_seqlen_kv=40)
+    with pytest.raises(RuntimeError, match="ratio must be >= 1"):
+        fmha(q[:, :4], (k[:, :2], v[:, :2]), cu_q, cu_kv, nc, max_seqlen_kv=40, ratio=0)
+    with pytest.raises(RuntimeError, match="attn_sink must have shape"):
+        fmha(q[:, :4], (k[:, :2], v[:, :2]), cu_q, cu_kv, nc, max_seqlen_kv=40, attn_sink=torch.zeros(3, device="cuda"))
 
 
 @pytest.mark.gpu
@@ -141,4 +235,21 @@ def test_gpu_cuda_graph_replay():
     q.copy_(torch.randn_like(q.float()).bfloat16())
     graph.replay()
     eager, _ = fmha(q, kv, cu_q, cu_kv, nc, **kw)
+    assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+def test_gpu_dense_cuda_graph_replay():
+    q, k, v, cu_q, cu_kv, nc, window, causal, ratio, start, sink = _dense_inputs(LONG, 128, 8, 2, 9, True)
+    q, k, v, cu_q, cu_kv, nc, start, sink = (t.cuda() for t in (q, k, v, cu_q, cu_kv, nc, start, sink))
+    kw = dict(max_seqlen_kv=1000, window=window, causal=causal, ratio=ratio, seq_start_pos=start, attn_sink=sink,
+              max_seqlen_q=300)
+    out = torch.empty_like(q)
+    fmha(q, (k, v), cu_q, cu_kv, nc, out=out, **kw)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fmha(q, (k, v), cu_q, cu_kv, nc, out=out, **kw)
+    q.copy_(torch.randn_like(q.float()).bfloat16())
+    graph.replay()
+    eager, _ = fmha(q, (k, v), cu_q, cu_kv, nc, **kw)
     assert torch.equal(out, eager)
