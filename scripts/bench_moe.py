@@ -18,8 +18,9 @@ the baseline; 2-CTA vs 1-CTA at prefill.
 Usage: python scripts/bench_moe.py [--quick] [--activation bf16|nvfp4|both] [--models flash,pro]
     [--decode 1,64] [--prefill 8192] [--variants "sk=0,pdl=0;sk=1,pdl=1"] [--profile]
 
---variants times every case under each set of DSV4_MOE_* switches (sk -> DSV4_MOE_STREAMK:
-stream-K GEMM grid off/on; pdl -> DSV4_MOE_PDL: programmatic dependent launch off/on), in
+--variants times every case under each set of DSV4_MOE_* switches (sk -> DSV4_MOE_SPLITK:
+split-K persistent GEMM grid off/on; pdl -> DSV4_MOE_PDL: programmatic dependent launch off/on;
+dx -> DSV4_MOE_DIRECT_X: bf16 decode GEMM1 reading x itself instead of a gather kernel), in
 the same process; without it the library's defaults run. --profile prints per-kernel device
 times (torch.profiler) of the first model's decode sizes under each variant.
 """
@@ -86,7 +87,7 @@ def baseline(inp, w13, w2, E, N):
     return moe_bf16_baseline(inp["x"], inp["ids"], inp["tw"], inp["emap"], w13, w2, LIMIT)
 
 
-SWITCHES = {"sk": "DSV4_MOE_STREAMK", "pdl": "DSV4_MOE_PDL"}
+SWITCHES = {"sk": "DSV4_MOE_SPLITK", "pdl": "DSV4_MOE_PDL", "dx": "DSV4_MOE_DIRECT_X"}
 
 
 def set_variant(v):

@@ -378,14 +378,18 @@ def test_gpu_odd_k_steps(activation, M):
         assert err <= (5e-3 if activation == "bf16" else 2e-2), f"relative L2 {err:.3e}"
 
 
-# Stream-K (persistent, split-K with an in-kernel deterministic fixup) against the
-# classic grid, forced either way with DSV4_MOE_STREAMK for every token tile: decode
-# tiles (where it is the default), the prefill tiles (64 and the cta_mode=2 128), an
-# item split over many CTAs (M=1) and odd K-step counts (segments of odd length).
-STREAMK_CASES = [
+# Split-K (persistent grid, items cut into K chunks, the last-arriving chunk's CTA adds
+# the partials in chunk order) against the classic grid, forced either way with
+# DSV4_MOE_SPLITK for every token tile: decode tiles (the default when the classic grid
+# would not fill one wave), the prefill tiles (64 and the cta_mode=2 128: one chunk per
+# item, persistent), items split 6-8 ways (M=1, 2: chunks of odd length at M=2) and
+# odd K-step counts. The determinism check in test_gpu_vs_reference matters here:
+# routing places rows in tiles in atomics order, and a row's sums must not depend on it.
+SPLITK_CASES = [
     (FLASH, 1, "uniform", True, 10.0, "bf16", "auto"),
+    (FLASH, 2, "uniform", True, 10.0, "nvfp4", "auto"),
     (FLASH, 64, "uniform", True, 10.0, "nvfp4", "auto"),
-    (FLASH, 160, "uniform", False, None, "bf16", "auto"),
+    (FLASH, 3, "skewed", False, None, "bf16", "auto"),
     (FLASH, 2048, "uniform", False, 10.0, "nvfp4", 1),
     (FLASH, 4096, "uniform", False, 10.0, "bf16", 2),
     (PRO, 64, "uniform", True, 10.0, "nvfp4", "auto"),
@@ -393,17 +397,17 @@ STREAMK_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("streamk", ["0", "1"])
-@pytest.mark.parametrize("shape,M,routing,use_map,limit,activation,cta", STREAMK_CASES)
-def test_gpu_streamk_forced(monkeypatch, streamk, shape, M, routing, use_map, limit, activation, cta):
-    monkeypatch.setenv("DSV4_MOE_STREAMK", streamk)
+@pytest.mark.parametrize("splitk", ["0", "1"])
+@pytest.mark.parametrize("shape,M,routing,use_map,limit,activation,cta", SPLITK_CASES)
+def test_gpu_splitk_forced(monkeypatch, splitk, shape, M, routing, use_map, limit, activation, cta):
+    monkeypatch.setenv("DSV4_MOE_SPLITK", splitk)
     test_gpu_vs_reference(shape, M, routing, use_map, limit, activation, cta)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", ["bf16", "nvfp4"])
-def test_gpu_streamk_odd_k_steps(monkeypatch, activation):
-    monkeypatch.setenv("DSV4_MOE_STREAMK", "1")
+def test_gpu_splitk_odd_k_steps(monkeypatch, activation):
+    monkeypatch.setenv("DSV4_MOE_SPLITK", "1")
     for M in (5, 200):
         test_gpu_odd_k_steps(activation, M)
 
@@ -415,3 +419,12 @@ def test_gpu_without_pdl(monkeypatch):
     test_gpu_vs_reference(FLASH, 64, "uniform", True, 10.0, "bf16", "auto")
     test_gpu_vs_reference(FLASH, 4096, "uniform", False, 10.0, "nvfp4", 1)
     test_gpu_cuda_graph_replay("bf16")
+
+
+@pytest.mark.gpu
+def test_gpu_gather_kernel_bf16_decode(monkeypatch):
+    """bf16 decode tiles with the gather kernel instead of GEMM1's direct x loads."""
+    monkeypatch.setenv("DSV4_MOE_DIRECT_X", "0")
+    test_gpu_vs_reference(FLASH, 64, "uniform", True, 10.0, "bf16", "auto")
+    test_gpu_vs_reference(FLASH, 1, "uniform", True, None, "bf16", "auto")
+    test_gpu_odd_k_steps("bf16", 5)

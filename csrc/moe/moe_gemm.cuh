@@ -5,7 +5,7 @@
 // applied in the epilogue.
 //
 // One warpgroup per CTA; a STAGES-deep cp.async ring feeds weight codes, scales and
-// the token tile of each 64-wide K step. Grids (classic and stream-K): see
+// the token tile of each 64-wide K step. Grids (classic and split-K): see
 // moe_gemm_kernel at the end.
 //
 // GEMM1 (kGemm1): rows of w13 (interleaved gate/up, see moe_params.cuh), K = hidden.
@@ -35,27 +35,20 @@ struct GemmSmem {
   static constexpr int kBytes = kMax + 1024;  // + alignment slack
 };
 
-// Release / acquire of the stream-K partial flags (gpu scope).
-__device__ __forceinline__ void flag_release(int* f) {
-  asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(f), "r"(1) : "memory");
-}
-__device__ __forceinline__ int flag_acquire(const int* f) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(f) : "memory");
-  return v;
-}
-
-// Minimum K steps per stream-K CTA: fewer and the pipeline prologue and the partial
+// Minimum K steps per split-K chunk: fewer and the pipeline prologue and the partial
 // round trip cost more than the extra parallelism gives.
-constexpr int kStreamKMinSteps = 8;
+constexpr int kSplitMinSteps = 8;
 
-// K steps [kb, ke) of item (tile, rt), then its epilogue. kb > 0: only the fp32
-// partial is written (slot `cta`) and flagged. kb == 0 and ke < KT: the partials of
-// CTAs cta+1 .. last_cta (which hold the rest of this item's K range) are added
-// first, in that order.
+// K steps [kb, ke) of item (tile, rt), then its epilogue. With splits > 1 the item's
+// K range is cut into `splits` equal chunks (this is chunk `chunk`, item index `item`):
+// the fp32 partial goes to slot item * splits + chunk, and the CTA that completes the
+// item's arrival count adds the chunks' partials in chunk order (its own from
+// registers) and runs the epilogue. No CTA waits for another, and a row's sums do not
+// depend on which tile the (atomics-ordered) routing put it in, so results are
+// deterministic.
 template <int BN, int STAGES, bool kGemm1>
 __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, int tile, int rt, int kb, int ke,
-                                             int cta, int last_cta, int tid) {
+                                             int item, int splits, int chunk, int tid) {
   const int e = __ldg(p.tile_expert + tile);
   const int row0 = tile * BN;
   const int kdim = kGemm1 ? p.K : p.N;
@@ -88,6 +81,16 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
   const uint8_t* wq_src = wq + tid * 16;
   const uint8_t* ws_src = wsc + tid * 16;
   const __nv_bfloat16* b_src = bsrc + size_t(b_loader ? r0 : 0) * kdim + c0 * 8;
+  // Decode tiles in bf16 mode read the token rows straight from x (no gather kernel,
+  // one launch less); padding rows are zero-filled by the copy itself (src size 0).
+  uint32_t b_bytes = 16;
+  if constexpr (kGemm1 && kBIters == 1) {
+    if (p.direct_x && b_loader) {
+      const int slot = p.row_slot[row0 + r0];
+      b_bytes = slot >= 0 ? 16 : 0;
+      b_src = p.x + size_t(slot >= 0 ? slot / p.topk : 0) * kdim + size_t(kb) * kTileK + c0 * 8;
+    }
+  }
   const size_t b_row16 = size_t(16) * kdim;
   const bool scale_loader = tid < kScaleTileBytes / 16;
 
@@ -98,7 +101,7 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
       if (scale_loader) cp_async16(sS_dst + s * kScaleTileBytes, ws_src);
       if (b_loader) {
 #pragma unroll
-        for (int i = 0; i < kBIters; ++i) cp_async16(sB_dst + s * S::kB + i * 16 * 128, b_src + i * b_row16);
+        for (int i = 0; i < kBIters; ++i) cp_async16_zfill(sB_dst + s * S::kB + i * 16 * 128, b_src + i * b_row16, b_bytes);
       }
       wq_src += kCodeTileBytes;
       ws_src += kScaleTileBytes;
@@ -170,24 +173,29 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
   // Partials are stored thread-major ([i][tid]) so the owner's same thread reads
   // back exactly its own fragment layout with coalesced accesses.
   constexpr int kPartial = kTileRows * BN;
-  if (kb > 0) {
-    float* dst = p.sk_partial + size_t(cta) * kPartial + tid;
+  if (splits > 1) {
+    float* part = p.sk_partial + size_t(item) * splits * kPartial + tid;
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) __stcg(dst + i * kThreads, acc[i]);
+    for (int i = 0; i < BN / 2; ++i) __stcg(part + chunk * kPartial + i * kThreads, acc[i]);
     __threadfence();
     __syncthreads();
-    if (tid == 0) flag_release(p.sk_flags + (kGemm1 ? 0 : p.sk_ctas) + cta);
-    return;
-  }
-  if (ke < KT) {
-    const int* flags = p.sk_flags + (kGemm1 ? 0 : p.sk_ctas);
-    for (int j = cta + 1; j <= last_cta; ++j) {
-      if (tid == 0)
-        while (flag_acquire(flags + j) == 0) __nanosleep(32);
-      __syncthreads();
-      const float* src = p.sk_partial + size_t(j) * kPartial + tid;
+    int* arrivals = p.sk_count + (kGemm1 ? 0 : p.sk_ctas) + item;
+    __shared__ int s_last;
+    if (tid == 0) {
+      s_last = atomicAdd(arrivals, 1) == splits - 1;
+      __threadfence();
+    }
+    __syncthreads();
+    if (!s_last) return;
+    float own[BN / 2];
 #pragma unroll
-      for (int i = 0; i < BN / 2; ++i) acc[i] += __ldcg(src + i * kThreads);
+    for (int i = 0; i < BN / 2; ++i) {
+      own[i] = acc[i];
+      acc[i] = 0.0f;
+    }
+    for (int j = 0; j < splits; ++j) {
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[i] += j == chunk ? own[i] : __ldcg(part + j * kPartial + i * kThreads);
     }
   }
 
@@ -282,16 +290,14 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
   }
 }
 
-// Grids. Classic (moe_gemm_kernel): x = token tile (rows [tile * BN, tile * BN + BN) of
-// the padded, expert-sorted activation buffer; all belong to expert
+// Grids. Classic (moe_gemm_kernel): x = token tile (rows [tile * BN, tile * BN + BN)
+// of the padded, expert-sorted activation buffer; all belong to expert
 // tile_expert[tile]; CTAs past *num_tiles exit at once), y = 64-row weight tile.
-// Stream-K (moe_gemm_streamk_kernel): x = persistent CTA; the T = tiles * RT * KT iterations
-// (item-major, item = tile * RT + rt, so one CTA streams contiguous weight tiles)
-// are cut into equal contiguous ranges, which removes the partial last wave of the
-// classic grid (at decode a CTA's whole K loop is latency-bound, so a few
-// left-over CTAs cost a full CTA duration) and spreads small M over every SM.
-// The grid must fit on the GPU at once (the host sizes it from the occupancy):
-// an owner CTA waits for the partials of CTAs with higher indices.
+// Split-K (moe_gemm_splitk_kernel): a persistent grid of occupancy x SMs CTAs; each
+// item (tile, weight-row tile) is cut into `splits` equal K chunks, splits chosen on
+// device so that items * splits fills the grid at most once (capped at KT /
+// kSplitMinSteps). For few tokens (one expert = 64 items per GEMM at M = 1) the
+// classic grid leaves most SMs idle while each CTA runs a latency-bound K loop.
 template <int BN, int STAGES, bool kGemm1>
 __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
   pdl_wait();
@@ -300,17 +306,17 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int KT = (kGemm1 ? p.K : p.N) / kTileK;
   if (int(blockIdx.x) >= __ldg(p.num_tiles)) return;
-  gemm_segment<BN, STAGES, kGemm1>(p, smem, blockIdx.x, blockIdx.y, 0, KT, 0, 0, threadIdx.x);
+  gemm_segment<BN, STAGES, kGemm1>(p, smem, blockIdx.x, blockIdx.y, 0, KT, 0, 1, 0, threadIdx.x);
 }
 
-// Register caps of the stream-K kernel at decode tiles: without them the segment
-// loop's state pushes GEMM1 to ~83-121 registers (5 or fewer CTAs per SM instead of
-// the classic kernel's 7). The caps are the tightest that ptxas meets without spills.
+// Register caps of the split-K kernel at decode tiles: without them the unit loop's
+// state pushes GEMM1 to ~83-121 registers (5 or fewer CTAs per SM instead of the
+// classic kernel's 7). The caps are the tightest that ptxas meets without spills.
 template <int BN, bool kGemm1>
-constexpr int kStreamKMinCtas = BN <= 8 ? (kGemm1 ? 6 : 7) : (BN <= 16 ? 6 : 1);
+constexpr int kSplitMinCtas = BN <= 8 ? (kGemm1 ? 6 : 7) : (BN <= 16 ? 6 : 1);
 
 template <int BN, int STAGES, bool kGemm1>
-__global__ void __launch_bounds__(kThreads, kStreamKMinCtas<BN, kGemm1>) moe_gemm_streamk_kernel(const MoeParams p) {
+__global__ void __launch_bounds__(kThreads, kSplitMinCtas<BN, kGemm1>) moe_gemm_splitk_kernel(const MoeParams p) {
   pdl_wait();
   pdl_launch_dependents();
   extern __shared__ uint8_t smem_raw[];
@@ -318,31 +324,23 @@ __global__ void __launch_bounds__(kThreads, kStreamKMinCtas<BN, kGemm1>) moe_gem
   const int num_tiles = __ldg(p.num_tiles);
   const int KT = (kGemm1 ? p.K : p.N) / kTileK;
   const int RT = kGemm1 ? (2 * p.N) / kTileRows : p.K / kTileRows;
-  // 32-bit on purpose (64-bit division is a register-hungry subroutine): T < 2^31
-  // for any shape the host accepts (tiles * RT * KT ~ M * k * K * N / (BN * 64^2)).
-  // CTA c gets q iterations, one more for the first r CTAs.
-  const int T = num_tiles * RT * KT;
-  const int P = min(int(gridDim.x), (T + kStreamKMinSteps - 1) / kStreamKMinSteps);
-  const int c = blockIdx.x;
-  if (c >= P) return;
-  const int q = T / P, r = T - q * P;
-  int it = c * q + min(c, r);
-  const int end = it + q + (c < r ? 1 : 0);
+  const int items = num_tiles * RT;
+  const int P = gridDim.x;
+  const int splits = items >= P || items == 0 ? 1 : max(1, min(P / items, KT / kSplitMinSteps));
+  const int units = items * splits;
+  if (units == 0) return;
 #pragma unroll 1
-  while (it < end) {
-    // Opaque, so that per-thread addresses are recomputed per segment instead of
-    // being hoisted out of the loop (and held through the epilogue).
+  for (int u = blockIdx.x; u < units; u += P) {
+    // Opaque, so that per-thread addresses are recomputed per unit instead of being
+    // hoisted out of the loop (and held through the epilogue).
     int tid = threadIdx.x;
     asm volatile("" : "+r"(tid));
-    const int item = it / KT;
-    const int kb = it - item * KT;
-    const int ke = min(KT, kb + (end - it));
-    // CTA holding the item's last iteration.
-    const int last = (item + 1) * KT - 1;
-    const int last_cta = last < r * (q + 1) ? last / (q + 1) : r + (last - r * (q + 1)) / q;
-    gemm_segment<BN, STAGES, kGemm1>(p, smem, item / RT, item - (item / RT) * RT, kb, ke, c, last_cta, tid);
-    it += ke - kb;
-    if (it < end) __syncthreads();  // the epilogue's staging smem is the next prologue's ring
+    const int item = u / splits;
+    const int chunk = u - item * splits;
+    const int tile = item / RT;
+    gemm_segment<BN, STAGES, kGemm1>(p, smem, tile, item - tile * RT, KT * chunk / splits, KT * (chunk + 1) / splits,
+                                     item, splits, chunk, tid);
+    if (u + P < units) __syncthreads();  // the epilogue's staging smem is the next prologue's ring
   }
 }
 

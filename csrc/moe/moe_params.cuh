@@ -68,19 +68,19 @@ struct MoeParams {
   int* tile_expert;  // [max_tiles]
   int* num_tiles;    // [1]
   int* error_flag;   // [1] set to 1 when an expert id was out of range
-  __nv_bfloat16* xg; // [max_rows, K]  GEMM1 B operand (nvfp4 mode: code * block scale)
+  __nv_bfloat16* xg; // [max_rows, K]  GEMM1 B operand (nvfp4 mode: code * block scale); unused with direct_x
   __nv_bfloat16* h;  // [max_rows, N]  GEMM2 B operand (nvfp4 mode: code * block scale)
   uint8_t* hq;       // nvfp4 mode: [max_rows, N/2] packed codes of the SwiGLU output
   __nv_fp8_e4m3* hs; // nvfp4 mode: [max_rows, N/16] block scales
   float* h_debug;    // optional [max_rows, N] fp32 SwiGLU output (debug op)
-  // Stream-K grouped GEMMs (streamk = 1): a persistent grid of sk_ctas CTAs splits
-  // the (tile, weight-row tile, K step) iterations evenly; an item cut between CTAs
-  // is finished by the CTA holding its K start, which adds the others' partials in
-  // CTA order (deterministic).
-  int streamk;
-  int sk_ctas;       // size of each flag array (>= either GEMM's grid)
-  float* sk_partial; // [sk_ctas, 64 * block_n] fp32, one partial per CTA at most
-  int* sk_flags;     // [2, sk_ctas] (GEMM1, GEMM2): partial of CTA c is ready; zeroed by routing
+  // Split-K grouped GEMMs (splitk = 1; see moe_gemm_splitk_kernel): a persistent grid
+  // of at most sk_ctas CTAs; an item split in chunks is finished by the CTA whose chunk
+  // arrives last.
+  int splitk;
+  int direct_x;      // GEMM1 reads x through row_slot (bf16 mode, token tile <= 16); no xg
+  int sk_ctas;       // >= either GEMM's grid; bounds the number of split items and chunks
+  float* sk_partial; // [sk_ctas, 64 * block_n] fp32, one per (item, chunk) of a split item
+  int* sk_count;     // [2, sk_ctas] (GEMM1, GEMM2): chunks done per item; zeroed by routing
   __nv_bfloat16* y;  // [max_rows, K]  GEMM2 output per padded row
   __nv_bfloat16* out;// [M, K]
 };

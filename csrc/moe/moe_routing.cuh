@@ -50,8 +50,8 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const MoeParam
   const int BN = p.block_n;
   for (int e = tid; e < p.E; e += kRouteThreads) cnt[e] = 0;
   if (tid == 0) *p.error_flag = 0;
-  if (p.streamk)
-    for (int i = tid; i < 2 * p.sk_ctas; i += kRouteThreads) p.sk_flags[i] = 0;
+  if (p.splitk)
+    for (int i = tid; i < 2 * p.sk_ctas; i += kRouteThreads) p.sk_count[i] = 0;
   __syncthreads();
 
   for (int base = warp * 32; base < S; base += kRouteThreads) {

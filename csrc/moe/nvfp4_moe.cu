@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <optional>
 #include <string>
@@ -146,33 +147,33 @@ int pick_block_n(int64_t M, int64_t topk, int64_t E_global, int64_t cta_mode) {
 }
 
 struct GemmOccupancy {
-  int gemm1, gemm2;  // resident CTAs per SM
+  int gemm1, gemm2;                  // resident split-K CTAs per SM
+  int classic1;                      // resident classic GEMM1 CTAs per SM
 };
 
-// Opts in to the shared memory and reads the stream-K occupancy once per instantiation
-// per device (host-side calls per step otherwise; racing first calls do the same
-// work twice, which is harmless).
 template <int BN, int STAGES>
 GemmOccupancy gemm_setup() {
   using S = moe::GemmSmem<BN, STAGES>;
-  static std::atomic<int> cached[64];  // gemm1 | gemm2 << 16 per device, 0 = not yet
+  static std::atomic<int> cached[64];  // gemm1 | gemm2 << 8 | classic1 << 16 per device, 0 = not yet
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   std::atomic<int>& slot = cached[dev & 63];
   int v = slot.load(std::memory_order_acquire);
   if (v == 0) {
-    auto k1 = moe::moe_gemm_streamk_kernel<BN, STAGES, true>;
-    auto k2 = moe::moe_gemm_streamk_kernel<BN, STAGES, false>;
+    auto k1 = moe::moe_gemm_splitk_kernel<BN, STAGES, true>;
+    auto k2 = moe::moe_gemm_splitk_kernel<BN, STAGES, false>;
     for (auto k : {k1, k2, moe::moe_gemm_kernel<BN, STAGES, true>, moe::moe_gemm_kernel<BN, STAGES, false>})
       C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
-    int o1 = 0, o2 = 0;
+    int o1 = 0, o2 = 0, oc = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o1, k1, moe::kThreads, S::kBytes));
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o2, k2, moe::kThreads, S::kBytes));
-    TORCH_CHECK(o1 > 0 && o2 > 0, "dsv4: nvfp4_moe GEMM kernels do not fit on this device");
-    v = o1 | (o2 << 16);
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&oc, moe::moe_gemm_kernel<BN, STAGES, true>,
+                                                                 moe::kThreads, S::kBytes));
+    TORCH_CHECK(o1 > 0 && o2 > 0 && oc > 0, "dsv4: nvfp4_moe GEMM kernels do not fit on this device");
+    v = o1 | (o2 << 8) | (oc << 16);
     slot.store(v, std::memory_order_release);
   }
-  return GemmOccupancy{v & 0xFFFF, v >> 16};
+  return GemmOccupancy{v & 0xFF, (v >> 8) & 0xFF, v >> 16};
 }
 
 GemmOccupancy gemm_setup_for(int block_n) {
@@ -184,17 +185,27 @@ GemmOccupancy gemm_setup_for(int block_n) {
   }
 }
 
-// Stream-K (persistent, evenly split K ranges) or the classic grid (one CTA per
-// token tile x weight-row tile, hardware-scheduled). DSV4_MOE_STREAMK=0/1 forces
-// either (benchmarks and tests); by default stream-K runs at decode token tiles,
-// where the classic grid's last partial wave of latency-bound CTAs is expensive.
-// The spin-wait of an owner CTA cannot deadlock even when fewer CTAs than the grid
-// are resident: the partial it waits for is the first thing the (higher-index)
-// writer CTA computes, and writers never wait unless they own a later item.
-bool use_streamk(int block_n) {
-  const char* env = std::getenv("DSV4_MOE_STREAMK");
+// Split-K (persistent grid, items cut into K chunks) or the classic grid (one CTA
+// per token tile x weight-row tile, hardware-scheduled). Split-K when the expected
+// classic GEMM1 grid (touched experts under uniform routing x weight-row tiles) does
+// not fill one wave: then most SMs idle while each CTA runs a latency-bound K loop.
+// Above that the classic grid measured as fast or faster (v4 in docs/perf.md).
+// DSV4_MOE_SPLITK=0/1 forces either (benchmarks and tests).
+bool use_splitk(const Checked& c, int block_n, int sms) {
+  const char* env = std::getenv("DSV4_MOE_SPLITK");
   if (env != nullptr && env[0] != '\0') return env[0] != '0';
-  return block_n <= 16;
+  if (block_n > 16) return false;
+  const double local_slots = double(c.M) * double(c.topk) * double(c.E) / double(c.E_global);
+  const double touched = double(c.E) * (1.0 - std::pow(1.0 - 1.0 / double(c.E), local_slots));
+  const double items = touched * double(2 * c.N / moe::kTileRows);
+  return items < double(gemm_setup_for(block_n).classic1) * sms;
+}
+
+// bf16 mode at decode token tiles: GEMM1 loads x rows itself (see gemm_segment).
+// DSV4_MOE_DIRECT_X=0 keeps the gather kernel (benchmarks and tests).
+bool use_direct_x() {
+  const char* env = std::getenv("DSV4_MOE_DIRECT_X");
+  return env == nullptr || env[0] != '0';
 }
 
 // Launch with programmatic stream serialization (see pdl_wait in moe_device.cuh):
@@ -225,11 +236,11 @@ template <int BN, int STAGES>
 void launch_gemms(const MoeParams& p, bool gemm2, cudaStream_t stream, int sms, bool pdl) {
   using S = moe::GemmSmem<BN, STAGES>;
   const GemmOccupancy occ = gemm_setup<BN, STAGES>();
-  if (p.streamk) {
-    launch(moe::moe_gemm_streamk_kernel<BN, STAGES, true>, dim3(unsigned(occ.gemm1 * sms)), moe::kThreads, S::kBytes,
+  if (p.splitk) {
+    launch(moe::moe_gemm_splitk_kernel<BN, STAGES, true>, dim3(unsigned(occ.gemm1 * sms)), moe::kThreads, S::kBytes,
            stream, pdl, p);
     if (gemm2)
-      launch(moe::moe_gemm_streamk_kernel<BN, STAGES, false>, dim3(unsigned(occ.gemm2 * sms)), moe::kThreads, S::kBytes,
+      launch(moe::moe_gemm_splitk_kernel<BN, STAGES, false>, dim3(unsigned(occ.gemm2 * sms)), moe::kThreads, S::kBytes,
              stream, pdl, p);
     return;
   }
@@ -250,8 +261,9 @@ void run_moe(MoeParams& p, const Checked& c, int64_t cta_mode, const at::Tensor&
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const unsigned gather_blocks = unsigned(std::min<int64_t>(p.max_rows, int64_t(sms) * 8));
   const bool pdl = use_pdl();
-  launch(c.nvfp4 ? moe::moe_gather_kernel<true> : moe::moe_gather_kernel<false>, dim3(gather_blocks), dim3(256), 0,
-         stream, pdl, p);
+  if (!p.direct_x)
+    launch(c.nvfp4 ? moe::moe_gather_kernel<true> : moe::moe_gather_kernel<false>, dim3(gather_blocks), dim3(256), 0,
+           stream, pdl, p);
   switch (p.block_n) {
     case 8: launch_gemms<8, 8>(p, full, stream, sms, pdl); break;
     case 16: launch_gemms<16, 8>(p, full, stream, sms, pdl); break;
@@ -286,21 +298,21 @@ Workspace fill_params(MoeParams& p, const Checked& c, int64_t cta_mode, const at
   const int64_t max_tiles = std::max<int64_t>(1, (S + busy * (p.block_n - 1)) / p.block_n);
   p.max_tiles = int(max_tiles);
   p.max_rows = int(max_tiles * p.block_n);
-  // Stream-K indexes its iterations (tiles x weight-row tiles x K steps) in 32 bits.
-  const int64_t sk_iters = max_tiles * (2 * c.N / moe::kTileRows) * (c.K / moe::kTileK);
-  p.streamk = use_streamk(p.block_n) && sk_iters < (int64_t(1) << 31) ? 1 : 0;
-  if (p.streamk) {
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  p.splitk = use_splitk(c, p.block_n, sms) ? 1 : 0;
+  p.direct_x = !c.nvfp4 && p.block_n <= 16 && use_direct_x() ? 1 : 0;
+  if (p.splitk) {
     const GemmOccupancy occ = gemm_setup_for(p.block_n);
-    p.sk_ctas = std::max(occ.gemm1, occ.gemm2) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    p.sk_ctas = std::max(occ.gemm1, occ.gemm2) * sms;
   }
 
   // One allocation for the whole workspace (fewer allocator calls per step):
-  // ints | xg | h | [hq | hs] | [y] | [stream-K partials], each part 256-byte aligned.
+  // ints | xg | h | [hq | hs] | [y] | [split-K partials], each part 256-byte aligned.
   Workspace ws;
   auto opt = x.options();
   const int64_t n_ints = S + p.max_rows + max_tiles + 2 + 2 * int64_t(p.sk_ctas);
   auto up = [](int64_t b) { return (b + 255) / 256 * 256; };
-  const int64_t b_ints = up(n_ints * 4), b_xg = up(int64_t(p.max_rows) * c.K * 2), b_h = up(int64_t(p.max_rows) * c.N * 2);
+  const int64_t b_ints = up(n_ints * 4), b_xg = p.direct_x ? 0 : up(int64_t(p.max_rows) * c.K * 2), b_h = up(int64_t(p.max_rows) * c.N * 2);
   const int64_t b_hq = c.nvfp4 ? up(int64_t(p.max_rows) * c.N / 2) : 0;
   const int64_t b_hs = c.nvfp4 ? up(int64_t(p.max_rows) * c.N / 16) : 0;
   const int64_t b_y = full ? up(int64_t(p.max_rows) * c.K * 2) : 0;
@@ -314,7 +326,7 @@ Workspace fill_params(MoeParams& p, const Checked& c, int64_t cta_mode, const at
   p.tile_expert = ip + S + p.max_rows;
   p.num_tiles = ip + S + p.max_rows + max_tiles;
   p.error_flag = p.num_tiles + 1;
-  p.sk_flags = p.error_flag + 1;
+  p.sk_count = p.error_flag + 1;
   uint8_t* cur = base + b_ints;
   p.xg = reinterpret_cast<__nv_bfloat16*>(cur);
   cur += b_xg;
@@ -330,7 +342,7 @@ Workspace fill_params(MoeParams& p, const Checked& c, int64_t cta_mode, const at
   }
   if (full) p.y = reinterpret_cast<__nv_bfloat16*>(cur);
   cur += b_y;
-  if (p.streamk) p.sk_partial = reinterpret_cast<float*>(cur);
+  if (p.splitk) p.sk_partial = reinterpret_cast<float*>(cur);
 
   p.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
   p.topk_ids = topk_ids.data_ptr<int>();
