@@ -38,5 +38,5 @@ TORCH_LIBRARY(dsv4, m) {
   m.def(
       "dense_fmha(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_kv, Tensor n_comp, "
       "Tensor? seq_start_pos, Tensor? attn_sink, float softmax_scale, int window, bool causal, int ratio, "
-      "int max_seqlen_q, Tensor(a!) out) -> Tensor");
+      "int max_seqlen_q, int max_seqlen_kv, int num_splits, Tensor(a!) out) -> Tensor");
 }

@@ -39,13 +39,13 @@ DENSE_HEAD_DIMS = (64, 128, 256)
 
 @torch.library.register_fake("dsv4::dense_fmha")
 def _(q, k, v, cu_seqlens_q, cu_seqlens_kv, n_comp, seq_start_pos, attn_sink, softmax_scale, window, causal,
-      ratio, max_seqlen_q, out):
+      ratio, max_seqlen_q, max_seqlen_kv, num_splits, out):
     return q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
 
 
 @torch.library.impl("dsv4::dense_fmha", "CPU")
 def _(q, k, v, cu_seqlens_q, cu_seqlens_kv, n_comp, seq_start_pos, attn_sink, softmax_scale, window, causal,
-      ratio, max_seqlen_q, out):
+      ratio, max_seqlen_q, max_seqlen_kv, num_splits, out):
     o, lse = reference.dense_fmha(q, k, v, cu_seqlens_q, cu_seqlens_kv, n_comp, window=window, causal=causal,
                                   ratio=ratio, seq_start_pos=seq_start_pos, sink=attn_sink, scale=softmax_scale)
     out.copy_(o)
@@ -131,6 +131,7 @@ def fmha(
     softmax_scale: Optional[float] = None,
     out: Optional[torch.Tensor] = None,
     max_seqlen_q: Optional[int] = None,
+    num_splits: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense masked attention over a ragged batch (see the module docstring for the masks).
 
@@ -150,6 +151,9 @@ def fmha(
         out: optional output buffer ``[Tq, Hq, Dv]`` of q's dtype.
         max_seqlen_q: host int >= every sequence's query count (sizes the dense kernel's
             grid; default Tq, always safe). A smaller value leaves rows unwritten.
+        num_splits: dense kernel only: split each query tile's KV walk over this many
+            CTAs plus a combine pass (0 = choose from the shapes: splits when the query
+            tiles alone would leave SMs idle, as in decode).
 
     Returns:
         ``(out [Tq, Hq, Dv], lse fp32 [Tq, Hq])``.
@@ -183,7 +187,7 @@ def fmha(
         ints = [t.to(torch.int32) for t in (cu_seqlens_q, cu_seqlens_kv, n_comp)]
         start = seq_start_pos.to(torch.int32) if seq_start_pos is not None else None
         lse = op("dense_fmha")(q, k, v, *ints, start, attn_sink, scale, int(window), bool(causal), int(ratio),
-                               max_seqlen_q, out)
+                               max_seqlen_q, max_seqlen_kv, int(num_splits), out)
         return out, lse
     if not (v is k and k.dim() == 3 and k.shape[1] == 1 and q.dim() == 3 and q.shape[-1] == HEAD_DIM
             and k.shape[-1] == HEAD_DIM and q.shape[1] in (64, 128)):

@@ -11,7 +11,12 @@ not flatter. Useful FLOPs = 2 * H * (512 + 512) per valid key per token. Bytes =
 1024). Ceilings measured in the same run: bf16 torch.matmul 8192^3 and a device copy
 (read + write bytes).
 
-Usage: python scripts/bench_attention.py [--quick] [--json PATH]
+dsv4.fmha rows (issue 7): 4 sequences x 4096 queries over [1024 compressed | 4096 window]
+rows, causal, window 128, ratio 4; D=512 H=128 MQA (sparse prefill kernel) and the dense
+kernel at D=128 (32/8 heads) and D=256 (16/2 heads). Useful FLOPs = 4 * D * Hq per
+visible key per query.
+
+Usage: python scripts/bench_attention.py [--quick] [--json PATH] [--only-fmha | --skip-fmha]
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from dsv4 import formats
 from dsv4.attention import sparse_mqa_decode, sparse_mqa_prefill
+from dsv4.fmha import fmha, visible_rows
 from dsv4.benchmarking import bf16_gemm_tflops, copy_bandwidth_tbps, graph_median_us, median_us
 
 SCALE = 512**-0.5
@@ -102,6 +108,40 @@ def bench_prefill(ts, iters, n_rows=1 << 16, topk=1152, h=128, n_inputs=2):
     return rows
 
 
+def bench_fmha(iters, seqs=4, seqlen=4096, n_comp=1024, ratio=4, window=128):
+    """dsv4.fmha over [n_comp compressed | seqlen window] rows per sequence, causal: D=512
+    H=128 MQA (the issue-7 acceptance shape, through the sparse prefill kernel) and two
+    dense-kernel shapes (GQA). Timed as the whole op (index construction included)."""
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(7)
+    rows_per = n_comp + seqlen
+    t_ = seqs * seqlen
+    cu_q = torch.arange(seqs + 1, device="cuda", dtype=torch.int32) * seqlen
+    cu_kv = torch.arange(seqs + 1, device="cuda", dtype=torch.int32) * rows_per
+    nc = torch.full((seqs,), n_comp, device="cuda", dtype=torch.int32)
+    _, lengths = visible_rows(t_, cu_q, cu_kv, nc, width=rows_per, window=window, causal=True, ratio=ratio)
+    keys = int(lengths.sum())
+    for d, hq, hkv in ((512, 128, 1), (128, 32, 8), (256, 16, 2)):
+        q = torch.randn(t_, hq, d, device="cuda", generator=g).bfloat16()
+        k = torch.randn(seqs * rows_per, hkv, d, device="cuda", generator=g).bfloat16()
+        kv = k if d == 512 else (k, torch.randn_like(k))
+        sink = torch.randn(hq, device="cuda")
+        out = torch.empty_like(q)
+
+        def run(_):
+            fmha(q, kv, cu_q, cu_kv, nc, max_seqlen_kv=rows_per, window=window, causal=True, ratio=ratio,
+                 attn_sink=sink, softmax_scale=d**-0.5, out=out, max_seqlen_q=seqlen)
+
+        t = time_us(run, n_inputs=1, iters=iters) * 1e-6
+        flops = 4.0 * d * hq * keys
+        nbytes = 2 * q.numel() * 2 + t_ * hq * 4 + k.numel() * 2 * (1 if d == 512 else 2)
+        kernel = "sparse prefill" if d == 512 else "dense"
+        rows.append(dict(name=f"fmha D={d} H={hq}/{hkv} {seqs}x{seqlen} c={n_comp} ({kernel})", us=t * 1e6,
+                         tflops=flops / t / 1e12, gb=nbytes / 1e9, tbs=nbytes / t / 1e12))
+        del q, k, kv, out
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer batch sizes")
@@ -115,6 +155,8 @@ def main():
                     help="compressed fp8 cache blocks of 64 slots (default 16384 = 600 MB)")
     ap.add_argument("--swa-blocks", type=int, default=4096, help="window fp8 cache blocks of 64 slots")
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--skip-fmha", action="store_true")
+    ap.add_argument("--only-fmha", action="store_true", help="just the dsv4.fmha rows")
     ap.add_argument("--eager", action="store_true",
                     help="time eager calls (includes host/dispatcher overhead) instead of CUDA-graph replays")
     args = ap.parse_args()
@@ -128,11 +170,14 @@ def main():
     print(f"ceilings: bf16 matmul 8192^3 {gemm:.0f} TFLOP/s, device copy {copy:.2f} TB/s", flush=True)
 
     batches = [1, 32, 128] if args.quick else [1, 8, 32, 64, 128, 256]
-    # Caches much larger than L2 (50 MB): 1M compressed slots (~600 MB), 256K window slots.
-    comp = random_fp8_cache(args.comp_blocks, 64, 1)
-    swa = random_fp8_cache(args.swa_blocks, 64, 2)
     variants = args.flags.split(",") if args.flags else [None]
     rows = []
+    if args.only_fmha:
+        variants, args.skip_prefill = [], True
+    else:
+        # Caches much larger than L2 (50 MB): 1M compressed slots (~600 MB), 256K window slots.
+        comp = random_fp8_cache(args.comp_blocks, 64, 1)
+        swa = random_fp8_cache(args.swa_blocks, 64, 2)
     for v in variants:
         if v is None:
             os.environ.pop("DSV4_ATTN_FLAGS", None)
@@ -143,7 +188,8 @@ def main():
         part += bench_decode(f"{tag}V4-Pro H=128 1024+128", 128, 1024, 128, batches, iters, (comp, swa))
         print("\n".join(f"  {r['name']}: {r['us']:.1f} us" for r in part), flush=True)
         rows += part
-    del comp, swa
+    if not args.only_fmha:
+        del comp, swa
     torch.cuda.empty_cache()
     if not args.skip_prefill:
         pvariants = args.prefill_flags.split(",") if args.prefill_flags else variants
@@ -157,6 +203,11 @@ def main():
                 r["name"] = ("" if v is None else f"[f{v}] ") + r["name"]
             print("\n".join(f"  {r['name']}: {r['us']:.1f} us" for r in part), flush=True)
             rows += part
+    if not args.skip_fmha:
+        os.environ.pop("DSV4_ATTN_FLAGS", None)
+        part = bench_fmha(iters)
+        print("\n".join(f"  {r['name']}: {r['us']:.1f} us" for r in part), flush=True)
+        rows += part
 
     for r in rows:
         r["pct_gemm"] = 100 * r["tflops"] / gemm

@@ -202,7 +202,7 @@ def test_gpu_dense_vs_reference(case, d, hq, hkv):
 def test_gpu_dense_opcheck():
     q, k, v, cu_q, cu_kv, nc, window, causal, ratio, start, sink = _dense_inputs(CASES[0], 64, 4, 2, 3, True)
     args = [t.cuda() for t in (q, k, v, cu_q, cu_kv, nc)] + [None, sink.cuda(), 0.125, window, causal, ratio,
-                                                             int(q.shape[0]), torch.empty_like(q.cuda())]
+                                                             int(q.shape[0]), 40, 3, torch.empty_like(q.cuda())]
     torch.library.opcheck(torch.ops.dsv4.dense_fmha.default, args)
 
 
@@ -253,3 +253,23 @@ def test_gpu_dense_cuda_graph_replay():
     graph.replay()
     eager, _ = fmha(q, (k, v), cu_q, cu_kv, nc, **kw)
     assert torch.equal(out, eager)
+
+
+DECODE = ([1, 1, 2, 1, 3], [700, 2000, 64, 1300, 900], [150, 400, 10, 300, 0], 128, True, 4, [0, 0, 7, 100, 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [0, 1, 3, 7, 64])  # 0 = chosen from the shapes; 64 > tiles: empty splits
+@pytest.mark.parametrize("d", [64, 256])
+def test_gpu_dense_split_kv(splits, d):
+    q, k, v, cu_q, cu_kv, nc, window, causal, ratio, start, sink = _dense_inputs(DECODE, d, 8, 1, d + splits, True)
+    ref_out, ref_lse = reference.dense_fmha(q, k, v, cu_q, cu_kv, nc, window=window, causal=causal, ratio=ratio,
+                                            seq_start_pos=start, sink=sink, scale=d**-0.5)
+    qd, kd, vd, cqd, ckd, ncd, sd, sinkd = (t.cuda() for t in (q, k, v, cu_q, cu_kv, nc, start, sink))
+    out = torch.full_like(qd, float("nan"))
+    got, lse = fmha(qd, (kd, vd), cqd, ckd, ncd, max_seqlen_kv=2000, window=window, causal=causal, ratio=ratio,
+                    seq_start_pos=sd, attn_sink=sinkd, out=out, max_seqlen_q=3, num_splits=splits)
+    assert not torch.isnan(got).any()
+    err = (got.float().cpu() - ref_out).norm() / ref_out.norm()
+    assert err <= 3e-3, err
+    torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-3, rtol=0)

@@ -5,6 +5,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "common/checks.h"
 #include "fmha/dense_fmha.cuh"
 
@@ -38,8 +40,18 @@ void launch(const fmha::DenseFmhaParams& p, int64_t q_tiles, int64_t seqs, int64
     return true;
   }();
   (void)configured;
-  fmha::dense_fmha_kernel<D>
-      <<<dim3(unsigned(q_tiles), unsigned(seqs), unsigned(heads)), fmha::kThreads, smem, stream>>>(p);
+  fmha::dense_fmha_kernel<D><<<dim3(unsigned(q_tiles * p.num_splits), unsigned(seqs), unsigned(heads)),
+                               fmha::kThreads, smem, stream>>>(p);
+  if (p.num_splits > 1)
+    fmha::dense_fmha_combine_kernel<D><<<dim3(unsigned((p.total_rows + 3) / 4)), 128, 0, stream>>>(p);
+}
+
+// Splits from shapes only (graph capture): enough CTAs for ~2 waves, at least 4 KV
+// tiles per split, at most 16 splits.
+int64_t auto_splits(int64_t ctas, int64_t max_seqlen_kv, int sms) {
+  if (ctas >= 2 * sms) return 1;
+  const int64_t by_kv = max_seqlen_kv / (4 * fmha::kCols);
+  return std::max<int64_t>(1, std::min<int64_t>({(2 * sms + ctas - 1) / ctas, by_kv, 16}));
 }
 
 }  // namespace
@@ -48,7 +60,7 @@ at::Tensor dense_fmha(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       const at::Tensor& cu_seqlens_kv, const at::Tensor& n_comp,
                       const c10::optional<at::Tensor>& seq_start_pos, const c10::optional<at::Tensor>& attn_sink,
                       double softmax_scale, int64_t window, bool causal, int64_t ratio, int64_t max_seqlen_q,
-                      at::Tensor& out) {
+                      int64_t max_seqlen_kv, int64_t num_splits, at::Tensor& out) {
   check_rows(q, "q", q);
   check_rows(k, "k", q);
   check_rows(v, "v", q);
@@ -77,6 +89,9 @@ at::Tensor dense_fmha(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   }
   TORCH_CHECK(ratio >= 1, "dsv4: ratio must be >= 1, got ", ratio);
   TORCH_CHECK(max_seqlen_q >= 0, "dsv4: max_seqlen_q must be >= 0, got ", max_seqlen_q);
+  TORCH_CHECK(max_seqlen_kv >= 0, "dsv4: max_seqlen_kv must be >= 0, got ", max_seqlen_kv);
+  TORCH_CHECK(num_splits >= 0 && num_splits <= 64, "dsv4: num_splits must be in [0, 64] (0 = choose), got ",
+              num_splits);
   TORCH_CHECK(S <= 65535 && Hq <= 65535, "dsv4: dense_fmha supports up to 65535 sequences and heads, got ", S,
               " and ", Hq);
   TORCH_CHECK(window >= INT32_MIN && window <= INT32_MAX && ratio <= INT32_MAX, "dsv4: window/ratio out of range");
@@ -120,6 +135,21 @@ at::Tensor dense_fmha(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   p.scale_log2 = float(softmax_scale * 1.4426950408889634);
 
   const int64_t q_tiles = (max_seqlen_q + fmha::kRows - 1) / fmha::kRows;
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t splits = num_splits > 0 ? num_splits : auto_splits(q_tiles * S * Hq, max_seqlen_kv, sms);
+  TORCH_CHECK(q_tiles * splits <= INT32_MAX, "dsv4: max_seqlen_q too large");
+  p.num_splits = int(splits);
+  p.total_rows = Tq * Hq;
+  at::Tensor part_o, part_ml;
+  if (splits > 1) {
+    // shapes only: capturable (the caching allocator serves it inside a graph)
+    part_o = at::empty({splits, Tq, Hq, D}, q.options().dtype(at::kFloat));
+    part_ml = at::empty({splits, Tq, Hq, 2}, q.options().dtype(at::kFloat));
+    p.part_o = part_o.data_ptr<float>();
+    p.part_ml = part_ml.data_ptr<float>();
+  } else {
+    p.part_o = p.part_ml = nullptr;
+  }
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (D == 64) launch<64>(p, q_tiles, S, Hq, stream);
   else if (D == 128) launch<128>(p, q_tiles, S, Hq, stream);

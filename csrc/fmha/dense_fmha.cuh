@@ -32,6 +32,14 @@ struct DenseFmhaParams {
   int window, ratio;
   bool causal;
   float scale_log2;  // softmax_scale * log2(e)
+  // Split-KV (decode: too few query tiles to fill the GPU): split s of a query tile
+  // walks a contiguous 1/num_splits of its KV tiles and writes unnormalized partials
+  // (o, row max m in log2 units, row sum l) instead of out / lse;
+  // dense_fmha_combine_kernel merges them and applies the sink once.
+  int num_splits;
+  int64_t total_rows;  // Tq * Hq: stride of one split in the partial buffers
+  float* part_o;       // [num_splits, Tq, Hq, D]
+  float* part_ml;      // [num_splits, Tq, Hq, 2]
 };
 
 constexpr int kRows = 64, kCols = 64, kThreads = 128;
@@ -112,8 +120,9 @@ __global__ void __launch_bounds__(kThreads) dense_fmha_kernel(const DenseFmhaPar
   uint8_t* kv_tiles = smem + kRows * D * 2;  // stage s: K at 2s, V at 2s + 1
 
   const int seq = blockIdx.y, head = blockIdx.z, kv_head = head / p.group;
+  const int split = blockIdx.x % p.num_splits;
   const int q0 = p.cu_seqlens_q[seq], tq = p.cu_seqlens_q[seq + 1] - q0;
-  const int i0 = blockIdx.x * kRows;
+  const int i0 = (blockIdx.x / p.num_splits) * kRows;
   if (i0 >= tq) return;
   const int kv0 = p.cu_seqlens_kv[seq], kv_len = p.cu_seqlens_kv[seq + 1] - kv0;
   const int nc = p.n_comp[seq], lw = kv_len - nc;
@@ -134,7 +143,9 @@ __global__ void __launch_bounds__(kThreads) dense_fmha_kernel(const DenseFmhaPar
     win_begin = win_end = kv_len;
   }
   const int tiles0 = (comp_end + kCols - 1) / kCols;
-  const int tiles = tiles0 + (win_end - win_begin + kCols - 1) / kCols;
+  const int all_tiles = tiles0 + (win_end - win_begin + kCols - 1) / kCols;
+  const int per_split = (all_tiles + p.num_splits - 1) / p.num_splits;
+  const int t_begin = min(all_tiles, split * per_split), tiles = min(all_tiles, t_begin + per_split);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // This thread's two rows (r and r + 8 of its warp's 16) and their visible columns.
@@ -166,7 +177,7 @@ __global__ void __launch_bounds__(kThreads) dense_fmha_kernel(const DenseFmhaPar
   };
 
   load_tile<D>(q_tile, p.q + int64_t(q0) * p.q_row + int64_t(head) * p.q_head, p.q_row, i0, tq);
-  if (tiles > 0) load_kv(0);
+  if (t_begin < tiles) load_kv(t_begin);
   cp_async_commit();
 
   float o[kDBlocks][4];
@@ -175,7 +186,7 @@ __global__ void __launch_bounds__(kThreads) dense_fmha_kernel(const DenseFmhaPar
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   const uint32_t q_addr = smem_u32(q_tile);
 
-  for (int t = 0; t < tiles; ++t) {
+  for (int t = t_begin; t < tiles; ++t) {
     if (t + 1 < tiles) load_kv(t + 1);
     cp_async_commit();
     cp_async_wait<1>();
@@ -258,12 +269,29 @@ __global__ void __launch_bounds__(kThreads) dense_fmha_kernel(const DenseFmhaPar
   }
   cp_async_wait<0>();
 
-  // normalization with the sink (denominator only); lse excludes it
-  const float sink2 = p.sink != nullptr ? p.sink[head] * 1.4426950408889634f : -INFINITY;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
     row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 2);
+  }
+  if (p.num_splits > 1) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = i0 + warp * 16 + lane / 4 + 8 * h;
+      if (i >= tq) continue;
+      const int64_t row = (int64_t(split) * p.total_rows + int64_t(q0 + i) * p.num_heads + head);
+      float* dst = p.part_o + row * D + (lane % 4) * 2;
+#pragma unroll
+      for (int d = 0; d < kDBlocks; ++d) *reinterpret_cast<float2*>(dst + d * 8) = make_float2(o[d][2 * h], o[d][2 * h + 1]);
+      if (lane % 4 == 0) *reinterpret_cast<float2*>(p.part_ml + row * 2) = make_float2(row_max[h], row_sum[h]);
+    }
+    return;
+  }
+
+  // normalization with the sink (denominator only); lse excludes it
+  const float sink2 = p.sink != nullptr ? p.sink[head] * 1.4426950408889634f : -INFINITY;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
     const int i = i0 + warp * 16 + lane / 4 + 8 * h;
     const bool empty = row_max[h] == -INFINITY;
     const float denom = empty ? 1.0f : row_sum[h] + exp2f(sink2 - row_max[h]);
@@ -278,6 +306,38 @@ __global__ void __launch_bounds__(kThreads) dense_fmha_kernel(const DenseFmhaPar
             empty ? -INFINITY : (row_max[h] + log2f(row_sum[h])) * 0.6931471805599453f;
     }
   }
+}
+
+// Merges the num_splits partials of one (query row, head) per warp: lanes stride over
+// head_dim. Splits that saw nothing have m = -inf and l = 0 and drop out.
+template <int D>
+__global__ void __launch_bounds__(128) dense_fmha_combine_kernel(const DenseFmhaParams p) {
+  const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;  // q_row * Hq + head
+  if (row >= p.total_rows) return;
+  const int lane = threadIdx.x % 32, head = int(row % p.num_heads);
+  const int64_t q_row = row / p.num_heads;
+  float m = -INFINITY;
+  for (int s = 0; s < p.num_splits; ++s) m = fmaxf(m, p.part_ml[(s * p.total_rows + row) * 2]);
+  const float base = m == -INFINITY ? 0.0f : m;
+  float l = 0.0f;
+  float acc[D / 32];
+#pragma unroll
+  for (int j = 0; j < D / 32; ++j) acc[j] = 0.0f;
+  for (int s = 0; s < p.num_splits; ++s) {
+    const float2 ml = *reinterpret_cast<const float2*>(p.part_ml + (s * p.total_rows + row) * 2);
+    const float w = exp2f(ml.x - base);  // 0 for an empty split
+    l += ml.y * w;
+    const float* src = p.part_o + (s * p.total_rows + row) * D;
+#pragma unroll
+    for (int j = 0; j < D / 32; ++j) acc[j] += w * src[lane + 32 * j];
+  }
+  const float sink2 = p.sink != nullptr ? p.sink[head] * 1.4426950408889634f : -INFINITY;
+  const bool empty = m == -INFINITY;
+  const float inv = empty ? 0.0f : 1.0f / (l + exp2f(sink2 - m));
+  __nv_bfloat16* dst = p.out + q_row * p.o_row + int64_t(head) * p.o_head;
+#pragma unroll
+  for (int j = 0; j < D / 32; ++j) dst[lane + 32 * j] = __float2bfloat16_rn(acc[j] * inv);
+  if (lane == 0) p.lse[row] = empty ? -INFINITY : (m + log2f(l)) * 0.6931471805599453f;
 }
 
 }  // namespace fmha
