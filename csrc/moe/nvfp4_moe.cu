@@ -211,10 +211,13 @@ bool use_direct_x() {
 // Launch with programmatic stream serialization (see pdl_wait in moe_device.cuh):
 // the kernel may be scheduled while its predecessor in the stream drains, which
 // hides the launch gap between the five kernels of a (decode-sized) call.
-// DSV4_MOE_PDL=0 turns it off.
-bool use_pdl() {
+// On by default at decode token tiles (<= 16), where it saved ~3 us per call; at
+// prefill the same-process A/B was within its +-5-9 % noise either way (v4b in
+// docs/perf.md), so prefill keeps plain launches. DSV4_MOE_PDL=0/1 forces either.
+bool use_pdl(int block_n) {
   const char* env = std::getenv("DSV4_MOE_PDL");
-  return env == nullptr || env[0] != '0';
+  if (env != nullptr && env[0] != '\0') return env[0] != '0';
+  return block_n <= 16;
 }
 
 void launch(void (*kernel)(MoeParams), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
@@ -260,7 +263,7 @@ void run_moe(MoeParams& p, const Checked& c, int64_t cta_mode, const at::Tensor&
   moe::moe_route_kernel<<<1, moe::kRouteThreads, route_smem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const unsigned gather_blocks = unsigned(std::min<int64_t>(p.max_rows, int64_t(sms) * 8));
-  const bool pdl = use_pdl();
+  const bool pdl = use_pdl(p.block_n);
   if (!p.direct_x)
     launch(c.nvfp4 ? moe::moe_gather_kernel<true> : moe::moe_gather_kernel<false>, dim3(gather_blocks), dim3(256), 0,
            stream, pdl, p);
