@@ -12,11 +12,14 @@ scales per 16 along K, fp32 global scale per expert). Two activation modes:
   output is quantized with ``a2_scale`` before GEMM2, with the rules of
   ``dsv4.formats.quantize_nvfp4``.
 
-CUDA (sm_90a): routing prep, a gather (NVFP4-quantizing in nvfp4 mode), grouped
-GEMM1 with the clamped-SwiGLU (+ NVFP4) epilogue, grouped GEMM2, and a
-deterministic weighted combine; weights are the 64-row wgmma A operand,
-dequantized e2m1 -> bf16 in registers; tokens are the N operand. No host sync, no
-value-dependent allocation: CUDA-graph capturable. CPU: the float32 reference
+CUDA (sm_90a): routing prep, a gather (NVFP4-quantizing in nvfp4 mode; in bf16 mode
+at decode sizes GEMM1 reads x itself), grouped GEMM1 with the clamped-SwiGLU (+ NVFP4)
+epilogue, grouped GEMM2, and a deterministic weighted combine; weights are the 64-row
+wgmma A operand, dequantized e2m1 -> bf16 in registers; tokens are the N operand. When
+the GEMM grid would not fill the GPU once (few tokens), the GEMMs run split-K on a
+persistent grid (deterministic fixup). No host sync, no value-dependent allocation:
+CUDA-graph capturable. Switches for A/B runs and tests (read per call):
+DSV4_MOE_SPLITK, DSV4_MOE_PDL, DSV4_MOE_DIRECT_X = 0/1 (docs/perf.md, nvfp4_moe v4b). CPU: the float32 reference
 (``dsv4.reference.nvfp4_moe``) on the un-prepared weights.
 """
 
