@@ -12,8 +12,8 @@ CUDA: two kernels behind one call.
 
 * Head dims 64, 128, 256 (any GQA/MQA grouping, K and V of the same head dim): the dense
   kernel ``dsv4::dense_fmha`` (csrc/fmha/): masks computed in the kernel from positions,
-  KV read as contiguous tiles. It does not split the KV axis: one CTA walks all of its
-  query rows' visible keys.
+  KV read as contiguous tiles; split-KV plus a combine pass (sink applied once) when
+  the query tiles alone would leave SMs idle (decode).
 * Head dim 512 with one KV head that is both K and V and 64 or 128 query heads
   (DeepSeek V4): the visible rows of each query are two contiguous ranges, written as an
   index list on the device (no host sync) and run through the sparse MQA prefill kernel,
