@@ -1,6 +1,6 @@
 """Build, GPU-test and benchmark dsv4 on the GPU machine in one command.
 
-    python3 scripts/device_check.py [--build] [--sanitize] [--families quantize,attention,moe]
+    python3 scripts/device_check.py [--build] [--sanitize] [--families quantize,attention,fmha,moe]
                                     [--quick] [--out DIR]
 
 Without --build it uses the dsv4/_C.abi3.so that is already in the tree (built on
@@ -19,10 +19,12 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# family -> (GPU tests, benchmark, extra benchmark arguments)
 FAMILIES = {
-    "quantize": ("tests/test_quantize.py", "scripts/bench_quantize.py"),
-    "attention": ("tests/test_attention.py", "scripts/bench_attention.py"),
-    "moe": ("tests/test_moe.py", "scripts/bench_moe.py"),
+    "quantize": ("tests/test_quantize.py", "scripts/bench_quantize.py", []),
+    "attention": ("tests/test_attention.py", "scripts/bench_attention.py", ["--skip-fmha"]),
+    "fmha": ("tests/test_fmha.py", "scripts/bench_attention.py", ["--only-fmha"]),
+    "moe": ("tests/test_moe.py", "scripts/bench_moe.py", []),
 }
 
 
@@ -93,10 +95,11 @@ def main() -> int:
 
     if not args.no_bench:
         for f in fams:
-            bench = FAMILIES[f][1]
+            _, bench, extra = FAMILIES[f]
             if not os.path.exists(os.path.join(ROOT, bench)):
                 continue
-            cmd = [sys.executable, bench, "--json", f"{args.out}/bench_{f}.json"] + (["--quick"] if args.quick and f != "quantize" else [])
+            quick = ["--quick"] if args.quick and f in ("attention", "moe") else []
+            cmd = [sys.executable, bench, "--json", f"{args.out}/bench_{f}.json", *extra, *quick]
             rc, out, dt = run(cmd, f"{args.out}/bench_{f}.log")
             summary.append((f"bench {f}", f"rc={rc} ({dt:.0f}s), table in {args.out}/bench_{f}.log"))
     return report(summary, 0 if rc_tests == 0 else 1)
