@@ -169,6 +169,8 @@ def fmha(
         max_seqlen_q = q.shape[0]
     if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
         raise ValueError(f"dsv4: max_seqlen_q must be a non-negative int, got {max_seqlen_q!r}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= 64:
+        raise ValueError(f"dsv4: num_splits must be an int in [0, 64] (0 = choose), got {num_splits!r}")
     k, v = kv if isinstance(kv, tuple) else (kv, kv)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     if q.device.type != "cuda":

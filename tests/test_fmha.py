@@ -110,6 +110,19 @@ def test_max_seqlen_kv_must_be_a_host_int(bad):
         fmha(q, kv, cu_q, cu_kv, nc, max_seqlen_kv=bad)
 
 
+@pytest.mark.parametrize("kw, match", [
+    (dict(max_seqlen_q=-1), "max_seqlen_q must be a non-negative int"),
+    (dict(max_seqlen_q=3.0), "max_seqlen_q must be a non-negative int"),
+    (dict(num_splits=-1), "num_splits must be an int in"),
+    (dict(num_splits=65), "num_splits must be an int in"),
+    (dict(num_splits=True), "num_splits must be an int in"),
+])
+def test_bad_host_arguments(kw, match):
+    q, kv, cu_q, cu_kv, nc, *_ = _inputs(CASES[1])
+    with pytest.raises(ValueError, match=match):
+        fmha(q, kv, cu_q, cu_kv, nc, max_seqlen_kv=20, **kw)
+
+
 def test_visible_rows_compiles():
     f = torch.compile(visible_rows, fullgraph=True, backend="eager", dynamic=False)
     args = (4, torch.tensor([0, 4]), torch.tensor([0, 10]), torch.tensor([3]))
