@@ -147,10 +147,6 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer batch sizes")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", type=str, default=None)
-    ap.add_argument("--flags", type=str, default=None,
-                    help="comma list of DSV4_ATTN_FLAGS variants to compare (default: the built-in default)")
-    ap.add_argument("--prefill-flags", type=str, default=None,
-                    help="variants for the prefill part (default: --flags)")
     ap.add_argument("--comp-blocks", type=int, default=16384,
                     help="compressed fp8 cache blocks of 64 slots (default 16384 = 600 MB)")
     ap.add_argument("--swa-blocks", type=int, default=4096, help="window fp8 cache blocks of 64 slots")
@@ -170,41 +166,22 @@ def main():
     print(f"ceilings: bf16 matmul 8192^3 {gemm:.0f} TFLOP/s, device copy {copy:.2f} TB/s", flush=True)
 
     batches = [1, 32, 128] if args.quick else [1, 8, 32, 64, 128, 256]
-    variants = args.flags.split(",") if args.flags else [None]
     rows = []
-    if args.only_fmha:
-        variants, args.skip_prefill = [], True
-    else:
+    if not args.only_fmha:
         # Caches much larger than L2 (50 MB): 1M compressed slots (~600 MB), 256K window slots.
         comp = random_fp8_cache(args.comp_blocks, 64, 1)
         swa = random_fp8_cache(args.swa_blocks, 64, 2)
-    for v in variants:
-        if v is None:
-            os.environ.pop("DSV4_ATTN_FLAGS", None)
-        else:
-            os.environ["DSV4_ATTN_FLAGS"] = v
-        tag = "" if v is None else f"[f{v}] "
-        part = bench_decode(f"{tag}V4-Flash H=64 512+128", 64, 512, 128, batches, iters, (comp, swa))
-        part += bench_decode(f"{tag}V4-Pro H=128 1024+128", 128, 1024, 128, batches, iters, (comp, swa))
+        part = bench_decode("V4-Flash H=64 512+128", 64, 512, 128, batches, iters, (comp, swa))
+        part += bench_decode("V4-Pro H=128 1024+128", 128, 1024, 128, batches, iters, (comp, swa))
         print("\n".join(f"  {r['name']}: {r['us']:.1f} us" for r in part), flush=True)
         rows += part
-    if not args.only_fmha:
         del comp, swa
-    torch.cuda.empty_cache()
-    if not args.skip_prefill:
-        pvariants = args.prefill_flags.split(",") if args.prefill_flags else variants
-        for v in pvariants:
-            if v is None:
-                os.environ.pop("DSV4_ATTN_FLAGS", None)
-            else:
-                os.environ["DSV4_ATTN_FLAGS"] = v
+        torch.cuda.empty_cache()
+        if not args.skip_prefill:
             part = bench_prefill([4096, 16384], iters)
-            for r in part:
-                r["name"] = ("" if v is None else f"[f{v}] ") + r["name"]
             print("\n".join(f"  {r['name']}: {r['us']:.1f} us" for r in part), flush=True)
             rows += part
     if not args.skip_fmha:
-        os.environ.pop("DSV4_ATTN_FLAGS", None)
         part = bench_fmha(iters)
         print("\n".join(f"  {r['name']}: {r['us']:.1f} us" for r in part), flush=True)
         rows += part

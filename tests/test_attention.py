@@ -20,21 +20,6 @@ from dsv4 import formats, reference
 from dsv4.attention import sparse_mqa_decode, sparse_mqa_prefill
 
 HAS_GPU = torch.cuda.is_available() and dsv4._ops.HAS_CUDA_EXTENSION
-# Kernel implementation variants (csrc/attention/sparse_mqa_params.cuh kFlag*): 0 = first
-# version, None = the built-in default 7 (lazy O rescale + cp.async bf16 gather + wide fp8
-# gather, d-split consumers), 63 = key-split consumers + S/PV overlap + bit-field fp8 dequant
-# on top of 7, 24 = key-split + bit-field dequant on the narrow fp8 gather, no lazy rescale,
-# no S/PV overlap.
-FLAG_VARIANTS = [None, "0", "63", "24"]
-
-
-@pytest.fixture
-def attn_flags(request, monkeypatch):
-    if request.param is None:
-        monkeypatch.delenv("DSV4_ATTN_FLAGS", raising=False)
-    else:
-        monkeypatch.setenv("DSV4_ATTN_FLAGS", request.param)
-    return request.param
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")]
 SCALE = 512**-0.5
 
@@ -378,14 +363,18 @@ DECODE_CASES = [
     (133, 2, 128, 512, 127, "fp8", 64, True, "+inf"),
     (3, 1, 64, 0, None, "fp8", 64, False, "finite"),     # nothing visible at all
     (1, 1, 64, 1, None, "bf16", 64, False, None),
+    # odd tile counts: the kernel takes tiles in pairs (last pair half empty), splits take
+    # whole pairs, and a pair may straddle the two lists (15 + 1 tiles, 2 + 1 tiles)
+    (2, 1, 64, 1088, None, "fp8", 64, True, "finite"),
+    (1, 1, 128, 960, 64, "bf16", 64, False, "finite"),
+    (5, 1, 64, 100, 30, "fp8", 64, False, None),
 ]
 
 
-@pytest.mark.parametrize("attn_flags", FLAG_VARIANTS, indirect=True)
 @pytest.mark.parametrize("case", DECODE_CASES, ids=[str(c) for c in DECODE_CASES])
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
-def test_decode_gpu(case, attn_flags):
+def test_decode_gpu(case):
     b, s_q, h, topk, topk2, kind, bs, ragged, sink_kind = case
     dev = "cuda"
     g = _gen(zlib.crc32(str(case).encode()))
@@ -413,10 +402,9 @@ def test_decode_gpu(case, attn_flags):
     assert_close(o, lse, ro, rl)
 
 
-@pytest.mark.parametrize("attn_flags", FLAG_VARIANTS, indirect=True)
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
-def test_decode_fp8_dequant_exact(attn_flags):
+def test_decode_fp8_dequant_exact():
     """One visible key per token: every head's output is exactly that key's dequantized row,
     for every e4m3 code but NaN and scale bytes from 2^-127 (results underflow into bf16
     subnormals) to 2^73, so the kernel's dequant must round like the reference."""
@@ -454,11 +442,10 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("attn_flags", FLAG_VARIANTS, indirect=True)
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=[str(c) for c in PREFILL_CASES])
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
-def test_prefill_gpu(case, attn_flags):
+def test_prefill_gpu(case):
     t, h, n, topk, ragged, sink_kind = case
     dev = "cuda"
     g = _gen(zlib.crc32(str(case).encode()))
@@ -477,9 +464,8 @@ def test_prefill_gpu(case, attn_flags):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
-@pytest.mark.parametrize("attn_flags", [None, "0"], indirect=True)
 @pytest.mark.parametrize("b", [2, 200])  # split-KV + combine, and no split
-def test_decode_cuda_graph(b, attn_flags):
+def test_decode_cuda_graph(b):
     dev = "cuda"
     g = _gen(21)
     cache, rows = make_cache("fp8", 40, 64, dev, 22)
@@ -521,8 +507,7 @@ def test_opcheck_cuda(extra):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
-@pytest.mark.parametrize("attn_flags", [None, "0"], indirect=True)
-def test_prefill_cuda_graph(attn_flags):
+def test_prefill_cuda_graph():
     dev = "cuda"
     g = _gen(31)
     t, h, n, topk = 77, 128, 3000, 1152

@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <optional>
 
 #include "attention/sparse_mqa.cuh"
@@ -115,14 +114,17 @@ void check_qo(const at::Tensor& t, const char* name, const char* shape) {
   if (t.numel() > 0) check_aligned(t, 16, name);
 }
 
+// Splits of the KV axis when the (token, head block) CTAs do not fill the GPU: a split
+// takes whole pairs of 64-key tiles (the kernel's rounds). Chosen from shapes only.
 int pick_splits(int64_t base_ctas, int64_t max_tiles, int sms) {
-  if (base_ctas >= sms || max_tiles <= 1) return 1;
+  const int64_t max_pairs = (max_tiles + 1) / 2;
+  if (base_ctas >= sms || max_pairs <= 1) return 1;
   int best = 1;
   double best_cost = 1e30;
-  const int64_t limit = std::min<int64_t>(max_tiles, attention::kMaxSplits);
+  const int64_t limit = std::min<int64_t>(max_pairs, attention::kMaxSplits);
   for (int s = 1; s <= limit; ++s) {
     const double waves = std::ceil(double(base_ctas * s) / sms);
-    const double per_cta = std::ceil(double(max_tiles) / s) + 1.0;  // +1: prologue/epilogue/combine
+    const double per_cta = 2.0 * std::ceil(double(max_pairs) / s) + 1.0;  // +1: prologue/epilogue/combine
     const double cost = waves * per_cta;
     if (cost < best_cost - 1e-9) {
       best_cost = cost;
@@ -132,9 +134,9 @@ int pick_splits(int64_t base_ctas, int64_t max_tiles, int sms) {
   return best;
 }
 
-template <bool kFp8, bool kKeySplit>
+template <bool kFp8>
 void launch_main(const SparseMqaParams& p, int64_t grid, cudaStream_t stream) {
-  auto kernel = attention::sparse_mqa_fwd_kernel<kFp8, kKeySplit>;
+  auto kernel = attention::sparse_mqa_fwd_kernel<kFp8>;
   static bool configured = false;
   if (!configured) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, attention::kSmemBytes));
@@ -184,10 +186,6 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   p.batch = static_cast<int>(B);
   p.s_q = static_cast<int>(s_q);
   p.num_heads = static_cast<int>(H);
-  // Implementation variants (A/B benchmarking only; every variant is tested).
-  p.flags = attention::kDefaultFlags;
-  if (const char* env = std::getenv("DSV4_ATTN_FLAGS")) p.flags = std::atoi(env);
-
   int64_t max_tiles = 0;
   for (int k = 0; k < p.num_src; ++k) max_tiles += (p.src[k].topk + attention::kTileKeys - 1) / attention::kTileKeys;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
@@ -204,11 +202,10 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   }
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int64_t grid = base * p.num_splits;
-  const bool ks = (p.flags & attention::kFlagKeySplit) != 0;
   if (kind == CacheKind::kFp8) {
-    ks ? launch_main<true, true>(p, grid, stream) : launch_main<true, false>(p, grid, stream);
+    launch_main<true>(p, grid, stream);
   } else {
-    ks ? launch_main<false, true>(p, grid, stream) : launch_main<false, false>(p, grid, stream);
+    launch_main<false>(p, grid, stream);
   }
   if (p.num_splits > 1) {
     attention::sparse_mqa_combine_kernel<<<dim3(static_cast<unsigned>(tokens * H)), 128, 0, stream>>>(p);

@@ -1,21 +1,24 @@
 // Sparse MQA attention forward for DeepSeek V4 on Hopper (sm_90a). Torch-free.
 //
-// One CTA = one query token x 64 heads x one split of the token's key tiles.
+// One CTA = one query token x 64 heads x one split of the token's 64-key tiles, taken in
+// pairs: in round r, buffer 0 holds tile 2r and buffer 1 tile 2r + 1.
 // 384 threads = 3 warpgroups:
-//   WG0  producer: gathers 64 KV rows per tile by slot id into a 2-stage smem ring
-//        (fp8_ds_mla -> bf16 dequant with the UE8M0 power-of-two scales, exact; or a
-//        plain bf16 copy), zero rows for skipped entries, a 64-bit validity mask per
-//        tile, mbarrier handshake; prefetches the next tile's rows into L2.
-//   WG1, WG2  consumers: WG1+g computes the partial S = Q K^T over d in [256g, 256g+256)
-//        (wgmma m64n64k16, Q and K from smem), the two partials are summed through smem
-//        (both consumers then hold the identical S), both run the same online softmax,
-//        and WG1+g accumulates O[:, 256g : 256g+256] = P V (wgmma m64n256k16, P from
-//        registers, V = the same smem tile read MN-major). The consumers also load Q
-//        (cp.async), so the producer's first gather overlaps it.
-// kKeySplit (flag 8, measured slower, docs/perf.md v1) splits S by keys instead: 32 keys per
-// consumer over the full d, only row maxima and bf16 P halves cross warpgroups.
-// The smem tile layout (Q and KV alike): 8 column blocks of 64 d (8 KB each), each block
-// 64 rows x 128 B with the 128-byte swizzle (16-byte chunk j of row r at j ^ (r % 8)).
+//   WG0  producer: gathers the KV rows by slot id, each buffer as two halves (d < 256 and
+//        d >= 256) with their own ready / free mbarriers, in the order the consumers need
+//        them (0L, 1R, 0R, 1L). fp8_ds_mla rows are dequantized to bf16 with their UE8M0
+//        power-of-two scales (exact); bf16 rows go by cp.async, the producer never waits for
+//        them. Skipped entries become zero rows and a cleared bit of the buffer's mask.
+//        The next round's rows are prefetched into L2.
+//   WG1, WG2  consumers c = 0, 1 ("seesaw"): consumer c computes S_c = Q K_c^T of buffer c
+//        over the full d, runs the online softmax for that tile and owns half the output,
+//        O[:, 256c : 256c + 256] += P_c V_c (P from registers) + P_other V_other (P from
+//        smem). The running max goes 0 -> 1 through smem within a round and back, so both
+//        end the round at the same max; 0 rescales its P before handing it over. While one
+//        consumer does its softmax the other's GEMMs keep the tensor cores busy, and every
+//        exponential is computed once.
+// smem tile layout (Q, KV buffers): 8 column blocks of 64 d (8 KB each), each block 64 rows
+// x 128 B with the 128-byte swizzle (16-byte chunk j of row r at j ^ (r % 8)); the P
+// tiles are one such block (64 heads x 64 keys).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -31,22 +34,29 @@ namespace dsv4 {
 namespace attention {
 
 constexpr int kThreads = 384;
-constexpr int kQBytes = kHeadsPerCta * kHeadDim * 2;  // 64 KB
-constexpr int kStageBytes = kTileKeys * kHeadDim * 2;  // 64 KB
-constexpr int kStages = 2;
-constexpr int kSxBytes = 64 * 64 * 4;                   // one fp32 partial S
+constexpr int kQBytes = kHeadsPerCta * kHeadDim * 2;    // 64 KB
+constexpr int kBufBytes = kTileKeys * kHeadDim * 2;     // 64 KB per buffer
+constexpr int kHalfBytes = kBufBytes / 2;               // d < 256 | d >= 256
+constexpr int kPBytes = kHeadsPerCta * kTileKeys * 2;   // 8 KB bf16 P tile
 constexpr int kOffQ = 0;
 constexpr int kOffKV = kOffQ + kQBytes;
-constexpr int kOffSx = kOffKV + kStages * kStageBytes;
-// Key-split consumers use the same region for the shared bf16 P tile and the row-max buffer.
-constexpr int kOffP = kOffSx;
-constexpr int kOffRed = kOffP + kHeadsPerCta * kTileKeys * 2;
-constexpr int kOffBar = kOffSx + 2 * kSxBytes;
-constexpr int kOffMask = kOffBar + 4 * 8;
-constexpr int kSmemBytes = kOffMask + kStages * 8 + 1024;  // + alignment slack
+constexpr int kOffP = kOffKV + 2 * kBufBytes;
+constexpr int kOffMax = kOffP + 2 * kPBytes;    // 64 floats: running max handed between consumers
+constexpr int kOffSum = kOffMax + 64 * 4;       // 2 x 64 floats: row sums, epilogue
+constexpr int kOffMask = kOffSum + 2 * 64 * 4;  // 2 x 64-bit key validity masks
+constexpr int kOffBar = kOffMask + 2 * 8;       // ready[4], free[4], mask_ready[2]
+constexpr int kSmemBytes = kOffBar + 10 * 8 + 1024;  // + alignment slack
 
-constexpr int kProducerRegs = 72;
-constexpr int kConsumerRegs = 216;
+constexpr int kProducerRegs = 88;
+constexpr int kConsumerRegs = 208;  // 128 x 88 + 256 x 208 = the launch's 384 x 168
+
+// Named barriers between the two consumer warpgroups (0 is __syncthreads).
+constexpr int kBarQ = 1;      // Q is in smem
+constexpr int kBarMax0 = 2;   // consumer 0 published its tile's max
+constexpr int kBarMax1 = 3;   // consumer 1 published the round's max
+constexpr int kBarP0 = 4;     // P_0 (rescaled to the round's max) is in smem
+constexpr int kBarP1 = 5;     // P_1 is in smem
+constexpr int kBarSum = 6;    // row sums exchanged (epilogue)
 
 constexpr uint32_t kFp8RowBytes = 576;   // 448 fp8 + 64 bf16
 constexpr uint32_t kBf16RowBytes = 1024;
@@ -73,52 +83,17 @@ __device__ __forceinline__ void fp8x4_to_bf16x4(uint32_t w, float sc, uint32_t& 
   hi = pack_bf16(f1.x * sc, f1.y * sc);
 }
 
-// 4 fp8 e4m3 (one word) -> 2 words of bf16x2 by moving bit fields: byte s.eeee.mmm becomes
-// bf16 s.0000eeee.mmm0000, whose value is the e4m3 value * 2^-120 for normal and subnormal
-// codes alike (both formats are subnormal at exponent field 0). No conversion instructions;
-// the e4m3 NaN codes (0x7F, 0xFF) come out as finite numbers (the cache writer never stores them).
-__device__ __forceinline__ void fp8x4_to_bf16x4_bits(uint32_t w, uint32_t& lo, uint32_t& hi) {
-  const uint32_t sg = w & 0x80808080u, mg = w & 0x7F7F7F7Fu;
-  lo = (__byte_perm(mg, 0, 0x4140) << 4) + __byte_perm(sg, 0, 0x1404);
-  hi = (__byte_perm(mg, 0, 0x4342) << 4) + __byte_perm(sg, 0, 0x3424);
-}
-
-// 16 fp8 values of one row (one 64-column scale block) times the block's UE8M0 scale
-// 2^(e-127) -> 16 bf16. Exact: a power-of-two scale only moves the exponent (results that
-// leave the bf16 range round or overflow like the float32 reference rounded to bf16).
-template <bool kBits>
-__device__ __forceinline__ void dequant_fp8x16(const uint4& v, uint32_t e, uint4& o0, uint4& o1) {
-  if (kBits) {
-    // Two bf16 products, both exact: * 2^120 undoes the bit move, * 2^(e-127) is the scale
-    // (e = 0: the bf16 subnormal 2^-127; e = 255: inf, as in the float path below).
-    constexpr uint32_t k2p120 = 0x7B807B80u;
-    const uint32_t sb = e == 0 ? 0x00400040u : (e << 7) * 0x10001u;
-    fp8x4_to_bf16x4_bits(v.x, o0.x, o0.y);
-    fp8x4_to_bf16x4_bits(v.y, o0.z, o0.w);
-    fp8x4_to_bf16x4_bits(v.z, o1.x, o1.y);
-    fp8x4_to_bf16x4_bits(v.w, o1.z, o1.w);
-    o0.x = mul_bf16x2(mul_bf16x2(o0.x, k2p120), sb);
-    o0.y = mul_bf16x2(mul_bf16x2(o0.y, k2p120), sb);
-    o0.z = mul_bf16x2(mul_bf16x2(o0.z, k2p120), sb);
-    o0.w = mul_bf16x2(mul_bf16x2(o0.w, k2p120), sb);
-    o1.x = mul_bf16x2(mul_bf16x2(o1.x, k2p120), sb);
-    o1.y = mul_bf16x2(mul_bf16x2(o1.y, k2p120), sb);
-    o1.z = mul_bf16x2(mul_bf16x2(o1.z, k2p120), sb);
-    o1.w = mul_bf16x2(mul_bf16x2(o1.w, k2p120), sb);
-  } else {
-    // 2^(e-127) as fp32: e = 0 is the subnormal 2^-127, e = 255 gives inf.
-    const float sc = e == 0 ? __int_as_float(0x00400000) : __int_as_float(static_cast<int>(e << 23));
-    fp8x4_to_bf16x4(v.x, sc, o0.x, o0.y);
-    fp8x4_to_bf16x4(v.y, sc, o0.z, o0.w);
-    fp8x4_to_bf16x4(v.z, sc, o1.x, o1.y);
-    fp8x4_to_bf16x4(v.w, sc, o1.z, o1.w);
-  }
-}
-
-template <bool kBits>
+// 16 fp8 values of one row (a quarter of a 64-column scale block) times the block's UE8M0
+// scale 2^(e-127) -> 16 bf16 at (row, col) of a tile. Exact: a power-of-two scale only
+// moves the exponent (results that leave the bf16 range round or overflow like the float32
+// reference rounded to bf16). e = 0 is the subnormal 2^-127, e = 255 gives inf.
 __device__ __forceinline__ void dequant_store_fp8x16(uint8_t* tile_smem, int row, int col, const uint4& v, uint32_t e) {
+  const float sc = e == 0 ? __int_as_float(0x00400000) : __int_as_float(static_cast<int>(e << 23));
   uint4 o0, o1;
-  dequant_fp8x16<kBits>(v, e, o0, o1);
+  fp8x4_to_bf16x4(v.x, sc, o0.x, o0.y);
+  fp8x4_to_bf16x4(v.y, sc, o0.z, o0.w);
+  fp8x4_to_bf16x4(v.z, sc, o1.x, o1.y);
+  fp8x4_to_bf16x4(v.w, sc, o1.z, o1.w);
   *reinterpret_cast<uint4*>(tile_smem + tile_offset(row, col)) = o0;
   *reinterpret_cast<uint4*>(tile_smem + tile_offset(row, col + 8)) = o1;
 }
@@ -127,7 +102,7 @@ __device__ __forceinline__ void dequant_store_fp8x16(uint8_t* tile_smem, int row
 struct TokenTiles {
   int len[2];    // valid prefix of each list
   int ntile[2];  // tiles of each list
-  int t0, t1;    // this split's tile range [t0, t1) over the concatenated lists
+  int t0, t1;    // this split's tile range [t0, t1) over the concatenated lists; t0 even
 };
 
 __device__ __forceinline__ TokenTiles token_tiles(const SparseMqaParams& p, int b, int split) {
@@ -145,19 +120,28 @@ __device__ __forceinline__ TokenTiles token_tiles(const SparseMqaParams& p, int 
     tt.len[k] = len;
     tt.ntile[k] = (len + kTileKeys - 1) / kTileKeys;
   }
+  // Splits take whole pairs of tiles (one round each); only the last pair may be half empty.
   const int n = tt.ntile[0] + tt.ntile[1];
-  tt.t0 = static_cast<int>((static_cast<int64_t>(n) * split) / p.num_splits);
-  tt.t1 = static_cast<int>((static_cast<int64_t>(n) * (split + 1)) / p.num_splits);
+  const int pairs = (n + 1) / 2;
+  const int p0 = static_cast<int>((static_cast<int64_t>(pairs) * split) / p.num_splits);
+  const int p1 = static_cast<int>((static_cast<int64_t>(pairs) * (split + 1)) / p.num_splits);
+  tt.t0 = 2 * p0;
+  tt.t1 = 2 * p1 < n ? 2 * p1 : n;
   return tt;
 }
 
-// Slot of row `row` of concatenated tile `tile`, or -1 when that entry is skipped.
+__device__ __forceinline__ int tile_list(const TokenTiles& tt, int tile) { return tile < tt.ntile[0] ? 0 : 1; }
+
+// Slot of row `row` of concatenated tile `tile`, or -1 when that entry is skipped (past the
+// list's length, an invalid index, or a tile past this split's range).
 __device__ __forceinline__ int tile_slot(const SparseMqaParams& p, const TokenTiles& tt, int b, int i, int tile,
-                                         int row, int& list) {
-  list = tile < tt.ntile[0] ? 0 : 1;
-  const bool l0 = list == 0;
+                                         int row) {
+  if (tile >= tt.t1) return -1;
+  const bool l0 = tile_list(tt, tile) == 0;
   const int pos = (l0 ? tile : tile - tt.ntile[0]) * kTileKeys + row;
   if (pos >= (l0 ? tt.len[0] : tt.len[1])) return -1;
+  // Field selects, not p.src[list]: a runtime index into the kernel parameters makes the
+  // compiler copy them to local memory.
   const int32_t* idx = l0 ? p.src[0].indices : p.src[1].indices;
   const int64_t sb = l0 ? p.src[0].idx_stride_b : p.src[1].idx_stride_b;
   const int64_t sq = l0 ? p.src[0].idx_stride_q : p.src[1].idx_stride_q;
@@ -166,191 +150,198 @@ __device__ __forceinline__ int tile_slot(const SparseMqaParams& p, const TokenTi
   return (v >= 0 && static_cast<int64_t>(v) < ns) ? v : -1;
 }
 
+// The paged geometry of source `list` (by selects, see tile_slot).
+struct PagedSource {
+  const uint8_t* base;
+  int64_t block_stride;
+  int block_size;
+};
+__device__ __forceinline__ PagedSource paged_source(const SparseMqaParams& p, int list) {
+  const bool l0 = list == 0;
+  return {l0 ? p.src[0].base : p.src[1].base, l0 ? p.src[0].block_stride : p.src[1].block_stride,
+          l0 ? p.src[0].block_size : p.src[1].block_size};
+}
+
+// Byte offsets (from the source base) of a slot's row data and, for fp8, its 8 scale bytes.
 template <bool kFp8>
-__device__ __forceinline__ void producer_loop(const SparseMqaParams& p, const TokenTiles& tt, int b, int i,
-                                              uint8_t* smem, uint64_t* full, uint64_t* empty, uint16_t* mask16) {
-  const int warp = (threadIdx.x >> 5) & 3;
-  const int lane = threadIdx.x & 31;
-  const int row_lane = warp * 16 + (lane & 15);  // the row whose slot this lane resolves
-  constexpr uint32_t kRowBytes = kFp8RowBytes;
-
-  const bool bits = (p.flags & kFlagFp8BitDequant) != 0;
-  int list_next = 0;
-  int slot_next = (tt.t0 < tt.t1 && lane < 16) ? tile_slot(p, tt, b, i, tt.t0, row_lane, list_next) : -1;
-
-  for (int tile = tt.t0; tile < tt.t1; ++tile) {
-    const int it = tile - tt.t0;
-    const int stage = it & 1;
-    const int slot = slot_next;
-    const int list = list_next;
-    // Next tile: resolve its slots now and start pulling its rows into L2.
-    slot_next = -1;
-    if (tile + 1 < tt.t1 && lane < 16) slot_next = tile_slot(p, tt, b, i, tile + 1, row_lane, list_next);
-    if (slot_next >= 0) {
-      const bool l0 = list_next == 0;
-      const int bsz = l0 ? p.src[0].block_size : p.src[1].block_size;
-      const uint8_t* blk = (l0 ? p.src[0].base : p.src[1].base) +
-                           static_cast<int64_t>(slot_next / bsz) * (l0 ? p.src[0].block_stride : p.src[1].block_stride);
-      const int off = slot_next % bsz;
-      if (kFp8) {
-        prefetch_l2_bulk(blk + static_cast<int64_t>(off) * kRowBytes, kRowBytes);
-        prefetch_l2_bulk(blk + ((static_cast<int64_t>(bsz) * kRowBytes + off * 8) & ~int64_t(15)), 16);
-      } else {
-        prefetch_l2_bulk(blk + static_cast<int64_t>(off) * kBf16RowBytes, kBf16RowBytes);
-      }
-    }
-
-    // Byte offsets of this lane's row (lanes 0..15), -1 when skipped.
-    int64_t data_off = -1, scale_off = 0;
-    if (slot >= 0) {
-      const bool l0 = list == 0;
-      const int bsz = l0 ? p.src[0].block_size : p.src[1].block_size;
-      const int64_t blk = static_cast<int64_t>(slot / bsz) * (l0 ? p.src[0].block_stride : p.src[1].block_stride);
-      const int off = slot % bsz;
-      if (kFp8) {
-        data_off = blk + static_cast<int64_t>(off) * kRowBytes;
-        scale_off = blk + static_cast<int64_t>(bsz) * kRowBytes + off * 8;
-      } else {
-        data_off = blk + static_cast<int64_t>(off) * kBf16RowBytes;
-      }
-    }
-    const unsigned valid = __ballot_sync(0xffffffffu, slot >= 0) & 0xFFFFu;
-    // list is warp-uniform (a tile holds one list), but only lanes 0..15 computed it.
-    const int list_w = __shfl_sync(0xffffffffu, list, 0);
-    const uint8_t* base = list_w == 0 ? p.src[0].base : p.src[1].base;
-
-    if (it >= kStages) mbar_wait(&empty[stage], ((it >> 1) - 1) & 1);
-    if (lane == 0) mask16[stage * 4 + warp] = static_cast<uint16_t>(valid);
-    uint8_t* tile_smem = smem + kOffKV + stage * kStageBytes;
-
-    if (!kFp8 && (p.flags & kFlagCpAsyncBf16)) {
-      // bf16 rows: 16 rows x 1 KB per warp in flight at once, no register staging.
-      const uint32_t tile_u32 = smem_u32(tile_smem);
-#pragma unroll 4
-      for (int r = 0; r < 16; ++r) {
-        const int64_t doff = __shfl_sync(0xffffffffu, data_off, r);
-        const int row = warp * 16 + r;
-        if (doff >= 0) {
-          const uint8_t* src = base + doff + lane * 32;
-          cp_async_16(tile_u32 + tile_offset(row, lane * 16), src);
-          cp_async_16(tile_u32 + tile_offset(row, lane * 16 + 8), src + 16);
-        } else {
-          *reinterpret_cast<uint4*>(tile_smem + tile_offset(row, lane * 16)) = make_uint4(0, 0, 0, 0);
-          *reinterpret_cast<uint4*>(tile_smem + tile_offset(row, lane * 16 + 8)) = make_uint4(0, 0, 0, 0);
-        }
-      }
-      cp_async_wait_all();
-      fence_proxy_async_smem();
-      mbar_arrive(&full[stage]);
-      continue;
-    }
-
-    if (kFp8 && (p.flags & kFlagFp8Wide)) {
-      // 8 rows per warp in flight: lane l < 28 loads fp8 chunk l (16 B) of each of the
-      // 8 rows; the 8 x 8 rope chunks are spread over all 32 lanes (2 each); lane j < 8
-      // loads row j's 8 scale bytes and hands them out by shuffle.
-#pragma unroll 1
-      for (int r0 = 0; r0 < 16; r0 += 8) {
-        uint4 v[8], rope[2];
-#pragma unroll
-        for (int m = 0; m < 8; ++m) {
-          const int64_t doff = __shfl_sync(0xffffffffu, data_off, r0 + m);
-          v[m] = make_uint4(0, 0, 0, 0);
-          if (lane < 28 && doff >= 0) v[m] = ldg_nc_v4(base + doff + lane * 16);
-        }
-#pragma unroll
-        for (int m = 0; m < 2; ++m) {
-          const int64_t doff = __shfl_sync(0xffffffffu, data_off, r0 + (lane >> 3) + 4 * m);
-          rope[m] = make_uint4(0, 0, 0, 0);
-          if (doff >= 0) rope[m] = ldg_nc_v4(base + doff + 448 + (lane & 7) * 16);
-        }
-        uint2 sw = make_uint2(0x7f7f7f7fu, 0x7f7f7f7fu);
-        {
-          const int64_t doff = __shfl_sync(0xffffffffu, data_off, r0 + (lane & 7));
-          const int64_t soff = __shfl_sync(0xffffffffu, scale_off, r0 + (lane & 7));
-          if (lane < 8 && doff >= 0) sw = ldg_nc_v2(base + soff);
-        }
-#pragma unroll
-        for (int m = 0; m < 2; ++m) {
-          const int row = warp * 16 + r0 + (lane >> 3) + 4 * m;
-          *reinterpret_cast<uint4*>(tile_smem + tile_offset(row, 448 + (lane & 7) * 8)) = rope[m];
-        }
-        const int grp = (lane >> 2) & 7;
-#pragma unroll
-        for (int m = 0; m < 8; ++m) {
-          const uint32_t lo = __shfl_sync(0xffffffffu, sw.x, m);
-          const uint32_t hi = __shfl_sync(0xffffffffu, sw.y, m);
-          if (lane < 28) {
-            const uint32_t e = (grp < 4 ? lo >> (8 * grp) : hi >> (8 * (grp - 4))) & 0xFFu;
-            const int row = warp * 16 + r0 + m;
-            if (bits) {
-              dequant_store_fp8x16<true>(tile_smem, row, lane * 16, v[m], e);
-            } else {
-              dequant_store_fp8x16<false>(tile_smem, row, lane * 16, v[m], e);
-            }
-          }
-        }
-      }
-      fence_proxy_async_smem();
-      mbar_arrive(&full[stage]);
-      continue;
-    }
-
-    constexpr int kBatch = 4;
-#pragma unroll 1
-    for (int r0 = 0; r0 < 16; r0 += kBatch) {
-      uint4 v0[kBatch], v1[kBatch];
-      uint32_t e[kBatch];
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        const int64_t doff = __shfl_sync(0xffffffffu, data_off, r0 + k);
-        const int64_t soff = __shfl_sync(0xffffffffu, scale_off, r0 + k);
-        v0[k] = make_uint4(0, 0, 0, 0);
-        v1[k] = make_uint4(0, 0, 0, 0);
-        e[k] = 127;
-        if (doff >= 0) {
-          const uint8_t* row = base + doff;
-          if (kFp8) {
-            if (lane < 28) {
-              v0[k] = ldg_nc_v4(row + lane * 16);
-              e[k] = ldg_nc_u8(base + soff + (lane >> 2));
-            } else {
-              v0[k] = ldg_nc_v4(row + 448 + (lane - 28) * 32);
-              v1[k] = ldg_nc_v4(row + 448 + (lane - 28) * 32 + 16);
-            }
-          } else {
-            v0[k] = ldg_nc_v4(row + lane * 32);
-            v1[k] = ldg_nc_v4(row + lane * 32 + 16);
-          }
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        const int r = warp * 16 + r0 + k;
-        if (kFp8 && lane < 28) {
-          if (bits) {
-            dequant_store_fp8x16<true>(tile_smem, r, lane * 16, v0[k], e[k]);
-          } else {
-            dequant_store_fp8x16<false>(tile_smem, r, lane * 16, v0[k], e[k]);
-          }
-        } else {
-          *reinterpret_cast<uint4*>(tile_smem + tile_offset(r, lane * 16)) = v0[k];
-          *reinterpret_cast<uint4*>(tile_smem + tile_offset(r, lane * 16 + 8)) = v1[k];
-        }
-      }
-    }
-    fence_proxy_async_smem();
-    mbar_arrive(&full[stage]);
+__device__ __forceinline__ void row_offsets(const PagedSource& s, int slot, int64_t& data_off, int64_t& scale_off) {
+  data_off = -1;
+  scale_off = 0;
+  if (slot < 0) return;
+  const int64_t blk = static_cast<int64_t>(slot / s.block_size) * s.block_stride;
+  const int off = slot % s.block_size;
+  if (kFp8) {
+    data_off = blk + static_cast<int64_t>(off) * kFp8RowBytes;
+    scale_off = blk + static_cast<int64_t>(s.block_size) * kFp8RowBytes + off * 8;
+  } else {
+    data_off = blk + static_cast<int64_t>(off) * kBf16RowBytes;
   }
 }
 
-template <bool kFp8, bool kKeySplit>
+// Producer: fills half `half` of a buffer with this warp's 16 rows and signals ready. Lanes
+// 0..15 hold their row's byte offset and (fp8) its 8 scale bytes.
+template <bool kFp8>
+__device__ __forceinline__ void load_half(uint8_t* buf_smem, const uint8_t* base, int half, int64_t data_off,
+                                          uint2 scales, uint64_t* ready) {
+  const int warp = (threadIdx.x >> 5) & 3;
+  const int lane = threadIdx.x & 31;
+  const uint32_t buf_u32 = smem_u32(buf_smem);
+  if (!kFp8) {
+    // 512 bytes of each row per warp instruction; zero-filled when the entry is skipped.
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      const int64_t d = __shfl_sync(0xffffffffu, data_off, r);
+      const bool ok = d >= 0;
+      cp_async_16(buf_u32 + tile_offset(warp * 16 + r, 256 * half + 8 * lane), ok ? base + d + 512 * half + 16 * lane : base,
+                  ok);
+    }
+    cp_async_mbar_arrive_noinc(ready);
+    return;
+  }
+  if (half == 0) {
+    // fp8 bytes [0, 256) = scale blocks 0..3: lane = 16-byte chunk (lane & 15) of row pair
+    // member (lane >> 4); 8 rows per lane, 4 loads in flight.
+    const int c = lane & 15;
+#pragma unroll 1
+    for (int bt = 0; bt < 2; ++bt) {
+      uint4 v[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int64_t d = __shfl_sync(0xffffffffu, data_off, 2 * (4 * bt + k) + (lane >> 4));
+        v[k] = d >= 0 ? ldg_nc_v4(base + d + 16 * c) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int rl = 2 * (4 * bt + k) + (lane >> 4);
+        const uint32_t e = (__shfl_sync(0xffffffffu, scales.x, rl) >> (8 * (c >> 2))) & 0xFFu;
+        dequant_store_fp8x16(buf_smem, warp * 16 + rl, 16 * c, v[k], e);
+      }
+    }
+  } else {
+    // Rope (bf16, bytes [448, 576) = d 448..511): 8 chunks per row, straight to smem.
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int k = lane + 32 * m, rl = k >> 3, rc = k & 7;
+      const int64_t d = __shfl_sync(0xffffffffu, data_off, rl);
+      const bool ok = d >= 0;
+      cp_async_16(buf_u32 + tile_offset(warp * 16 + rl, 448 + 8 * rc), ok ? base + d + 448 + 16 * rc : base, ok);
+    }
+    // fp8 bytes [256, 448) = scale blocks 4..6: 12 chunks per row, 6 per lane, 3 in flight.
+#pragma unroll 1
+    for (int bt = 0; bt < 2; ++bt) {
+      uint4 v[3];
+#pragma unroll
+      for (int k = 0; k < 3; ++k) {
+        const int kk = lane + 32 * (3 * bt + k);
+        const int64_t d = __shfl_sync(0xffffffffu, data_off, kk / 12);
+        v[k] = d >= 0 ? ldg_nc_v4(base + d + 16 * (16 + kk % 12)) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int k = 0; k < 3; ++k) {
+        const int kk = lane + 32 * (3 * bt + k), rl = kk / 12, c = 16 + kk % 12;
+        const uint32_t e = (__shfl_sync(0xffffffffu, scales.y, rl) >> (8 * ((c >> 2) - 4))) & 0xFFu;
+        dequant_store_fp8x16(buf_smem, warp * 16 + rl, 16 * c, v[k], e);
+      }
+    }
+    cp_async_wait_all();
+  }
+  fence_proxy_async_smem();
+  mbar_arrive(ready);
+}
+
+template <bool kFp8>
+__device__ __forceinline__ void producer_loop(const SparseMqaParams& p, const TokenTiles& tt, int b, int i,
+                                              uint8_t* smem) {
+  // Everything from the one smem base: separate pointers would cost registers (88 here).
+  uint64_t* ready = reinterpret_cast<uint64_t*>(smem + kOffBar);
+  uint64_t* freed = ready + 4;
+  uint64_t* mask_ready = ready + 8;
+  uint16_t* mask16 = reinterpret_cast<uint16_t*>(smem + kOffMask);
+  const int warp = (threadIdx.x >> 5) & 3;
+  const int lane = threadIdx.x & 31;
+  const int row_lane = warp * 16 + (lane & 15);  // the row whose slot this lane resolves (lanes 0..15)
+  const int rounds = (tt.t1 - tt.t0 + 1) >> 1;
+
+  // Per lane 0..15 and tile of the round: the row's slot and (fp8) its 8 scale bytes, both
+  // fetched one round ahead, so only the row data is waited for.
+  int slot[2], slot_next[2];
+  uint2 scales[2], scales_next[2];
+  // fp8 rows of skipped entries are zeros; their scale byte 127 (2^0) keeps them zeros.
+  const auto fetch_scales = [&](int tile, int sl) {
+    uint2 sw = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
+    if (kFp8 && sl >= 0) {
+      const PagedSource s = paged_source(p, tile_list(tt, tile));
+      int64_t d, so;
+      row_offsets<kFp8>(s, sl, d, so);
+      sw = ldg_nc_v2(s.base + so);
+    }
+    return sw;
+  };
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    slot[k] = (rounds > 0 && lane < 16) ? tile_slot(p, tt, b, i, tt.t0 + k, row_lane) : -1;
+    scales[k] = fetch_scales(tt.t0 + k, slot[k]);
+  }
+
+  for (int r = 0; r < rounds; ++r) {
+    const int tile0 = tt.t0 + 2 * r;
+    // Next round: resolve its slots, load its scales and start pulling its rows into L2.
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      slot_next[k] = -1;
+      if (r + 1 < rounds && lane < 16) slot_next[k] = tile_slot(p, tt, b, i, tile0 + 2 + k, row_lane);
+      scales_next[k] = fetch_scales(tile0 + 2 + k, slot_next[k]);
+      if (slot_next[k] >= 0) {
+        const PagedSource s = paged_source(p, tile_list(tt, tile0 + 2 + k));
+        int64_t d, so;
+        row_offsets<kFp8>(s, slot_next[k], d, so);
+        prefetch_l2_bulk(s.base + d, kFp8 ? kFp8RowBytes : kBf16RowBytes);
+      }
+    }
+    int64_t data_off[2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      int64_t so;
+      row_offsets<kFp8>(paged_source(p, tile_list(tt, tile0 + k)), slot[k], data_off[k], so);
+    }
+
+    // Halves in the order the consumers first need them: 0L, 1R, 0R, 1L. Not unrolled: the
+    // compiler would hoist every step's row addresses and spill them at 72 registers.
+#pragma unroll 1
+    for (int step = 0; step < 4; ++step) {
+      const int buf = step & 1;
+      const int half = (step == 1 || step == 2) ? 1 : 0;
+      const int hb = 2 * buf + half;
+      if (r > 0) mbar_wait(&freed[hb], (r - 1) & 1);
+      if (step < 2) {
+        // The buffer's first half was released by the consumer that read its previous mask.
+        const unsigned valid = __ballot_sync(0xffffffffu, (buf ? slot[1] : slot[0]) >= 0) & 0xFFFFu;
+        if (lane == 0) {
+          mask16[buf * 4 + warp] = static_cast<uint16_t>(valid);
+          mbar_arrive(&mask_ready[buf]);
+        }
+      }
+      const uint8_t* base = paged_source(p, tile_list(tt, tile0 + buf)).base;
+      // (Selects, not data_off[buf]: a runtime index would put the arrays in local memory.)
+      load_half<kFp8>(smem + kOffKV + buf * kBufBytes, base, half, buf ? data_off[1] : data_off[0],
+                      buf ? scales[1] : scales[0], &ready[hb]);
+    }
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      slot[k] = slot_next[k];
+      scales[k] = scales_next[k];
+    }
+  }
+}
+
+template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __grid_constant__ SparseMqaParams p) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kOffBar);
-  uint64_t* empty = full + 2;
-  uint16_t* mask16 = reinterpret_cast<uint16_t*>(smem + kOffMask);
+  uint64_t* ready = reinterpret_cast<uint64_t*>(smem + kOffBar);  // [2 * buf + half]
+  uint64_t* freed = ready + 4;
+  uint64_t* mask_ready = ready + 8;                               // [buf]
+  uint16_t* mask16 = reinterpret_cast<uint16_t*>(smem + kOffMask);  // [buf][producer warp]
 
   const int hblocks = p.num_heads / kHeadsPerCta;
   int bid = blockIdx.x;
@@ -361,25 +352,27 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   const int b = token / p.s_q, i = token % p.s_q;
 
   if (threadIdx.x == 0) {
-    mbar_init(&full[0], 128);
-    mbar_init(&full[1], 128);
-    mbar_init(&empty[0], 256);
-    mbar_init(&empty[1], 256);
+    for (int k = 0; k < 8; ++k) mbar_init(&ready[k], 128);
+    mbar_init(&mask_ready[0], 4);
+    mbar_init(&mask_ready[1], 4);
     mbar_init_fence();
   }
   const TokenTiles tt = token_tiles(p, b, split);
+  const int rounds = (tt.t1 - tt.t0 + 1) >> 1;
   __syncthreads();
 
   const int wg = threadIdx.x >> 7;
   if (wg == 0) {
     setmaxnreg_dec<kProducerRegs>();
-    producer_loop<kFp8>(p, tt, b, i, smem, full, empty, mask16);
+    producer_loop<kFp8>(p, tt, b, i, smem);
     return;
   }
   setmaxnreg_inc<kConsumerRegs>();
 
-  const int g = wg - 1;
-  const int t = threadIdx.x & 127;   // thread in warpgroup
+  // This consumer's buffer (S, softmax) and O half. Broadcast from lane 0 so the compiler
+  // sees a warp-uniform value: wgmma under a branch it thinks divergent gets serialized.
+  const int g = __shfl_sync(0xffffffffu, wg - 1, 0);
+  const int t = threadIdx.x & 127;
   const int w = t >> 5, lane = t & 31, quad = lane & 3;
   const int r0 = 16 * w + (lane >> 2);  // this thread's accumulator rows: r0 and r0 + 8
 
@@ -397,317 +390,271 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     }
     cp_async_wait_all();
     fence_proxy_async_smem();
-    named_bar_sync(3, 256);
+    named_bar_sync(kBarQ, 256);
   }
   const uint32_t q_base = smem_u32(smem + kOffQ);
+  const uint32_t kv_mine = smem_u32(smem + kOffKV + g * kBufBytes);
+  const uint32_t kv_other = smem_u32(smem + kOffKV + (1 - g) * kBufBytes);
+  uint8_t* p_mine = smem + kOffP + g * kPBytes;
+  const uint32_t p_other = smem_u32(smem + kOffP + (1 - g) * kPBytes);
+  float* smax = reinterpret_cast<float*>(smem + kOffMax);
+  // Buffer halves: consumer 0 starts on the left (d < 256) half, consumer 1 on the right.
+  const int first = g, second = 1 - g;  // half indices in load order for this consumer
+  uint64_t* ready_first = &ready[2 * g + first];
+  uint64_t* ready_second = &ready[2 * g + second];
 
   float o[128];
 #pragma unroll
   for (int k = 0; k < 128; ++k) o[k] = 0.f;
   float m0 = -INFINITY, m1 = -INFINITY;  // running max (log2 domain) of rows r0, r0 + 8
-  float l0 = 0.f, l1 = 0.f;              // this thread's share of the running row sums
+  float l0 = 0.f, l1 = 0.f;              // this thread's share of the row sums of its own P
+  float s[32];                           // S, then P, of this consumer's tile
+  uint32_t pa[16];                       // bf16 P as the A operand of the local PV
 
-  if constexpr (kKeySplit) {
-    // Consumer g owns keys [32g, 32g + 32) of every tile for S and softmax (no duplicated
-    // work), and O[:, 256g : 256g + 256] for PV over all 64 keys. Only the row maxima
-    // (64 floats per warpgroup) and the bf16 P halves (4 KB each) cross warpgroups.
-    uint8_t* p_smem = smem + kOffP;
-    const uint32_t p_base = smem_u32(p_smem);
-    float* red = reinterpret_cast<float*>(smem + kOffRed);
-    // With kFlagOverlapS, S of tile j+1 is issued right behind PV of tile j, so the tensor
-    // pipe runs both back to back; stage j is released once PV(j) is known complete.
-    const bool overlap = (p.flags & kFlagOverlapS) != 0;
-    const int ntiles = tt.t1 - tt.t0;
-    float s[16];
-    // S[:, my 32 keys] of tile `it` over the full d = 512, left in flight.
-    auto issue_s = [&](int it) {
-      const uint32_t kv_base = smem_u32(smem + kOffKV + (it & 1) * kStageBytes);
-      mbar_wait(&full[it & 1], (it >> 1) & 1);
+  // S = Q K^T over the d columns of one half (4 blocks x 4 k-steps of 16).
+  auto issue_s_half = [&](int half, bool zero) {
+    uint64_t dq = gmma_desc_sw128(q_base + 4 * half * 8192, 16, 1024);
+    uint64_t dk = gmma_desc_sw128(kv_mine + 4 * half * 8192, 16, 1024);
+    // Descriptors advance by adding (byte offset >> 4); the opaque copies keep the compiler
+    // from hoisting 32 precomputed descriptors into registers.
+    asm volatile("" : "+l"(dq));
+    asm volatile("" : "+l"(dk));
 #pragma unroll
-      for (int k = 0; k < 16; ++k) fence_operand(s[k]);
-      wgmma_fence();
-      // Descriptors advance by adding (byte offset >> 4) to the start-address field; the
-      // opaque copies keep the compiler from hoisting 32 precomputed descriptors.
-      uint64_t dq = gmma_desc_sw128(q_base, 16, 1024);
-      uint64_t dk = gmma_desc_sw128(kv_base + 4096 * g, 16, 1024);  // rows 32g.. of each 8 KB block
-      asm volatile("" : "+l"(dq));
-      asm volatile("" : "+l"(dk));
+    for (int kk = 0; kk < 16; ++kk) {
+      const uint32_t off = ((kk >> 2) * 8192 + (kk & 3) * 32) >> 4;
+      wgmma_m64n64k16_ss(s, dq + off, dk + off, (zero && kk == 0) ? 0 : 1);
+    }
+  };
+  // Both halves of this round's S; the second half's wait overlaps the first half's GEMMs.
+  auto compute_s = [&](uint32_t phase) {
 #pragma unroll
-      for (int kk = 0; kk < 32; ++kk) {
-        const uint32_t off = ((kk >> 2) * 8192 + (kk & 3) * 32) >> 4;
-        wgmma_m64n32k16_ss(s, dq + off, dk + off, kk > 0 ? 1 : 0);
-      }
-      wgmma_commit();
-    };
-    // Pin the zeroed O before S(0) goes in flight: ptxas serializes every wgmma when
-    // accumulator registers are written while any wgmma is pending.
+    for (int k = 0; k < 32; ++k) fence_operand(s[k]);
+    mbar_wait(ready_first, phase);
+    if (!kFp8) fence_proxy_async_smem();  // cp.async (generic proxy) writes -> wgmma reads
+    wgmma_fence();
+    issue_s_half(first, true);
+    wgmma_commit();
+    mbar_wait(ready_second, phase);
+    if (!kFp8) fence_proxy_async_smem();
+    issue_s_half(second, false);
+    wgmma_commit();
+  };
+  // O[:, my half] += P V, P [64 x 64 keys] from registers, V = one half of a buffer.
+  auto pv_regs = [&](uint32_t kv) {
 #pragma unroll
     for (int k = 0; k < 128; ++k) fence_operand(o[k]);
-    if (ntiles > 0) issue_s(0);
-    for (int it = 0; it < ntiles; ++it) {
-      const int stage = it & 1;
-      const uint32_t kv_base = smem_u32(smem + kOffKV + stage * kStageBytes);
-      if (overlap && it > 0) {
-        wgmma_wait<1>();  // PV(it - 1) done; S(it) may still run
 #pragma unroll
-        for (int k = 0; k < 128; ++k) fence_operand(o[k]);
-        mbar_arrive(&empty[stage ^ 1]);
+    for (int k = 0; k < 16; ++k) fence_operand(pa[k]);
+    wgmma_fence();
+    uint64_t dv = gmma_desc_sw128(kv + 4 * g * 8192, 8192, 1024);
+    asm volatile("" : "+l"(dv));
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_rs_tb(o, &pa[4 * kk], dv + ((kk * 2048) >> 4));
+    wgmma_commit();
+  };
+  // Same with P from smem (the other consumer's tile).
+  auto pv_smem = [&](uint32_t p_tile, uint32_t kv) {
+#pragma unroll
+    for (int k = 0; k < 128; ++k) fence_operand(o[k]);
+    wgmma_fence();
+    uint64_t dv = gmma_desc_sw128(kv + 4 * g * 8192, 8192, 1024);
+    uint64_t dp = gmma_desc_sw128(p_tile, 16, 1024);
+    asm volatile("" : "+l"(dv));
+    asm volatile("" : "+l"(dp));
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_ss_tb(o, dp + ((kk * 32) >> 4), dv + ((kk * 2048) >> 4));
+    wgmma_commit();
+  };
+  // S -> scaled log2 logits with skipped keys at -inf; returns the row maxima of the tile.
+  // Thread holds rows r0, r0 + 8 and keys 8j + 2*quad + {0, 1}, j = 0..7.
+  auto mask_and_max = [&](uint32_t phase, float& mx0, float& mx1) {
+    mbar_wait(&mask_ready[g], phase);
+    const uint64_t valid = *reinterpret_cast<const volatile uint64_t*>(mask16 + 4 * g);
+    mx0 = -INFINITY;
+    mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = 8 * j + 2 * quad + (e & 1);
+        const float v = s[4 * j + e] * p.scale_log2;
+        s[4 * j + e] = ((valid >> key) & 1) ? v : -INFINITY;
       }
-      wgmma_wait<0>();
+      mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+      mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  };
+  // P = 2^(S - new max) (in s), O and the row sums rescaled from the old max to the new one.
+  // A max of -inf (nothing visible yet) is used as 0 so no (-inf) - (-inf) appears; the
+  // factor from an old -inf max is 0 (nothing accumulated).
+  auto softmax = [&](float mn0, float mn1) {
+    const float ms0 = mn0 == -INFINITY ? 0.f : mn0;
+    const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
+    const float a0 = ex2(m0 - ms0), a1 = ex2(m1 - ms1);
+    m0 = mn0;
+    m1 = mn1;
+    float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
-      for (int k = 0; k < 16; ++k) fence_operand(s[k]);
+    for (int j = 0; j < 8; ++j) {
+      s[4 * j] = ex2(s[4 * j] - ms0);
+      s[4 * j + 1] = ex2(s[4 * j + 1] - ms0);
+      s[4 * j + 2] = ex2(s[4 * j + 2] - ms1);
+      s[4 * j + 3] = ex2(s[4 * j + 3] - ms1);
+      sum0 += s[4 * j] + s[4 * j + 1];
+      sum1 += s[4 * j + 2] + s[4 * j + 3];
+    }
+    l0 = l0 * a0 + sum0;
+    l1 = l1 * a1 + sum1;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      o[4 * j] *= a0;
+      o[4 * j + 1] *= a0;
+      o[4 * j + 2] *= a1;
+      o[4 * j + 3] *= a1;
+    }
+  };
+  auto pack_p = [&](float c0, float c1) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      pa[4 * kk + 0] = pack_bf16(s[8 * kk + 0] * c0, s[8 * kk + 1] * c0);
+      pa[4 * kk + 1] = pack_bf16(s[8 * kk + 2] * c1, s[8 * kk + 3] * c1);
+      pa[4 * kk + 2] = pack_bf16(s[8 * kk + 4] * c0, s[8 * kk + 5] * c0);
+      pa[4 * kk + 3] = pack_bf16(s[8 * kk + 6] * c1, s[8 * kk + 7] * c1);
+    }
+  };
+  // pa -> my P tile in smem (K-major, 128-byte swizzle: the A operand of the other's PV).
+  auto store_p = [&]() {
+    uint8_t* prow = p_mine + r0 * 128 + 4 * quad;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int chunk = (j ^ (r0 & 7)) << 4;
+      const int kk = j >> 1;
+      *reinterpret_cast<uint32_t*>(prow + chunk) = (j & 1) ? pa[4 * kk + 2] : pa[4 * kk + 0];
+      *reinterpret_cast<uint32_t*>(prow + 1024 + chunk) = (j & 1) ? pa[4 * kk + 3] : pa[4 * kk + 1];
+    }
+    fence_proxy_async_smem();
+  };
 
-      // Thread holds rows r0, r0 + 8 and local keys 8j + 2*quad + {0, 1}, j = 0..3.
-      const uint32_t valid = reinterpret_cast<const volatile uint32_t*>(mask16 + stage * 4)[g];
-      float mx0 = -INFINITY, mx1 = -INFINITY;
+  if (g == 0) {
+    if (rounds > 0) {
+      compute_s(0);
+      wgmma_wait<0>();
+    }
+    for (int r = 0; r < rounds; ++r) {
+      const uint32_t ph = r & 1;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = 8 * j + 2 * quad + (e & 1);
-          const float v = s[4 * j + e] * p.scale_log2;
-          s[4 * j + e] = ((valid >> key) & 1u) ? v : -INFINITY;
-        }
-        mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
-        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-      }
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      // Both warpgroups must use the same running max (they share P); the other one read my
-      // previous maxima before it passed the last barrier 2, so one buffer suffices.
+      for (int k = 0; k < 32; ++k) fence_operand(s[k]);
+      float mx0, mx1;
+      mask_and_max(ph, mx0, mx1);
+      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
       if (quad == 0) {
-        red[g * 64 + r0] = mx0;
-        red[g * 64 + r0 + 8] = mx1;
+        smax[r0] = mn0;
+        smax[r0 + 8] = mn1;
       }
-      named_bar_sync(1, 256);
-      mx0 = fmaxf(mx0, red[(1 - g) * 64 + r0]);
-      mx1 = fmaxf(mx1, red[(1 - g) * 64 + r0 + 8]);
-      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-      const float ms0 = mn0 == -INFINITY ? 0.f : mn0;
-      const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
-      const float a0 = ex2(m0 - ms0), a1 = ex2(m1 - ms1);
-      m0 = mn0;
-      m1 = mn1;
-      float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        s[4 * j] = ex2(s[4 * j] - ms0);
-        s[4 * j + 1] = ex2(s[4 * j + 1] - ms0);
-        s[4 * j + 2] = ex2(s[4 * j + 2] - ms1);
-        s[4 * j + 3] = ex2(s[4 * j + 3] - ms1);
-        sum0 += s[4 * j] + s[4 * j + 1];
-        sum1 += s[4 * j + 2] + s[4 * j + 3];
-      }
-      l0 = l0 * a0 + sum0;
-      l1 = l1 * a1 + sum1;
-      uint32_t pa[8];
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        pa[4 * kk + 0] = pack_bf16(s[8 * kk + 0], s[8 * kk + 1]);
-        pa[4 * kk + 1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
-        pa[4 * kk + 2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
-        pa[4 * kk + 3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
-      }
-      // My P half -> the shared [64 x 64] bf16 P tile (K-major, 128-byte swizzle) for the
-      // other warpgroup, whose wgmma finished reading the previous P before barrier 1.
-      {
-        uint8_t* prow = p_smem + r0 * 128 + 4 * quad;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int chunk = ((4 * g + j) ^ (r0 & 7)) << 4;
-          const uint32_t lo = (j & 1) ? pa[4 * (j >> 1) + 2] : pa[4 * (j >> 1) + 0];
-          const uint32_t hi = (j & 1) ? pa[4 * (j >> 1) + 3] : pa[4 * (j >> 1) + 1];
-          *reinterpret_cast<uint32_t*>(prow + chunk) = lo;
-          *reinterpret_cast<uint32_t*>(prow + 1024 + chunk) = hi;
-        }
-      }
-      fence_proxy_async_smem();
-      if (!(p.flags & kFlagLazyRescale) || a0 != 1.f || a1 != 1.f) {
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          o[4 * j] *= a0;
-          o[4 * j + 1] *= a0;
-          o[4 * j + 2] *= a1;
-          o[4 * j + 3] *= a1;
-        }
-      }
-
-      // O[:, 256g : 256g + 256] += P V: my own keys from registers first (no need to wait for
-      // the other warpgroup), then the other half of P from smem.
+      named_bar_arrive(kBarMax0, 256);
+      softmax(mn0, mn1);
+      pack_p(1.f, 1.f);
+      pv_regs(kv_mine);  // O_left += P_0 V_0,left
+      wgmma_wait<0>();
 #pragma unroll
       for (int k = 0; k < 128; ++k) fence_operand(o[k]);
+      mbar_arrive(&freed[0]);
+
+      // The round's max (consumer 1's): rescale P_0 for consumer 1, and O and the sums.
+      named_bar_sync(kBarMax1, 256);
+      const float mf0 = smax[r0], mf1 = smax[r0 + 8];
+      const float c0 = ex2(mn0 - (mf0 == -INFINITY ? 0.f : mf0));
+      const float c1 = ex2(mn1 - (mf1 == -INFINITY ? 0.f : mf1));
+      m0 = mf0;
+      m1 = mf1;
+      l0 *= c0;
+      l1 *= c1;
+      pack_p(c0, c1);
+      store_p();
+      named_bar_arrive(kBarP0, 256);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) fence_operand(pa[k]);
-      wgmma_fence();
-      {
-        uint64_t dv = gmma_desc_sw128(kv_base + 4 * g * 8192, 8192, 1024);
-        uint64_t dp = gmma_desc_sw128(p_base, 16, 1024);
-        asm volatile("" : "+l"(dv));
-        asm volatile("" : "+l"(dp));
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk)
-          wgmma_m64n256k16_rs_tb(o, &pa[4 * kk], dv + (((2 * g + kk) * 2048) >> 4));
-        named_bar_sync(2, 256);  // the other half of P is in smem
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk) {
-          const int kg = 2 * (1 - g) + kk;
-          wgmma_m64n256k16_ss_tb(o, dp + ((kg * 32) >> 4), dv + ((kg * 2048) >> 4));
-        }
+      for (int j = 0; j < 32; ++j) {
+        o[4 * j] *= c0;
+        o[4 * j + 1] *= c0;
+        o[4 * j + 2] *= c1;
+        o[4 * j + 3] *= c1;
       }
-      wgmma_commit();
-      if (!overlap) {
+      named_bar_sync(kBarP1, 256);
+      pv_smem(p_other, kv_other);  // O_left += P_1 V_1,left
+      if (r + 1 < rounds) {
+        // Next S behind the PV: its left half as soon as it lands, then release buffer 1's
+        // left half once the PV that reads it is done.
+#pragma unroll
+        for (int k = 0; k < 32; ++k) fence_operand(s[k]);
+        mbar_wait(ready_first, ph ^ 1);
+        if (!kFp8) fence_proxy_async_smem();
+        wgmma_fence();
+        issue_s_half(first, true);
+        wgmma_commit();
+        wgmma_wait<1>();
+        mbar_arrive(&freed[2]);
+        mbar_wait(ready_second, ph ^ 1);
+        if (!kFp8) fence_proxy_async_smem();
+        issue_s_half(second, false);
+        wgmma_commit();
         wgmma_wait<0>();
-#pragma unroll
-        for (int k = 0; k < 128; ++k) fence_operand(o[k]);
-        mbar_arrive(&empty[stage]);
+      } else {
+        wgmma_wait<0>();
+        mbar_arrive(&freed[2]);
       }
-      if (it + 1 < ntiles) issue_s(it + 1);
-    }
-    if (overlap && ntiles > 0) {
-      wgmma_wait<0>();
 #pragma unroll
       for (int k = 0; k < 128; ++k) fence_operand(o[k]);
-      mbar_arrive(&empty[(ntiles - 1) & 1]);
     }
-    // Row sums: quad, then the other warpgroup's keys. The other one read my last maxima
-    // before the last barrier 2 (and with no tiles there were none), so `red` is free.
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    if (quad == 0) {
-      red[g * 64 + r0] = l0;
-      red[g * 64 + r0 + 8] = l1;
-    }
-    named_bar_sync(1, 256);
-    l0 += red[(1 - g) * 64 + r0];
-    l1 += red[(1 - g) * 64 + r0 + 8];
   } else {
-    // Consumer g computes the partial S over d in [256g, 256g + 256); the partials are
-    // summed through smem, both run the same softmax, g accumulates O[:, 256g : 256g + 256].
-    float* sx_mine = reinterpret_cast<float*>(smem + kOffSx + g * kSxBytes);
-    const float* sx_other = reinterpret_cast<const float*>(smem + kOffSx + (1 - g) * kSxBytes);
-    for (int tile = tt.t0; tile < tt.t1; ++tile) {
-      const int it = tile - tt.t0;
-      const int stage = it & 1;
-      const uint32_t kv_base = smem_u32(smem + kOffKV + stage * kStageBytes);
-      mbar_wait(&full[stage], (it >> 1) & 1);
-
-      float s[32];
-#pragma unroll
-      for (int k = 0; k < 32; ++k) s[k] = 0.f;
-#pragma unroll
-      for (int k = 0; k < 32; ++k) fence_operand(s[k]);
-      wgmma_fence();
-      {
-        uint64_t dq = gmma_desc_sw128(q_base + 4 * g * 8192, 16, 1024);
-        uint64_t dk = gmma_desc_sw128(kv_base + 4 * g * 8192, 16, 1024);
-        asm volatile("" : "+l"(dq));
-        asm volatile("" : "+l"(dk));
-#pragma unroll
-        for (int kk = 0; kk < 16; ++kk) {
-          const uint32_t off = ((kk >> 2) * 8192 + (kk & 3) * 32) >> 4;
-          wgmma_m64n64k16_ss(s, dq + off, dk + off, kk > 0 ? 1 : 0);
-        }
-      }
-      wgmma_commit();
+    for (int r = 0; r < rounds; ++r) {
+      const uint32_t ph = r & 1;
+      compute_s(ph);
       wgmma_wait<0>();
 #pragma unroll
       for (int k = 0; k < 32; ++k) fence_operand(s[k]);
-
-      named_bar_sync(1, 256);  // the other warpgroup is done reading my buffer
-#pragma unroll
-      for (int k = 0; k < 8; ++k)
-        reinterpret_cast<float4*>(sx_mine)[k * 128 + t] = make_float4(s[4 * k], s[4 * k + 1], s[4 * k + 2], s[4 * k + 3]);
-      named_bar_sync(2, 256);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const float4 v = reinterpret_cast<const float4*>(sx_other)[k * 128 + t];
-        s[4 * k] += v.x;
-        s[4 * k + 1] += v.y;
-        s[4 * k + 2] += v.z;
-        s[4 * k + 3] += v.w;
+      float mx0, mx1;
+      mask_and_max(ph, mx0, mx1);
+      named_bar_sync(kBarMax0, 256);
+      const float mn0 = fmaxf(smax[r0], mx0), mn1 = fmaxf(smax[r0 + 8], mx1);
+      __syncwarp();  // every lane of the quad read consumer 0's max before it is replaced
+      if (quad == 0) {
+        smax[r0] = mn0;
+        smax[r0 + 8] = mn1;
       }
-
-      // Thread holds rows r0, r0 + 8 and keys 8j + 2*quad + {0, 1}, j = 0..7.
-      const uint64_t valid = *reinterpret_cast<const volatile uint64_t*>(mask16 + stage * 4);
-      float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = 8 * j + 2 * quad + (e & 1);
-          float v = s[4 * j + e] * p.scale_log2;
-          v = ((valid >> key) & 1) ? v : -INFINITY;
-          s[4 * j + e] = v;
-        }
-        mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
-        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-      }
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-      const float ms0 = mn0 == -INFINITY ? 0.f : mn0;
-      const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
-      const float a0 = ex2(m0 - ms0), a1 = ex2(m1 - ms1);
-      m0 = mn0;
-      m1 = mn1;
-      float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        s[4 * j] = ex2(s[4 * j] - ms0);
-        s[4 * j + 1] = ex2(s[4 * j + 1] - ms0);
-        s[4 * j + 2] = ex2(s[4 * j + 2] - ms1);
-        s[4 * j + 3] = ex2(s[4 * j + 3] - ms1);
-        sum0 += s[4 * j] + s[4 * j + 1];
-        sum1 += s[4 * j + 2] + s[4 * j + 3];
-      }
-      l0 = l0 * a0 + sum0;
-      l1 = l1 * a1 + sum1;
-      uint32_t pa[16];
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        pa[4 * kk + 0] = pack_bf16(s[8 * kk + 0], s[8 * kk + 1]);
-        pa[4 * kk + 1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
-        pa[4 * kk + 2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
-        pa[4 * kk + 3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
-      }
-      if (!(p.flags & kFlagLazyRescale) || a0 != 1.f || a1 != 1.f) {
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          o[4 * j] *= a0;
-          o[4 * j + 1] *= a0;
-          o[4 * j + 2] *= a1;
-          o[4 * j + 3] *= a1;
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < 128; ++k) fence_operand(o[k]);
-#pragma unroll
-      for (int k = 0; k < 16; ++k) fence_operand(pa[k]);
-      wgmma_fence();
-      {
-        uint64_t dv = gmma_desc_sw128(kv_base + 4 * g * 8192, 8192, 1024);
-        asm volatile("" : "+l"(dv));
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_rs_tb(o, &pa[4 * kk], dv + ((kk * 2048) >> 4));
-      }
-      wgmma_commit();
+      named_bar_arrive(kBarMax1, 256);
+      softmax(mn0, mn1);
+      pack_p(1.f, 1.f);
+      pv_regs(kv_mine);  // O_right += P_1 V_1,right
+      store_p();
+      named_bar_arrive(kBarP1, 256);
+      named_bar_sync(kBarP0, 256);
+      pv_smem(p_other, kv_other);  // O_right += P_0 V_0,right
+      wgmma_wait<1>();
+      mbar_arrive(&freed[3]);
       wgmma_wait<0>();
 #pragma unroll
       for (int k = 0; k < 128; ++k) fence_operand(o[k]);
-      mbar_arrive(&empty[stage]);
+      mbar_arrive(&freed[1]);
     }
-    // Both warpgroups saw the same S: the quad holds the whole row sum.
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
   }
+
+  // Row sums: quad, then the other consumer's tiles (same final max on both).
+  float* ssum = reinterpret_cast<float*>(smem + kOffSum);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  if (quad == 0) {
+    ssum[g * 64 + r0] = l0;
+    ssum[g * 64 + r0 + 8] = l1;
+  }
+  named_bar_sync(kBarSum, 256);
+  l0 += ssum[(1 - g) * 64 + r0];
+  l1 += ssum[(1 - g) * 64 + r0 + 8];
 
   // ---- epilogue ----
   const int h0 = hb * kHeadsPerCta + r0, h1 = h0 + 8;

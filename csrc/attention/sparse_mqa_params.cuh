@@ -41,20 +41,7 @@ struct SparseMqaParams {
   float* part_o;            // fp32 [num_splits, B * s_q, H, 512] (num_splits > 1 only)
   float* part_lse;          // fp32 [num_splits, B * s_q, H]       (num_splits > 1 only)
   int batch, s_q, num_heads, num_splits;
-  int flags;                // kFlag* bits (implementation variants, for A/B benchmarking)
 };
-
-// Variant bits of SparseMqaParams::flags (the launcher's default: kDefaultFlags).
-constexpr int kFlagLazyRescale = 1;   // skip the O rescale when no row max changed
-constexpr int kFlagCpAsyncBf16 = 2;   // bf16 sources: cp.async straight into smem (no registers)
-constexpr int kFlagFp8Wide = 4;       // fp8 rows: 8 rows per warp in flight (lane = 16-byte column)
-constexpr int kFlagKeySplit = 8;      // consumers split S by keys (32 each) instead of by d
-constexpr int kFlagFp8BitDequant = 16;  // fp8 -> bf16 by moving bit fields + 2 bf16 multiplies
-constexpr int kFlagOverlapS = 32;     // key-split only: issue S(j+1) behind PV(j)
-// Default = 7 (d-split consumers, lazy rescale, cp.async bf16 gather, wide fp8 gather): the
-// fastest measured on the H200 (docs/perf.md, v1: key-split 15/47 and the bit-field dequant 63
-// were not faster). 0 is the first version. Every variant is covered by tests/test_attention.py.
-constexpr int kDefaultFlags = kFlagLazyRescale | kFlagCpAsyncBf16 | kFlagFp8Wide;
 
 }  // namespace attention
 }  // namespace dsv4

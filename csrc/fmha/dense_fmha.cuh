@@ -13,6 +13,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "common/async_copy.cuh"
+
 namespace dsv4 {
 namespace fmha {
 
@@ -49,26 +51,11 @@ constexpr int smem_bytes() {
   return (kRows + 4 * kCols) * D * 2;  // Q + 2 stages x (K, V)
 }
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 // Byte offset of 16-byte chunk c of row r in a [rows][D] bf16 tile. The XOR keeps
 // the 8 rows an ldmatrix reads at one logical chunk in 8 different bank groups.
 template <int D>
 __device__ __forceinline__ uint32_t tile_offset(int r, int c) {
   return uint32_t(r * (D * 2) + ((c ^ (r & 7)) << 4));
-}
-
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-  // src-size 0 fills the 16 bytes with zeros (rows past the range)
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
