@@ -132,10 +132,10 @@ __device__ __forceinline__ TokenTiles token_tiles(const SparseMqaParams& p, int 
 
 __device__ __forceinline__ int tile_list(const TokenTiles& tt, int tile) { return tile < tt.ntile[0] ? 0 : 1; }
 
-// Slot of row `row` of concatenated tile `tile`, or -1 when that entry is skipped (past the
-// list's length, an invalid index, or a tile past this split's range).
-__device__ __forceinline__ int tile_slot(const SparseMqaParams& p, const TokenTiles& tt, int b, int i, int tile,
-                                         int row) {
+// Raw index of row `row` of concatenated tile `tile` (one global load), or -1 when the entry
+// is past its list's length or the tile past this split's range.
+__device__ __forceinline__ int tile_index(const SparseMqaParams& p, const TokenTiles& tt, int b, int i, int tile,
+                                          int row) {
   if (tile >= tt.t1) return -1;
   const bool l0 = tile_list(tt, tile) == 0;
   const int pos = (l0 ? tile : tile - tt.ntile[0]) * kTileKeys + row;
@@ -145,12 +145,16 @@ __device__ __forceinline__ int tile_slot(const SparseMqaParams& p, const TokenTi
   const int32_t* idx = l0 ? p.src[0].indices : p.src[1].indices;
   const int64_t sb = l0 ? p.src[0].idx_stride_b : p.src[1].idx_stride_b;
   const int64_t sq = l0 ? p.src[0].idx_stride_q : p.src[1].idx_stride_q;
-  const int64_t ns = l0 ? p.src[0].num_slots : p.src[1].num_slots;
-  const int v = idx[b * sb + i * sq + pos];
+  return idx[b * sb + i * sq + pos];
+}
+
+// The slot a raw index of `tile` names, or -1 when it is skipped (negative or out of range).
+__device__ __forceinline__ int index_slot(const SparseMqaParams& p, const TokenTiles& tt, int tile, int v) {
+  const int64_t ns = tile_list(tt, tile) == 0 ? p.src[0].num_slots : p.src[1].num_slots;
   return (v >= 0 && static_cast<int64_t>(v) < ns) ? v : -1;
 }
 
-// The paged geometry of source `list` (by selects, see tile_slot).
+// The paged geometry of source `list` (by selects, see tile_index).
 struct PagedSource {
   const uint8_t* base;
   int64_t block_stride;
@@ -263,8 +267,9 @@ __device__ __forceinline__ void producer_loop(const SparseMqaParams& p, const To
   const int rounds = (tt.t1 - tt.t0 + 1) >> 1;
 
   // Per lane 0..15 and tile of the round: the row's slot and (fp8) its 8 scale bytes, both
-  // fetched one round ahead, so only the row data is waited for.
-  int slot[2], slot_next[2];
+  // fetched one round ahead, and its raw index two rounds ahead, so index and scale loads
+  // are never waited for.
+  int slot[2], slot_next[2], raw_next[2];
   uint2 scales[2], scales_next[2];
   // fp8 rows of skipped entries are zeros; their scale byte 127 (2^0) keeps them zeros.
   const auto fetch_scales = [&](int tile, int sl) {
@@ -277,19 +282,23 @@ __device__ __forceinline__ void producer_loop(const SparseMqaParams& p, const To
     }
     return sw;
   };
+  const bool row_lane_ok = lane < 16;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
-    slot[k] = (rounds > 0 && lane < 16) ? tile_slot(p, tt, b, i, tt.t0 + k, row_lane) : -1;
+    const int raw = row_lane_ok ? tile_index(p, tt, b, i, tt.t0 + k, row_lane) : -1;
+    raw_next[k] = row_lane_ok ? tile_index(p, tt, b, i, tt.t0 + 2 + k, row_lane) : -1;
+    slot[k] = index_slot(p, tt, tt.t0 + k, raw);
     scales[k] = fetch_scales(tt.t0 + k, slot[k]);
   }
 
   for (int r = 0; r < rounds; ++r) {
     const int tile0 = tt.t0 + 2 * r;
-    // Next round: resolve its slots, load its scales and start pulling its rows into L2.
+    // Next round: its slots (indices loaded last round), its scales and its rows into L2;
+    // the round after next: its indices.
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
-      slot_next[k] = -1;
-      if (r + 1 < rounds && lane < 16) slot_next[k] = tile_slot(p, tt, b, i, tile0 + 2 + k, row_lane);
+      slot_next[k] = index_slot(p, tt, tile0 + 2 + k, raw_next[k]);
+      raw_next[k] = row_lane_ok ? tile_index(p, tt, b, i, tile0 + 4 + k, row_lane) : -1;
       scales_next[k] = fetch_scales(tile0 + 2 + k, slot_next[k]);
       if (slot_next[k] >= 0) {
         const PagedSource s = paged_source(p, tile_list(tt, tile0 + 2 + k));
