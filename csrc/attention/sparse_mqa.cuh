@@ -41,8 +41,11 @@ constexpr int kPBytes = kHeadsPerCta * kTileKeys * 2;   // 8 KB bf16 P tile
 constexpr int kOffQ = 0;
 constexpr int kOffKV = kOffQ + kQBytes;
 constexpr int kOffP = kOffKV + 2 * kBufBytes;
-constexpr int kOffMax = kOffP + 2 * kPBytes;    // 64 floats: running max handed between consumers
-constexpr int kOffSum = kOffMax + 64 * 4;       // 2 x 64 floats: row sums, epilogue
+// Running maxima handed between the consumers, [direction][round parity][64 rows]: 0 -> 1
+// (consumer 0's tile max), 1 -> 0 (the round's max). Separate buffers per direction and
+// round, so a write never targets a location the other consumer may still be reading.
+constexpr int kOffMax = kOffP + 2 * kPBytes;
+constexpr int kOffSum = kOffMax + 2 * 2 * 64 * 4;  // 2 x 64 floats: row sums, epilogue
 constexpr int kOffMask = kOffSum + 2 * 64 * 4;  // 2 x 64-bit key validity masks
 constexpr int kOffBar = kOffMask + 2 * 8;       // ready[4], free[4], mask_ready[2]
 constexpr int kSmemBytes = kOffBar + 10 * 8 + 1024;  // + alignment slack
@@ -406,7 +409,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   const uint32_t kv_other = smem_u32(smem + kOffKV + (1 - g) * kBufBytes);
   uint8_t* p_mine = smem + kOffP + g * kPBytes;
   const uint32_t p_other = smem_u32(smem + kOffP + (1 - g) * kPBytes);
-  float* smax = reinterpret_cast<float*>(smem + kOffMax);
+  float* smax_fw = reinterpret_cast<float*>(smem + kOffMax);            // [parity][64]: 0 -> 1
+  float* smax_bw = reinterpret_cast<float*>(smem + kOffMax + 2 * 64 * 4);  // [parity][64]: 1 -> 0
   // Buffer halves: consumer 0 starts on the left (d < 256) half, consumer 1 on the right.
   const int first = g, second = 1 - g;  // half indices in load order for this consumer
   uint64_t* ready_first = &ready[2 * g + first];
@@ -561,8 +565,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
       mask_and_max(ph, mx0, mx1);
       const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
       if (quad == 0) {
-        smax[r0] = mn0;
-        smax[r0 + 8] = mn1;
+        smax_fw[64 * ph + r0] = mn0;
+        smax_fw[64 * ph + r0 + 8] = mn1;
       }
       named_bar_arrive(kBarMax0, 256);
       softmax(mn0, mn1);
@@ -575,7 +579,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
 
       // The round's max (consumer 1's): rescale P_0 for consumer 1, and O and the sums.
       named_bar_sync(kBarMax1, 256);
-      const float mf0 = smax[r0], mf1 = smax[r0 + 8];
+      const float mf0 = smax_bw[64 * ph + r0], mf1 = smax_bw[64 * ph + r0 + 8];
       const float c0 = ex2(mn0 - (mf0 == -INFINITY ? 0.f : mf0));
       const float c1 = ex2(mn1 - (mf1 == -INFINITY ? 0.f : mf1));
       m0 = mf0;
@@ -628,11 +632,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
       float mx0, mx1;
       mask_and_max(ph, mx0, mx1);
       named_bar_sync(kBarMax0, 256);
-      const float mn0 = fmaxf(smax[r0], mx0), mn1 = fmaxf(smax[r0 + 8], mx1);
-      __syncwarp();  // every lane of the quad read consumer 0's max before it is replaced
+      const float mn0 = fmaxf(smax_fw[64 * ph + r0], mx0), mn1 = fmaxf(smax_fw[64 * ph + r0 + 8], mx1);
       if (quad == 0) {
-        smax[r0] = mn0;
-        smax[r0 + 8] = mn1;
+        smax_bw[64 * ph + r0] = mn0;
+        smax_bw[64 * ph + r0 + 8] = mn1;
       }
       named_bar_arrive(kBarMax1, 256);
       softmax(mn0, mn1);
