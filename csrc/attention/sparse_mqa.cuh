@@ -504,6 +504,18 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   // P = 2^(S - new max) (in s), O and the row sums rescaled from the old max to the new one.
   // A max of -inf (nothing visible yet) is used as 0 so no (-inf) - (-inf) appears; the
   // factor from an old -inf max is 0 (nothing accumulated).
+  // O rows r0 / r0 + 8 times f0 / f1, skipped when every factor of the warp is 1 (the common
+  // case once the row maxima settle; multiplying by 1 changes nothing).
+  auto rescale_o = [&](float f0, float f1) {
+    if (__all_sync(0xffffffffu, f0 == 1.f && f1 == 1.f)) return;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      o[4 * j] *= f0;
+      o[4 * j + 1] *= f0;
+      o[4 * j + 2] *= f1;
+      o[4 * j + 3] *= f1;
+    }
+  };
   auto softmax = [&](float mn0, float mn1) {
     const float ms0 = mn0 == -INFINITY ? 0.f : mn0;
     const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
@@ -522,13 +534,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     }
     l0 = l0 * a0 + sum0;
     l1 = l1 * a1 + sum1;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      o[4 * j] *= a0;
-      o[4 * j + 1] *= a0;
-      o[4 * j + 2] *= a1;
-      o[4 * j + 3] *= a1;
-    }
+    rescale_o(a0, a1);
   };
   auto pack_p = [&](float c0, float c1) {
 #pragma unroll
@@ -589,13 +595,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
       pack_p(c0, c1);
       store_p();
       named_bar_arrive(kBarP0, 256);
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[4 * j] *= c0;
-        o[4 * j + 1] *= c0;
-        o[4 * j + 2] *= c1;
-        o[4 * j + 3] *= c1;
-      }
+      rescale_o(c0, c1);
       named_bar_sync(kBarP1, 256);
       pv_smem(p_other, kv_other);  // O_left += P_1 V_1,left
       if (r + 1 < rounds) {
