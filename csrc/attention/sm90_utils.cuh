@@ -69,11 +69,6 @@ __device__ __forceinline__ uint2 ldg_nc_v2(const void* p) {
   asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
   return v;
 }
-__device__ __forceinline__ uint32_t ldg_nc_u8(const void* p) {
-  uint32_t v;
-  asm volatile("ld.global.nc.u8 %0, [%1];\n" : "=r"(v) : "l"(p));
-  return v;
-}
 
 __device__ __forceinline__ float ex2(float x) {
   float y;

@@ -19,7 +19,6 @@ using attention::SparseMqaParams;
 using attention::SparseMqaSource;
 
 constexpr int64_t kFp8ViewLastDim = 584;  // vLLM's uint8 view of a fp8_ds_mla block row
-constexpr int64_t kFp8TokenBytes = 576;
 
 enum class CacheKind { kFp8, kBf16 };
 

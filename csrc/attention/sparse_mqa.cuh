@@ -36,7 +36,6 @@ namespace attention {
 constexpr int kThreads = 384;
 constexpr int kQBytes = kHeadsPerCta * kHeadDim * 2;    // 64 KB
 constexpr int kBufBytes = kTileKeys * kHeadDim * 2;     // 64 KB per buffer
-constexpr int kHalfBytes = kBufBytes / 2;               // d < 256 | d >= 256
 constexpr int kPBytes = kHeadsPerCta * kTileKeys * 2;   // 8 KB bf16 P tile
 constexpr int kOffQ = 0;
 constexpr int kOffKV = kOffQ + kQBytes;
