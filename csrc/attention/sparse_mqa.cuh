@@ -49,8 +49,10 @@ constexpr int kOffMask = kOffSum + 2 * 64 * 4;  // 2 x 64-bit key validity masks
 constexpr int kOffBar = kOffMask + 2 * 8;       // ready[4], free[4], mask_ready[2]
 constexpr int kSmemBytes = kOffBar + 10 * 8 + 1024;  // + alignment slack
 
+// setmaxnreg budgets (128 x 88 + 256 x 208 = the launch's 384 x 168). At 200 consumer
+// registers ptxas serializes the wgmmas (C7512); the producer's fp8 gather fits in 88.
 constexpr int kProducerRegs = 88;
-constexpr int kConsumerRegs = 208;  // 128 x 88 + 256 x 208 = the launch's 384 x 168
+constexpr int kConsumerRegs = 208;
 
 // Named barriers between the two consumer warpgroups (0 is __syncthreads).
 constexpr int kBarQ = 1;      // Q is in smem
