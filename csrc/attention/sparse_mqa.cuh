@@ -260,7 +260,7 @@ __device__ __forceinline__ void load_half(uint8_t* buf_smem, const uint8_t* base
 template <bool kFp8>
 __device__ __forceinline__ void producer_loop(const SparseMqaParams& p, const TokenTiles& tt, int b, int i,
                                               uint8_t* smem) {
-  // Everything from the one smem base: separate pointers would cost registers (88 here).
+  // Everything from the one smem base: separate pointers would cost registers.
   uint64_t* ready = reinterpret_cast<uint64_t*>(smem + kOffBar);
   uint64_t* freed = ready + 4;
   uint64_t* mask_ready = ready + 8;
@@ -319,7 +319,7 @@ __device__ __forceinline__ void producer_loop(const SparseMqaParams& p, const To
     }
 
     // Halves in the order the consumers first need them: 0L, 1R, 0R, 1L. Not unrolled: the
-    // compiler would hoist every step's row addresses and spill them at 72 registers.
+    // compiler would hoist every step's row addresses and spill them (88 registers here).
 #pragma unroll 1
     for (int step = 0; step < 4; ++step) {
       const int buf = step & 1;
