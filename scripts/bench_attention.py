@@ -103,12 +103,13 @@ def bench_prefill(ts, iters, n_rows=1 << 16, topk=1152, h=128, n_inputs=2):
         t = time_us(run, n_inputs=n_inputs, iters=iters) * 1e-6
         flops = 2.0 * h * 1024 * topk * t_
         nbytes = t_ * (2 * h * 512 * 2 + h * 4 + topk * (1024 + 4))
-        rows.append(dict(name=f"prefill H={h} T={t_} topk={topk}", us=t * 1e6, tflops=flops / t / 1e12,
+        kv_note = "" if n_rows == 1 << 16 else f" kv={n_rows}"
+        rows.append(dict(name=f"prefill H={h} T={t_} topk={topk}{kv_note}", us=t * 1e6, tflops=flops / t / 1e12,
                          gb=nbytes / 1e9, tbs=nbytes / t / 1e12))
     return rows
 
 
-def bench_fmha(iters, seqs=4, seqlen=4096, n_comp=1024, ratio=4, window=128):
+def bench_fmha(iters, dims=(512, 128, 256), seqs=4, seqlen=4096, n_comp=1024, ratio=4, window=128):
     """dsv4.fmha over [n_comp compressed | seqlen window] rows per sequence, causal: D=512
     H=128 MQA (the issue-7 acceptance shape, through the sparse prefill kernel) and two
     dense-kernel shapes (GQA). Timed as the whole op (index construction included)."""
@@ -122,6 +123,8 @@ def bench_fmha(iters, seqs=4, seqlen=4096, n_comp=1024, ratio=4, window=128):
     _, lengths = visible_rows(t_, cu_q, cu_kv, nc, width=rows_per, window=window, causal=True, ratio=ratio)
     keys = int(lengths.sum())
     for d, hq, hkv in ((512, 128, 1), (128, 32, 8), (256, 16, 2)):
+        if d not in dims:
+            continue
         q = torch.randn(t_, hq, d, device="cuda", generator=g).bfloat16()
         k = torch.randn(seqs * rows_per, hkv, d, device="cuda", generator=g).bfloat16()
         kv = k if d == 512 else (k, torch.randn_like(k))
@@ -151,8 +154,11 @@ def main():
                     help="compressed fp8 cache blocks of 64 slots (default 16384 = 600 MB)")
     ap.add_argument("--swa-blocks", type=int, default=4096, help="window fp8 cache blocks of 64 slots")
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--prefill-rows", type=int, default=1 << 16,
+                    help="rows of the prefill kv (64 MB at the default: more than L2 holds)")
     ap.add_argument("--skip-fmha", action="store_true")
     ap.add_argument("--only-fmha", action="store_true", help="just the dsv4.fmha rows")
+    ap.add_argument("--fmha-dims", type=str, default="512,128,256", help="head dims of the dsv4.fmha rows")
     ap.add_argument("--eager", action="store_true",
                     help="time eager calls (includes host/dispatcher overhead) instead of CUDA-graph replays")
     args = ap.parse_args()
@@ -178,11 +184,11 @@ def main():
         del comp, swa
         torch.cuda.empty_cache()
         if not args.skip_prefill:
-            part = bench_prefill([4096, 16384], iters)
+            part = bench_prefill([4096, 16384], iters, n_rows=args.prefill_rows)
             print("\n".join(f"  {r['name']}: {r['us']:.1f} us" for r in part), flush=True)
             rows += part
     if not args.skip_fmha:
-        part = bench_fmha(iters)
+        part = bench_fmha(iters, dims=tuple(int(d) for d in args.fmha_dims.split(",")))
         print("\n".join(f"  {r['name']}: {r['us']:.1f} us" for r in part), flush=True)
         rows += part
 

@@ -368,6 +368,10 @@ DECODE_CASES = [
     (2, 1, 64, 1088, None, "fp8", 64, True, "finite"),
     (1, 1, 128, 960, 64, "bf16", 64, False, "finite"),
     (5, 1, 64, 100, 30, "fp8", 64, False, None),
+    # persistent CTAs: many work items per CTA (1400 and 600 items on 132 SMs), with ragged
+    # and empty tokens between them
+    (700, 1, 128, 200, 64, "fp8", 64, True, "finite"),
+    (300, 2, 64, 300, None, "bf16", 64, True, None),
 ]
 
 

@@ -200,7 +200,8 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
     p.part_lse = part_lse.data_ptr<float>();
   }
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const int64_t grid = base * p.num_splits;
+  // Persistent CTAs: one per SM (the kernel's smem allows one), each walking work items.
+  const int64_t grid = std::min<int64_t>(base * p.num_splits, sms);
   if (kind == CacheKind::kFp8) {
     launch_main<true>(p, grid, stream);
   } else {

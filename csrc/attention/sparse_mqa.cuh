@@ -134,6 +134,28 @@ __device__ __forceinline__ TokenTiles token_tiles(const SparseMqaParams& p, int 
   return tt;
 }
 
+__device__ __forceinline__ int token_rounds(const TokenTiles& tt) { return (tt.t1 - tt.t0 + 1) >> 1; }
+
+// Work item = (token, split, head block), head block fastest so that the two head blocks of
+// a token (same KV rows) run at the same time on neighbouring SMs.
+struct WorkItem {
+  int hb, split, token, b, i;
+};
+__device__ __forceinline__ WorkItem work_item(const SparseMqaParams& p, int item) {
+  WorkItem w;
+  const int hblocks = p.num_heads / kHeadsPerCta;
+  w.hb = item % hblocks;
+  item /= hblocks;
+  w.split = item % p.num_splits;
+  w.token = item / p.num_splits;
+  w.b = w.token / p.s_q;
+  w.i = w.token % p.s_q;
+  return w;
+}
+__device__ __forceinline__ int num_work_items(const SparseMqaParams& p) {
+  return p.batch * p.s_q * p.num_splits * (p.num_heads / kHeadsPerCta);
+}
+
 __device__ __forceinline__ int tile_list(const TokenTiles& tt, int tile) { return tile < tt.ntile[0] ? 0 : 1; }
 
 // Raw index of row `row` of concatenated tile `tile` (one global load), or -1 when the entry
@@ -259,7 +281,7 @@ __device__ __forceinline__ void load_half(uint8_t* buf_smem, const uint8_t* base
 
 template <bool kFp8>
 __device__ __forceinline__ void producer_loop(const SparseMqaParams& p, const TokenTiles& tt, int b, int i,
-                                              uint8_t* smem) {
+                                              uint8_t* smem, int round_base) {
   // Everything from the one smem base: separate pointers would cost registers.
   uint64_t* ready = reinterpret_cast<uint64_t*>(smem + kOffBar);
   uint64_t* freed = ready + 4;
@@ -268,7 +290,7 @@ __device__ __forceinline__ void producer_loop(const SparseMqaParams& p, const To
   const int warp = (threadIdx.x >> 5) & 3;
   const int lane = threadIdx.x & 31;
   const int row_lane = warp * 16 + (lane & 15);  // the row whose slot this lane resolves (lanes 0..15)
-  const int rounds = (tt.t1 - tt.t0 + 1) >> 1;
+  const int rounds = token_rounds(tt);
 
   // Per lane 0..15 and tile of the round: the row's slot and (fp8) its 8 scale bytes, both
   // fetched one round ahead, and its raw index two rounds ahead, so index and scale loads
@@ -325,7 +347,8 @@ __device__ __forceinline__ void producer_loop(const SparseMqaParams& p, const To
       const int buf = step & 1;
       const int half = (step == 1 || step == 2) ? 1 : 0;
       const int hb = 2 * buf + half;
-      if (r > 0) mbar_wait(&freed[hb], (r - 1) & 1);
+      // Barrier phases count rounds over all of the CTA's work items.
+      if (round_base + r > 0) mbar_wait(&freed[hb], (round_base + r - 1) & 1);
       if (step < 2) {
         // The buffer's first half was released by the consumer that read its previous mask.
         const unsigned valid = __ballot_sync(0xffffffffu, (buf ? slot[1] : slot[0]) >= 0) & 0xFFFFu;
@@ -356,28 +379,29 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   uint64_t* mask_ready = ready + 8;                               // [buf]
   uint16_t* mask16 = reinterpret_cast<uint16_t*>(smem + kOffMask);  // [buf][producer warp]
 
-  const int hblocks = p.num_heads / kHeadsPerCta;
-  int bid = blockIdx.x;
-  const int hb = bid % hblocks;
-  bid /= hblocks;
-  const int split = bid % p.num_splits;
-  const int token = bid / p.num_splits;
-  const int b = token / p.s_q, i = token % p.s_q;
-
   if (threadIdx.x == 0) {
     for (int k = 0; k < 8; ++k) mbar_init(&ready[k], 128);
     mbar_init(&mask_ready[0], 4);
     mbar_init(&mask_ready[1], 4);
     mbar_init_fence();
   }
-  const TokenTiles tt = token_tiles(p, b, split);
-  const int rounds = (tt.t1 - tt.t0 + 1) >> 1;
   __syncthreads();
 
+  // Persistent CTAs (one per SM) walk the work items with a grid stride. Producer and
+  // consumers visit the same items, and the ring's barrier phases count rounds over all of
+  // them, so the producer fills the next item's first round while the consumers finish the
+  // current one, and the next item's Q loads during the current item's output stores.
+  const int num_items = num_work_items(p);
   const int wg = threadIdx.x >> 7;
   if (wg == 0) {
     setmaxnreg_dec<kProducerRegs>();
-    producer_loop<kFp8>(p, tt, b, i, smem);
+    int round_base = 0;
+    for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
+      const WorkItem wi = work_item(p, item);
+      const TokenTiles tt = token_tiles(p, wi.b, wi.split);
+      producer_loop<kFp8>(p, tt, wi.b, wi.i, smem, round_base);
+      round_base += token_rounds(tt);
+    }
     return;
   }
   setmaxnreg_inc<kConsumerRegs>();
@@ -389,10 +413,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   const int w = t >> 5, lane = t & 31, quad = lane & 3;
   const int r0 = 16 * w + (lane >> 2);  // this thread's accumulator rows: r0 and r0 + 8
 
-  // Q [64 heads x 512] -> smem (swizzled), by the consumers only so that the producer's first
-  // gather overlaps it; cp.async keeps all 16 chunks per thread in flight at once.
-  {
-    const uint16_t* qg = p.q + b * p.q_stride_b + i * p.q_stride_q + static_cast<int64_t>(hb) * kHeadsPerCta * p.q_stride_h;
+  // Q [64 heads x 512] of a work item -> smem (swizzled), by the consumers only so that the
+  // producer's gathers overlap it; cp.async keeps all 16 chunks per thread in flight at once.
+  // Waited for (cp_async_wait_all + kBarQ) when the item starts.
+  const auto load_q = [&](int item) {
+    const WorkItem wi = work_item(p, item);
+    const uint16_t* qg = p.q + wi.b * p.q_stride_b + wi.i * p.q_stride_q +
+                         static_cast<int64_t>(wi.hb) * kHeadsPerCta * p.q_stride_h;
     const uint32_t q_u32 = smem_u32(smem + kOffQ);
     const int ct = threadIdx.x - 128;
 #pragma unroll
@@ -401,10 +428,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
       const int r = c >> 6, d = (c & 63) * 8;
       cp_async_16(q_u32 + tile_offset(r, d), qg + r * p.q_stride_h + d);
     }
-    cp_async_wait_all();
-    fence_proxy_async_smem();
-    named_bar_sync(kBarQ, 256);
-  }
+  };
   const uint32_t q_base = smem_u32(smem + kOffQ);
   const uint32_t kv_mine = smem_u32(smem + kOffKV + g * kBufBytes);
   const uint32_t kv_other = smem_u32(smem + kOffKV + (1 - g) * kBufBytes);
@@ -418,10 +442,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   uint64_t* ready_second = &ready[2 * g + second];
 
   float o[128];
-#pragma unroll
-  for (int k = 0; k < 128; ++k) o[k] = 0.f;
-  float m0 = -INFINITY, m1 = -INFINITY;  // running max (log2 domain) of rows r0, r0 + 8
-  float l0 = 0.f, l1 = 0.f;              // this thread's share of the row sums of its own P
+  float m0, m1;  // running max (log2 domain) of rows r0, r0 + 8
+  float l0, l1;  // this thread's share of the row sums of its own P
   float s[32];                           // S, then P, of this consumer's tile
   uint32_t pa[16];                       // bf16 P as the A operand of the local PV
 
@@ -559,161 +581,179 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     fence_proxy_async_smem();
   };
 
-  if (g == 0) {
-    if (rounds > 0) {
-      compute_s(0);
-      wgmma_wait<0>();
-    }
-    for (int r = 0; r < rounds; ++r) {
-      const uint32_t ph = r & 1;
+  if (blockIdx.x < num_items) load_q(blockIdx.x);
+  int round_base = 0;  // rounds of the CTA's earlier items: the barrier phases continue
+  for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
+    const WorkItem wi = work_item(p, item);
+    const int rounds = token_rounds(token_tiles(p, wi.b, wi.split));
 #pragma unroll
-      for (int k = 0; k < 32; ++k) fence_operand(s[k]);
-      float mx0, mx1;
-      mask_and_max(ph, mx0, mx1);
-      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-      if (quad == 0) {
-        smax_fw[64 * ph + r0] = mn0;
-        smax_fw[64 * ph + r0 + 8] = mn1;
-      }
-      named_bar_arrive(kBarMax0, 256);
-      softmax(mn0, mn1);
-      pack_p(1.f, 1.f);
-      pv_regs(kv_mine);  // O_left += P_0 V_0,left
-      wgmma_wait<0>();
-#pragma unroll
-      for (int k = 0; k < 128; ++k) fence_operand(o[k]);
-      mbar_arrive(&freed[0]);
+    for (int k = 0; k < 128; ++k) o[k] = 0.f;
+    m0 = m1 = -INFINITY;
+    l0 = l1 = 0.f;
+    cp_async_wait_all();
+    fence_proxy_async_smem();
+    named_bar_sync(kBarQ, 256);
 
-      // The round's max (consumer 1's): rescale P_0 for consumer 1, and O and the sums.
-      named_bar_sync(kBarMax1, 256);
-      const float mf0 = smax_bw[64 * ph + r0], mf1 = smax_bw[64 * ph + r0 + 8];
-      const float c0 = ex2(mn0 - (mf0 == -INFINITY ? 0.f : mf0));
-      const float c1 = ex2(mn1 - (mf1 == -INFINITY ? 0.f : mf1));
-      m0 = mf0;
-      m1 = mf1;
-      l0 *= c0;
-      l1 *= c1;
-      pack_p(c0, c1);
-      store_p();
-      named_bar_arrive(kBarP0, 256);
-      rescale_o(c0, c1);
-      named_bar_sync(kBarP1, 256);
-      pv_smem(p_other, kv_other);  // O_left += P_1 V_1,left
-      if (r + 1 < rounds) {
-        // Next S behind the PV: its left half as soon as it lands, then release buffer 1's
-        // left half once the PV that reads it is done.
+    if (g == 0) {
+      if (rounds > 0) {
+        compute_s(round_base & 1);
+        wgmma_wait<0>();
+      }
+      for (int r = 0; r < rounds; ++r) {
+        const uint32_t ph = (round_base + r) & 1;
 #pragma unroll
         for (int k = 0; k < 32; ++k) fence_operand(s[k]);
-        mbar_wait(ready_first, ph ^ 1);
-        if (!kFp8) fence_proxy_async_smem();
-        wgmma_fence();
-        issue_s_half(first, true);
-        wgmma_commit();
+        float mx0, mx1;
+        mask_and_max(ph, mx0, mx1);
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        if (quad == 0) {
+          smax_fw[64 * ph + r0] = mn0;
+          smax_fw[64 * ph + r0 + 8] = mn1;
+        }
+        named_bar_arrive(kBarMax0, 256);
+        softmax(mn0, mn1);
+        pack_p(1.f, 1.f);
+        pv_regs(kv_mine);  // O_left += P_0 V_0,left
+        wgmma_wait<0>();
+#pragma unroll
+        for (int k = 0; k < 128; ++k) fence_operand(o[k]);
+        mbar_arrive(&freed[0]);
+
+        // The round's max (consumer 1's): rescale P_0 for consumer 1, and O and the sums.
+        named_bar_sync(kBarMax1, 256);
+        const float mf0 = smax_bw[64 * ph + r0], mf1 = smax_bw[64 * ph + r0 + 8];
+        const float c0 = ex2(mn0 - (mf0 == -INFINITY ? 0.f : mf0));
+        const float c1 = ex2(mn1 - (mf1 == -INFINITY ? 0.f : mf1));
+        m0 = mf0;
+        m1 = mf1;
+        l0 *= c0;
+        l1 *= c1;
+        pack_p(c0, c1);
+        store_p();
+        named_bar_arrive(kBarP0, 256);
+        rescale_o(c0, c1);
+        named_bar_sync(kBarP1, 256);
+        pv_smem(p_other, kv_other);  // O_left += P_1 V_1,left
+        if (r + 1 < rounds) {
+          // Next S behind the PV: its left half as soon as it lands, then release buffer 1's
+          // left half once the PV that reads it is done.
+#pragma unroll
+          for (int k = 0; k < 32; ++k) fence_operand(s[k]);
+          mbar_wait(ready_first, ph ^ 1);
+          if (!kFp8) fence_proxy_async_smem();
+          wgmma_fence();
+          issue_s_half(first, true);
+          wgmma_commit();
+          wgmma_wait<1>();
+          mbar_arrive(&freed[2]);
+          mbar_wait(ready_second, ph ^ 1);
+          if (!kFp8) fence_proxy_async_smem();
+          issue_s_half(second, false);
+          wgmma_commit();
+          wgmma_wait<0>();
+        } else {
+          wgmma_wait<0>();
+          mbar_arrive(&freed[2]);
+        }
+#pragma unroll
+        for (int k = 0; k < 128; ++k) fence_operand(o[k]);
+      }
+    } else {
+      for (int r = 0; r < rounds; ++r) {
+        const uint32_t ph = (round_base + r) & 1;
+        compute_s(ph);
+        wgmma_wait<0>();
+#pragma unroll
+        for (int k = 0; k < 32; ++k) fence_operand(s[k]);
+        float mx0, mx1;
+        mask_and_max(ph, mx0, mx1);
+        named_bar_sync(kBarMax0, 256);
+        const float mn0 = fmaxf(smax_fw[64 * ph + r0], mx0), mn1 = fmaxf(smax_fw[64 * ph + r0 + 8], mx1);
+        if (quad == 0) {
+          smax_bw[64 * ph + r0] = mn0;
+          smax_bw[64 * ph + r0 + 8] = mn1;
+        }
+        named_bar_arrive(kBarMax1, 256);
+        softmax(mn0, mn1);
+        pack_p(1.f, 1.f);
+        pv_regs(kv_mine);  // O_right += P_1 V_1,right
+        store_p();
+        named_bar_arrive(kBarP1, 256);
+        named_bar_sync(kBarP0, 256);
+        pv_smem(p_other, kv_other);  // O_right += P_0 V_0,right
         wgmma_wait<1>();
-        mbar_arrive(&freed[2]);
-        mbar_wait(ready_second, ph ^ 1);
-        if (!kFp8) fence_proxy_async_smem();
-        issue_s_half(second, false);
-        wgmma_commit();
+        mbar_arrive(&freed[3]);
         wgmma_wait<0>();
-      } else {
-        wgmma_wait<0>();
-        mbar_arrive(&freed[2]);
+#pragma unroll
+        for (int k = 0; k < 128; ++k) fence_operand(o[k]);
+        mbar_arrive(&freed[1]);
       }
-#pragma unroll
-      for (int k = 0; k < 128; ++k) fence_operand(o[k]);
     }
-  } else {
-    for (int r = 0; r < rounds; ++r) {
-      const uint32_t ph = r & 1;
-      compute_s(ph);
-      wgmma_wait<0>();
-#pragma unroll
-      for (int k = 0; k < 32; ++k) fence_operand(s[k]);
-      float mx0, mx1;
-      mask_and_max(ph, mx0, mx1);
-      named_bar_sync(kBarMax0, 256);
-      const float mn0 = fmaxf(smax_fw[64 * ph + r0], mx0), mn1 = fmaxf(smax_fw[64 * ph + r0 + 8], mx1);
-      if (quad == 0) {
-        smax_bw[64 * ph + r0] = mn0;
-        smax_bw[64 * ph + r0 + 8] = mn1;
+
+    // Row sums: quad, then the other consumer's tiles (same final max on both).
+    float* ssum = reinterpret_cast<float*>(smem + kOffSum);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    if (quad == 0) {
+      ssum[g * 64 + r0] = l0;
+      ssum[g * 64 + r0 + 8] = l1;
+    }
+    named_bar_sync(kBarSum, 256);
+    l0 += ssum[(1 - g) * 64 + r0];
+    l1 += ssum[(1 - g) * 64 + r0 + 8];
+    // Both consumers are past their last S of this item, so Q's smem is free: the next item's
+    // Q loads while this one's output is stored.
+    if (item + static_cast<int>(gridDim.x) < num_items) load_q(item + gridDim.x);
+
+    // ---- epilogue ----
+    const int h0 = wi.hb * kHeadsPerCta + r0, h1 = h0 + 8;
+    constexpr float kLn2 = 0.6931471805599453f;
+    constexpr float kLog2e = 1.4426950408889634f;
+    const float lse0 = l0 > 0.f ? (m0 + __log2f(l0)) * kLn2 : -INFINITY;
+    const float lse1 = l1 > 0.f ? (m1 + __log2f(l1)) * kLn2 : -INFINITY;
+    const int dcol = 256 * g + 2 * quad;
+    if (p.num_splits == 1) {
+      float inv0 = 0.f, inv1 = 0.f;
+      if (l0 > 0.f) {
+        const float sk = p.sink != nullptr ? p.sink[h0] * kLog2e : -INFINITY;
+        inv0 = 1.f / (l0 + ex2(sk - m0));
       }
-      named_bar_arrive(kBarMax1, 256);
-      softmax(mn0, mn1);
-      pack_p(1.f, 1.f);
-      pv_regs(kv_mine);  // O_right += P_1 V_1,right
-      store_p();
-      named_bar_arrive(kBarP1, 256);
-      named_bar_sync(kBarP0, 256);
-      pv_smem(p_other, kv_other);  // O_right += P_0 V_0,right
-      wgmma_wait<1>();
-      mbar_arrive(&freed[3]);
-      wgmma_wait<0>();
+      if (l1 > 0.f) {
+        const float sk = p.sink != nullptr ? p.sink[h1] * kLog2e : -INFINITY;
+        inv1 = 1.f / (l1 + ex2(sk - m1));
+      }
+      uint16_t* ob = p.out + wi.b * p.out_stride_b + wi.i * p.out_stride_q;
+      uint16_t* o0p = ob + h0 * p.out_stride_h + dcol;
+      uint16_t* o1p = ob + h1 * p.out_stride_h + dcol;
 #pragma unroll
-      for (int k = 0; k < 128; ++k) fence_operand(o[k]);
-      mbar_arrive(&freed[1]);
-    }
-  }
-
-  // Row sums: quad, then the other consumer's tiles (same final max on both).
-  float* ssum = reinterpret_cast<float*>(smem + kOffSum);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  if (quad == 0) {
-    ssum[g * 64 + r0] = l0;
-    ssum[g * 64 + r0 + 8] = l1;
-  }
-  named_bar_sync(kBarSum, 256);
-  l0 += ssum[(1 - g) * 64 + r0];
-  l1 += ssum[(1 - g) * 64 + r0 + 8];
-
-  // ---- epilogue ----
-  const int h0 = hb * kHeadsPerCta + r0, h1 = h0 + 8;
-  constexpr float kLn2 = 0.6931471805599453f;
-  constexpr float kLog2e = 1.4426950408889634f;
-  const float lse0 = l0 > 0.f ? (m0 + __log2f(l0)) * kLn2 : -INFINITY;
-  const float lse1 = l1 > 0.f ? (m1 + __log2f(l1)) * kLn2 : -INFINITY;
-  const int dcol = 256 * g + 2 * quad;
-  if (p.num_splits == 1) {
-    float inv0 = 0.f, inv1 = 0.f;
-    if (l0 > 0.f) {
-      const float sk = p.sink != nullptr ? p.sink[h0] * kLog2e : -INFINITY;
-      inv0 = 1.f / (l0 + ex2(sk - m0));
-    }
-    if (l1 > 0.f) {
-      const float sk = p.sink != nullptr ? p.sink[h1] * kLog2e : -INFINITY;
-      inv1 = 1.f / (l1 + ex2(sk - m1));
-    }
-    uint16_t* ob = p.out + b * p.out_stride_b + i * p.out_stride_q;
-    uint16_t* o0p = ob + h0 * p.out_stride_h + dcol;
-    uint16_t* o1p = ob + h1 * p.out_stride_h + dcol;
+      for (int j = 0; j < 32; ++j) {
+        *reinterpret_cast<uint32_t*>(o0p + 8 * j) = pack_bf16(o[4 * j] * inv0, o[4 * j + 1] * inv0);
+        *reinterpret_cast<uint32_t*>(o1p + 8 * j) = pack_bf16(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+      }
+      if (g == 0 && quad == 0) {
+        p.lse[static_cast<int64_t>(wi.token) * p.num_heads + h0] = lse0;
+        p.lse[static_cast<int64_t>(wi.token) * p.num_heads + h1] = lse1;
+      }
+    } else {
+      const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
+      const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+      const int64_t row = (static_cast<int64_t>(wi.split) * p.batch * p.s_q + wi.token) * p.num_heads;
+      float* o0p = p.part_o + (row + h0) * kHeadDim + dcol;
+      float* o1p = p.part_o + (row + h1) * kHeadDim + dcol;
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      *reinterpret_cast<uint32_t*>(o0p + 8 * j) = pack_bf16(o[4 * j] * inv0, o[4 * j + 1] * inv0);
-      *reinterpret_cast<uint32_t*>(o1p + 8 * j) = pack_bf16(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+      for (int j = 0; j < 32; ++j) {
+        *reinterpret_cast<float2*>(o0p + 8 * j) = make_float2(o[4 * j] * inv0, o[4 * j + 1] * inv0);
+        *reinterpret_cast<float2*>(o1p + 8 * j) = make_float2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+      }
+      if (g == 0 && quad == 0) {
+        p.part_lse[row + h0] = lse0;
+        p.part_lse[row + h1] = lse1;
+      }
     }
-    if (g == 0 && quad == 0) {
-      p.lse[static_cast<int64_t>(token) * p.num_heads + h0] = lse0;
-      p.lse[static_cast<int64_t>(token) * p.num_heads + h1] = lse1;
-    }
-  } else {
-    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
-    const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-    const int64_t row = (static_cast<int64_t>(split) * p.batch * p.s_q + token) * p.num_heads;
-    float* o0p = p.part_o + (row + h0) * kHeadDim + dcol;
-    float* o1p = p.part_o + (row + h1) * kHeadDim + dcol;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      *reinterpret_cast<float2*>(o0p + 8 * j) = make_float2(o[4 * j] * inv0, o[4 * j + 1] * inv0);
-      *reinterpret_cast<float2*>(o1p + 8 * j) = make_float2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
-    }
-    if (g == 0 && quad == 0) {
-      p.part_lse[row + h0] = lse0;
-      p.part_lse[row + h1] = lse1;
-    }
-  }
+    round_base += rounds;
+  }  // work items
 }
 
 // Merges the split partials of one (token, head): 128 threads x 4 columns.
