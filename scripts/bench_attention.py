@@ -153,6 +153,7 @@ def main():
     ap.add_argument("--comp-blocks", type=int, default=16384,
                     help="compressed fp8 cache blocks of 64 slots (default 16384 = 600 MB)")
     ap.add_argument("--swa-blocks", type=int, default=4096, help="window fp8 cache blocks of 64 slots")
+    ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--prefill-rows", type=int, default=1 << 16,
                     help="rows of the prefill kv (64 MB at the default: more than L2 holds)")
@@ -174,15 +175,16 @@ def main():
     batches = [1, 32, 128] if args.quick else [1, 8, 32, 64, 128, 256]
     rows = []
     if not args.only_fmha:
-        # Caches much larger than L2 (50 MB): 1M compressed slots (~600 MB), 256K window slots.
-        comp = random_fp8_cache(args.comp_blocks, 64, 1)
-        swa = random_fp8_cache(args.swa_blocks, 64, 2)
-        part = bench_decode("V4-Flash H=64 512+128", 64, 512, 128, batches, iters, (comp, swa))
-        part += bench_decode("V4-Pro H=128 1024+128", 128, 1024, 128, batches, iters, (comp, swa))
-        print("\n".join(f"  {r['name']}: {r['us']:.1f} us" for r in part), flush=True)
-        rows += part
-        del comp, swa
-        torch.cuda.empty_cache()
+        if not args.skip_decode:
+            # Caches much larger than L2 (50 MB): 1M compressed slots (~600 MB), 256K window slots.
+            comp = random_fp8_cache(args.comp_blocks, 64, 1)
+            swa = random_fp8_cache(args.swa_blocks, 64, 2)
+            part = bench_decode("V4-Flash H=64 512+128", 64, 512, 128, batches, iters, (comp, swa))
+            part += bench_decode("V4-Pro H=128 1024+128", 128, 1024, 128, batches, iters, (comp, swa))
+            print("\n".join(f"  {r['name']}: {r['us']:.1f} us" for r in part), flush=True)
+            rows += part
+            del comp, swa
+            torch.cuda.empty_cache()
         if not args.skip_prefill:
             part = bench_prefill([4096, 16384], iters, n_rows=args.prefill_rows)
             print("\n".join(f"  {r['name']}: {r['us']:.1f} us" for r in part), flush=True)

@@ -63,6 +63,7 @@ CacheKind check_cache(const at::Tensor& c, const char* name, const at::Tensor& q
   s.base = reinterpret_cast<const uint8_t*>(c.data_ptr());
   s.block_stride = block_stride;
   s.block_size = static_cast<int>(bs);
+  s.block_div = FastDivmod(static_cast<uint32_t>(bs));
   s.num_slots = nb * bs;
   return kind;
 }

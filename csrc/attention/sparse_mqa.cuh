@@ -185,11 +185,12 @@ struct PagedSource {
   const uint8_t* base;
   int64_t block_stride;
   int block_size;
+  FastDivmod block_div;
 };
 __device__ __forceinline__ PagedSource paged_source(const SparseMqaParams& p, int list) {
   const bool l0 = list == 0;
   return {l0 ? p.src[0].base : p.src[1].base, l0 ? p.src[0].block_stride : p.src[1].block_stride,
-          l0 ? p.src[0].block_size : p.src[1].block_size};
+          l0 ? p.src[0].block_size : p.src[1].block_size, l0 ? p.src[0].block_div : p.src[1].block_div};
 }
 
 // Byte offsets (from the source base) of a slot's row data and, for fp8, its 8 scale bytes.
@@ -198,8 +199,9 @@ __device__ __forceinline__ void row_offsets(const PagedSource& s, int slot, int6
   data_off = -1;
   scale_off = 0;
   if (slot < 0) return;
-  const int64_t blk = static_cast<int64_t>(slot / s.block_size) * s.block_stride;
-  const int off = slot % s.block_size;
+  uint32_t blk_id, off;
+  s.block_div.divmod(static_cast<uint32_t>(slot), blk_id, off);
+  const int64_t blk = static_cast<int64_t>(blk_id) * s.block_stride;
   if (kFp8) {
     data_off = blk + static_cast<int64_t>(off) * kFp8RowBytes;
     scale_off = blk + static_cast<int64_t>(s.block_size) * kFp8RowBytes + off * 8;
@@ -208,26 +210,13 @@ __device__ __forceinline__ void row_offsets(const PagedSource& s, int slot, int6
   }
 }
 
-// Producer: fills half `half` of a buffer with this warp's 16 rows and signals ready. Lanes
-// 0..15 hold their row's byte offset and (fp8) its 8 scale bytes.
-template <bool kFp8>
-__device__ __forceinline__ void load_half(uint8_t* buf_smem, const uint8_t* base, int half, int64_t data_off,
-                                          uint2 scales, uint64_t* ready) {
+// fp8 producer: fills half `half` of a buffer with this warp's 16 rows and signals ready.
+// Lanes 0..15 hold their row's byte offset and its 8 scale bytes.
+__device__ __forceinline__ void load_half_fp8(uint8_t* buf_smem, const uint8_t* base, int half, int64_t data_off,
+                                              uint2 scales, uint64_t* ready) {
   const int warp = (threadIdx.x >> 5) & 3;
   const int lane = threadIdx.x & 31;
   const uint32_t buf_u32 = smem_u32(buf_smem);
-  if (!kFp8) {
-    // 512 bytes of each row per warp instruction; zero-filled when the entry is skipped.
-#pragma unroll
-    for (int r = 0; r < 16; ++r) {
-      const int64_t d = __shfl_sync(0xffffffffu, data_off, r);
-      const bool ok = d >= 0;
-      cp_async_16(buf_u32 + tile_offset(warp * 16 + r, 256 * half + 8 * lane), ok ? base + d + 512 * half + 16 * lane : base,
-                  ok);
-    }
-    cp_async_mbar_arrive_noinc(ready);
-    return;
-  }
   if (half == 0) {
     // fp8 bytes [0, 256) = scale blocks 0..3: lane = 16-byte chunk (lane & 15) of row pair
     // member (lane >> 4); 8 rows per lane, 4 loads in flight.
@@ -279,9 +268,9 @@ __device__ __forceinline__ void load_half(uint8_t* buf_smem, const uint8_t* base
   mbar_arrive(ready);
 }
 
-template <bool kFp8>
-__device__ __forceinline__ void producer_loop(const SparseMqaParams& p, const TokenTiles& tt, int b, int i,
-                                              uint8_t* smem, int round_base) {
+// fp8_ds_mla rows: register-staged loads, dequantized into the buffer.
+__device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, const TokenTiles& tt, int b, int i,
+                                                  uint8_t* smem, int round_base) {
   // Everything from the one smem base: separate pointers would cost registers.
   uint64_t* ready = reinterpret_cast<uint64_t*>(smem + kOffBar);
   uint64_t* freed = ready + 4;
@@ -292,7 +281,7 @@ __device__ __forceinline__ void producer_loop(const SparseMqaParams& p, const To
   const int row_lane = warp * 16 + (lane & 15);  // the row whose slot this lane resolves (lanes 0..15)
   const int rounds = token_rounds(tt);
 
-  // Per lane 0..15 and tile of the round: the row's slot and (fp8) its 8 scale bytes, both
+  // Per lane 0..15 and tile of the round: the row's slot and its 8 scale bytes, both
   // fetched one round ahead, and its raw index two rounds ahead, so index and scale loads
   // are never waited for.
   int slot[2], slot_next[2], raw_next[2];
@@ -300,10 +289,10 @@ __device__ __forceinline__ void producer_loop(const SparseMqaParams& p, const To
   // fp8 rows of skipped entries are zeros; their scale byte 127 (2^0) keeps them zeros.
   const auto fetch_scales = [&](int tile, int sl) {
     uint2 sw = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
-    if (kFp8 && sl >= 0) {
+    if (sl >= 0) {
       const PagedSource s = paged_source(p, tile_list(tt, tile));
       int64_t d, so;
-      row_offsets<kFp8>(s, sl, d, so);
+      row_offsets<true>(s, sl, d, so);
       sw = ldg_nc_v2(s.base + so);
     }
     return sw;
@@ -326,18 +315,21 @@ __device__ __forceinline__ void producer_loop(const SparseMqaParams& p, const To
       slot_next[k] = index_slot(p, tt, tile0 + 2 + k, raw_next[k]);
       raw_next[k] = row_lane_ok ? tile_index(p, tt, b, i, tile0 + 4 + k, row_lane) : -1;
       scales_next[k] = fetch_scales(tile0 + 2 + k, slot_next[k]);
-      if (slot_next[k] >= 0) {
-        const PagedSource s = paged_source(p, tile_list(tt, tile0 + 2 + k));
-        int64_t d, so;
-        row_offsets<kFp8>(s, slot_next[k], d, so);
-        prefetch_l2_bulk(s.base + d, kFp8 ? kFp8RowBytes : kBf16RowBytes);
+      // Rows into L2: lane l covers row l % 16 at bytes min(128 (l / 16 + 2 m), 575), m < 3.
+      const PagedSource s = paged_source(p, tile_list(tt, tile0 + 2 + k));
+      int64_t d, so;
+      row_offsets<true>(s, slot_next[k], d, so);
+      d = __shfl_sync(0xffffffffu, d, lane & 15);
+      if (d >= 0) {
+#pragma unroll
+        for (int m = 0; m < 3; ++m) prefetch_l2(s.base + d + min(128 * ((lane >> 4) + 2 * m), 575));
       }
     }
     int64_t data_off[2];
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       int64_t so;
-      row_offsets<kFp8>(paged_source(p, tile_list(tt, tile0 + k)), slot[k], data_off[k], so);
+      row_offsets<true>(paged_source(p, tile_list(tt, tile0 + k)), slot[k], data_off[k], so);
     }
 
     // Halves in the order the consumers first need them: 0L, 1R, 0R, 1L. Not unrolled: the
@@ -359,13 +351,112 @@ __device__ __forceinline__ void producer_loop(const SparseMqaParams& p, const To
       }
       const uint8_t* base = paged_source(p, tile_list(tt, tile0 + buf)).base;
       // (Selects, not data_off[buf]: a runtime index would put the arrays in local memory.)
-      load_half<kFp8>(smem + kOffKV + buf * kBufBytes, base, half, buf ? data_off[1] : data_off[0],
-                      buf ? scales[1] : scales[0], &ready[hb]);
+      load_half_fp8(smem + kOffKV + buf * kBufBytes, base, half, buf ? data_off[1] : data_off[0],
+                    buf ? scales[1] : scales[0], &ready[hb]);
     }
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       slot[k] = slot_next[k];
       scales[k] = scales_next[k];
+    }
+  }
+}
+
+// bf16 rows by cp.async (zero-filled when skipped); the producer never waits for its copies.
+// Lane group grp = 4 * warp + lane / 8 owns rows 4 grp .. 4 grp + 3 of every tile and lane % 8
+// one 16-byte chunk of each 128-byte column block, so every copy address is a per-row base plus
+// an immediate and each lane resolves its own rows (no shuffles: this loop is the producer's
+// whole instruction budget).
+__device__ __forceinline__ void producer_loop_bf16(const SparseMqaParams& p, const TokenTiles& tt, int b, int i,
+                                                   uint8_t* smem, int round_base) {
+  uint64_t* ready = reinterpret_cast<uint64_t*>(smem + kOffBar);
+  uint64_t* freed = ready + 4;
+  uint64_t* mask_ready = ready + 8;
+  uint16_t* mask16 = reinterpret_cast<uint16_t*>(smem + kOffMask);
+  const int warp = (threadIdx.x >> 5) & 3;
+  const int lane = threadIdx.x & 31;
+  const int grp = 4 * warp + (lane >> 3);
+  const int chunk = lane & 7;
+  // smem address of this lane's chunk of row 4 grp + k in column block 0 of buffer 0.
+  uint32_t srow[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) srow[k] = smem_u32(smem + kOffKV) + tile_offset(4 * grp + k, 8 * chunk);
+  const int rounds = token_rounds(tt);
+
+  // Byte offset of a raw index's row from its source base, -1 when skipped.
+  const auto row_off = [&](int tile, int raw) {
+    int64_t d, so;
+    row_offsets<false>(paged_source(p, tile_list(tt, tile)), index_slot(p, tt, tile, raw), d, so);
+    return d;
+  };
+  // Raw indices of this lane's rows: this round's and the next round's (loaded two rounds ahead).
+  int raw[2][4], raw_next[2][4];
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      raw[t][k] = tile_index(p, tt, b, i, tt.t0 + t, 4 * grp + k);
+      raw_next[t][k] = tile_index(p, tt, b, i, tt.t0 + 2 + t, 4 * grp + k);
+    }
+  }
+
+  for (int r = 0; r < rounds; ++r) {
+    const int tile0 = tt.t0 + 2 * r;
+    int64_t off[2][4];
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        off[t][k] = row_off(tile0 + t, raw[t][k]);
+        raw[t][k] = raw_next[t][k];
+        raw_next[t][k] = tile_index(p, tt, b, i, tile0 + 4 + t, 4 * grp + k);
+      }
+      // Next round's rows into L2, one 128-byte line per lane and row.
+      const uint8_t* nbase = paged_source(p, tile_list(tt, tile0 + 2 + t)).base;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int64_t d = row_off(tile0 + 2 + t, raw[t][k]);
+        if (d >= 0) prefetch_l2(nbase + d + 128 * chunk);
+      }
+    }
+
+    // Halves in the order the consumers first need them: 0L, 1R, 0R, 1L.
+#pragma unroll 1
+    for (int step = 0; step < 4; ++step) {
+      const int buf = step & 1;
+      const int half = (step == 1 || step == 2) ? 1 : 0;
+      const int hb = 2 * buf + half;
+      // Barrier phases count rounds over all of the CTA's work items.
+      if (round_base + r > 0) mbar_wait(&freed[hb], (round_base + r - 1) & 1);
+      // (Selects, not off[buf]: a runtime index would put the array in local memory.)
+      int64_t d[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) d[k] = buf ? off[1][k] : off[0][k];
+      if (step < 2) {
+        // The buffer's first half was released by the consumer that read its previous mask.
+        // Bit 4 g + k of warp w's 16 bits = row 16 w + 4 g + k, g = lane / 8.
+        unsigned valid = 0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const unsigned v = __ballot_sync(0xffffffffu, d[k] >= 0);
+#pragma unroll
+          for (int g = 0; g < 4; ++g) valid |= ((v >> (8 * g)) & 1u) << (4 * g + k);
+        }
+        if (lane == 0) {
+          mask16[buf * 4 + warp] = static_cast<uint16_t>(valid);
+          mbar_arrive(&mask_ready[buf]);
+        }
+      }
+      const uint8_t* base = paged_source(p, tile_list(tt, tile0 + buf)).base;
+      const uint32_t sbase = buf * kBufBytes + half * (kBufBytes / 2);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const bool ok = d[k] >= 0;
+        const uint8_t* g = ok ? base + d[k] + 512 * half + 16 * chunk : base;
+#pragma unroll
+        for (int blk = 0; blk < 4; ++blk) cp_async_16(srow[k] + sbase + blk * 8192, g + (ok ? 128 * blk : 0), ok);
+      }
+      cp_async_mbar_arrive_noinc(&ready[hb]);
     }
   }
 }
@@ -399,7 +490,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
       const WorkItem wi = work_item(p, item);
       const TokenTiles tt = token_tiles(p, wi.b, wi.split);
-      producer_loop<kFp8>(p, tt, wi.b, wi.i, smem, round_base);
+      if (kFp8) {
+        producer_loop_fp8(p, tt, wi.b, wi.i, smem, round_base);
+      } else {
+        producer_loop_bf16(p, tt, wi.b, wi.i, smem, round_base);
+      }
       round_base += token_rounds(tt);
     }
     return;

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "common/fast_divmod.cuh"
+
 namespace dsv4 {
 namespace attention {
 
@@ -21,6 +23,7 @@ struct SparseMqaSource {
   int64_t block_stride;     // bytes between blocks
   int64_t num_slots;        // num_blocks * block_size; slots outside [0, num_slots) are skipped
   int block_size;           // tokens per block
+  FastDivmod block_div;     // slot -> (block, offset in block)
   int topk;                 // entries per token in `indices`
   const int32_t* indices;   // [B, s_q, topk] (unit stride along topk)
   int64_t idx_stride_b;     // elements
