@@ -819,13 +819,24 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
         const float sk = p.sink != nullptr ? p.sink[h1] * kLog2e : -INFINITY;
         inv1 = 1.f / (l1 + ex2(sk - m1));
       }
-      uint16_t* ob = p.out + wi.b * p.out_stride_b + wi.i * p.out_stride_q;
-      uint16_t* o0p = ob + h0 * p.out_stride_h + dcol;
-      uint16_t* o1p = ob + h1 * p.out_stride_h + dcol;
+      // A quad holds 8 columns of each 8-column chunk j, two per lane. Lanes q and q ^ 1 swap one
+      // word so that each stores 4 contiguous columns (8 bytes): even lanes of chunk j, odd lanes
+      // of chunk j + 1. A warp store then writes whole 32-byte sectors, half as many as with
+      // 4-byte stores (the output stores were ~10% of the consumers' time).
+      const bool odd = quad & 1;
+      uint16_t* ob = p.out + wi.b * p.out_stride_b + wi.i * p.out_stride_q + 256 * g + 4 * (quad >> 1) + 8 * odd;
+      uint16_t* o0p = ob + h0 * p.out_stride_h;
+      uint16_t* o1p = ob + h1 * p.out_stride_h;
 #pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        *reinterpret_cast<uint32_t*>(o0p + 8 * j) = pack_bf16(o[4 * j] * inv0, o[4 * j + 1] * inv0);
-        *reinterpret_cast<uint32_t*>(o1p + 8 * j) = pack_bf16(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+      for (int j = 0; j < 32; j += 2) {
+        const uint32_t a0 = pack_bf16(o[4 * j] * inv0, o[4 * j + 1] * inv0);  // chunk j, row r0
+        const uint32_t b0 = pack_bf16(o[4 * j + 4] * inv0, o[4 * j + 5] * inv0);  // chunk j + 1
+        const uint32_t a1 = pack_bf16(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);  // row r0 + 8
+        const uint32_t b1 = pack_bf16(o[4 * j + 6] * inv1, o[4 * j + 7] * inv1);
+        const uint32_t x0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
+        const uint32_t x1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
+        *reinterpret_cast<uint2*>(o0p + 8 * j) = odd ? make_uint2(x0, b0) : make_uint2(a0, x0);
+        *reinterpret_cast<uint2*>(o1p + 8 * j) = odd ? make_uint2(x1, b1) : make_uint2(a1, x1);
       }
       if (g == 0 && quad == 0) {
         p.lse[static_cast<int64_t>(wi.token) * p.num_heads + h0] = lse0;
