@@ -1,7 +1,8 @@
 // Sparse MQA attention forward for DeepSeek V4 on Hopper (sm_90a). Torch-free.
 //
-// One CTA = one query token x 64 heads x one split of the token's 64-key tiles, taken in
-// pairs: in round r, buffer 0 holds tile 2r and buffer 1 tile 2r + 1.
+// Work item = one query token x 64 heads x one split of the token's 64-key tiles, taken in
+// pairs: in round r, buffer 0 holds tile 2r and buffer 1 tile 2r + 1. CTAs are persistent
+// (one per SM) and walk the items with a grid stride.
 // 384 threads = 3 warpgroups:
 //   WG0  producer: gathers the KV rows by slot id, each buffer as two halves (d < 256 and
 //        d >= 256) with their own ready / free mbarriers, in the order the consumers need
