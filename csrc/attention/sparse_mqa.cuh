@@ -55,6 +55,12 @@ constexpr int kSmemBytes = kOffBar + 10 * 8 + 1024;  // + alignment slack
 constexpr int kProducerRegs = 88;
 constexpr int kConsumerRegs = 208;
 
+// A round's exponentials are taken against a reference max that only moves when a tile's
+// max exceeds it by more than this (log2 units): P <= 2^8 stays exact enough in bf16 and the
+// fp32 sums, and the O rescale (128 FMUL per thread) is skipped in most rounds
+// (conditional rescaling, as in FlashAttention-4).
+constexpr float kMaxSlack = 8.f;
+
 // Named barriers between the two consumer warpgroups (0 is __syncthreads).
 constexpr int kBarQ = 1;      // Q is in smem
 constexpr int kBarMax0 = 2;   // consumer 0 published its tile's max
@@ -707,7 +713,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
           smax_fw[64 * ph + r0 + 8] = mn1;
         }
         named_bar_arrive(kBarMax0, 256);
-        softmax(mn0, mn1);
+        // Own reference: the running max unless this tile exceeds it by more than the slack
+        // (consumer 1 then moves the round's max at least as far, so c0, c1 below are <= 1).
+        const float t0 = mx0 > m0 + kMaxSlack ? mn0 : m0, t1 = mx1 > m1 + kMaxSlack ? mn1 : m1;
+        softmax(t0, t1);
         pack_p(1.f, 1.f);
         pv_regs(kv_mine);  // O_left += P_0 V_0,left
         wgmma_wait<0>();
@@ -718,13 +727,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
         // The round's max (consumer 1's): rescale P_0 for consumer 1, and O and the sums.
         named_bar_sync(kBarMax1, 256);
         const float mf0 = smax_bw[64 * ph + r0], mf1 = smax_bw[64 * ph + r0 + 8];
-        const float c0 = ex2(mn0 - (mf0 == -INFINITY ? 0.f : mf0));
-        const float c1 = ex2(mn1 - (mf1 == -INFINITY ? 0.f : mf1));
+        const float c0 = ex2(t0 - (mf0 == -INFINITY ? 0.f : mf0));
+        const float c1 = ex2(t1 - (mf1 == -INFINITY ? 0.f : mf1));
         m0 = mf0;
         m1 = mf1;
         l0 *= c0;
         l1 *= c1;
-        pack_p(c0, c1);
+        if (!__all_sync(0xffffffffu, c0 == 1.f && c1 == 1.f)) pack_p(c0, c1);  // else pa holds P_0 already
         store_p();
         named_bar_arrive(kBarP0, 256);
         rescale_o(c0, c1);
@@ -764,13 +773,16 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
         float mx0, mx1;
         mask_and_max(ph, mx0, mx1);
         named_bar_sync(kBarMax0, 256);
+        // The round's max so far, and its reference: the running max unless a tile of this
+        // round exceeds it by more than the slack.
         const float mn0 = fmaxf(smax_fw[64 * ph + r0], mx0), mn1 = fmaxf(smax_fw[64 * ph + r0 + 8], mx1);
+        const float t0 = mn0 > m0 + kMaxSlack ? mn0 : m0, t1 = mn1 > m1 + kMaxSlack ? mn1 : m1;
         if (quad == 0) {
-          smax_bw[64 * ph + r0] = mn0;
-          smax_bw[64 * ph + r0 + 8] = mn1;
+          smax_bw[64 * ph + r0] = t0;
+          smax_bw[64 * ph + r0 + 8] = t1;
         }
         named_bar_arrive(kBarMax1, 256);
-        softmax(mn0, mn1);
+        softmax(t0, t1);
         pack_p(1.f, 1.f);
         pv_regs(kv_mine);  // O_right += P_1 V_1,right
         store_p();
