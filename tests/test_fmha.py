@@ -141,6 +141,7 @@ def test_gpu_vs_reference(case, heads):
     q, kv, cu_q, cu_kv, nc, window, causal, ratio, start, sink = _inputs(case, heads, seed=heads)
     if kv.shape[0] == 0:
         pytest.skip("the CUDA path needs at least one kv row in the buffer")
+    sink[0], sink[-1] = float("-inf"), float("inf")  # no sink / output forced to zero
     ref_out, ref_lse = reference.dense_fmha(q, kv, kv, cu_q, cu_kv, nc, window=window, causal=causal,
                                             ratio=ratio, seq_start_pos=start, sink=sink, scale=512**-0.5)
     dev = [t.cuda() if t is not None else None for t in (q, kv, cu_q, cu_kv, nc, start, sink)]
@@ -149,6 +150,7 @@ def test_gpu_vs_reference(case, heads):
     got, lse = fmha(qd, kvd, cqd, ckd, ncd, max_seqlen_kv=int((cu_kv[1:] - cu_kv[:-1]).max()), window=window,
                     causal=causal, ratio=ratio, seq_start_pos=sd, attn_sink=sinkd, out=out)
     assert not torch.isnan(got).any()
+    assert bool((got[:, -1].float() == 0).all())  # sink = +inf
     err = (got.float().cpu() - ref_out).norm() / ref_out.norm().clamp(min=1e-30)
     assert err <= 3e-3
     torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-3, rtol=0)
