@@ -275,14 +275,25 @@ __device__ __forceinline__ void load_half_fp8(uint8_t* buf_smem, const uint8_t* 
   mbar_arrive(ready);
 }
 
+// Producer, before filling half hb (= 2 buf + half) in round `round` (counted over all of the
+// CTA's work items): wait until the consumers have freed it.
+__device__ __forceinline__ void wait_half_free(uint8_t* smem, int hb, int round) {
+  if (round > 0) mbar_wait(reinterpret_cast<uint64_t*>(smem + kOffBar) + 4 + hb, (round - 1) & 1);
+}
+// Producer warp: the key-validity bits of its 16 rows of buffer `buf`, written once the
+// buffer's first half is free (the consumer that read the previous mask released it).
+__device__ __forceinline__ void publish_mask(uint8_t* smem, int buf, unsigned valid16) {
+  if ((threadIdx.x & 31) == 0) {
+    reinterpret_cast<uint16_t*>(smem + kOffMask)[buf * 4 + ((threadIdx.x >> 5) & 3)] = static_cast<uint16_t>(valid16);
+    mbar_arrive(reinterpret_cast<uint64_t*>(smem + kOffBar) + 8 + buf);
+  }
+}
+
 // fp8_ds_mla rows: register-staged loads, dequantized into the buffer.
 __device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, const TokenTiles& tt, int b, int i,
                                                   uint8_t* smem, int round_base) {
   // Everything from the one smem base: separate pointers would cost registers.
   uint64_t* ready = reinterpret_cast<uint64_t*>(smem + kOffBar);
-  uint64_t* freed = ready + 4;
-  uint64_t* mask_ready = ready + 8;
-  uint16_t* mask16 = reinterpret_cast<uint16_t*>(smem + kOffMask);
   const int warp = (threadIdx.x >> 5) & 3;
   const int lane = threadIdx.x & 31;
   const int row_lane = warp * 16 + (lane & 15);  // the row whose slot this lane resolves (lanes 0..15)
@@ -346,16 +357,8 @@ __device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, cons
       const int buf = step & 1;
       const int half = (step == 1 || step == 2) ? 1 : 0;
       const int hb = 2 * buf + half;
-      // Barrier phases count rounds over all of the CTA's work items.
-      if (round_base + r > 0) mbar_wait(&freed[hb], (round_base + r - 1) & 1);
-      if (step < 2) {
-        // The buffer's first half was released by the consumer that read its previous mask.
-        const unsigned valid = __ballot_sync(0xffffffffu, (buf ? slot[1] : slot[0]) >= 0) & 0xFFFFu;
-        if (lane == 0) {
-          mask16[buf * 4 + warp] = static_cast<uint16_t>(valid);
-          mbar_arrive(&mask_ready[buf]);
-        }
-      }
+      wait_half_free(smem, hb, round_base + r);
+      if (step < 2) publish_mask(smem, buf, __ballot_sync(0xffffffffu, (buf ? slot[1] : slot[0]) >= 0) & 0xFFFFu);
       const uint8_t* base = paged_source(p, tile_list(tt, tile0 + buf)).base;
       // (Selects, not data_off[buf]: a runtime index would put the arrays in local memory.)
       load_half_fp8(smem + kOffKV + buf * kBufBytes, base, half, buf ? data_off[1] : data_off[0],
@@ -377,9 +380,6 @@ __device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, cons
 __device__ __forceinline__ void producer_loop_bf16(const SparseMqaParams& p, const TokenTiles& tt, int b, int i,
                                                    uint8_t* smem, int round_base) {
   uint64_t* ready = reinterpret_cast<uint64_t*>(smem + kOffBar);
-  uint64_t* freed = ready + 4;
-  uint64_t* mask_ready = ready + 8;
-  uint16_t* mask16 = reinterpret_cast<uint16_t*>(smem + kOffMask);
   const int warp = (threadIdx.x >> 5) & 3;
   const int lane = threadIdx.x & 31;
   const int grp = 4 * warp + (lane >> 3);
@@ -433,14 +433,12 @@ __device__ __forceinline__ void producer_loop_bf16(const SparseMqaParams& p, con
       const int buf = step & 1;
       const int half = (step == 1 || step == 2) ? 1 : 0;
       const int hb = 2 * buf + half;
-      // Barrier phases count rounds over all of the CTA's work items.
-      if (round_base + r > 0) mbar_wait(&freed[hb], (round_base + r - 1) & 1);
+      wait_half_free(smem, hb, round_base + r);
       // (Selects, not off[buf]: a runtime index would put the array in local memory.)
       int64_t d[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) d[k] = buf ? off[1][k] : off[0][k];
       if (step < 2) {
-        // The buffer's first half was released by the consumer that read its previous mask.
         // Bit 4 g + k of warp w's 16 bits = row 16 w + 4 g + k, g = lane / 8.
         unsigned valid = 0;
 #pragma unroll
@@ -449,10 +447,7 @@ __device__ __forceinline__ void producer_loop_bf16(const SparseMqaParams& p, con
 #pragma unroll
           for (int g = 0; g < 4; ++g) valid |= ((v >> (8 * g)) & 1u) << (4 * g + k);
         }
-        if (lane == 0) {
-          mask16[buf * 4 + warp] = static_cast<uint16_t>(valid);
-          mbar_arrive(&mask_ready[buf]);
-        }
+        publish_mask(smem, buf, valid);
       }
       const uint8_t* base = paged_source(p, tile_list(tt, tile0 + buf)).base;
       const uint32_t sbase = buf * kBufBytes + half * (kBufBytes / 2);
