@@ -816,7 +816,6 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     constexpr float kLog2e = 1.4426950408889634f;
     const float lse0 = l0 > 0.f ? (m0 + __log2f(l0)) * kLn2 : -INFINITY;
     const float lse1 = l1 > 0.f ? (m1 + __log2f(l1)) * kLn2 : -INFINITY;
-    const int dcol = 256 * g + 2 * quad;
     if (p.num_splits == 1) {
       float inv0 = 0.f, inv1 = 0.f;
       if (l0 > 0.f) {
@@ -854,6 +853,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
       const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
       const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
       const int64_t row = (static_cast<int64_t>(wi.split) * p.batch * p.s_q + wi.token) * p.num_heads;
+      const int dcol = 256 * g + 2 * quad;
       float* o0p = p.part_o + (row + h0) * kHeadDim + dcol;
       float* o1p = p.part_o + (row + h1) * kHeadDim + dcol;
 #pragma unroll
