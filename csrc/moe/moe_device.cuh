@@ -1,4 +1,4 @@
-// Device helpers of the NVFP4 MoE family: cp.async, wgmma fences and descriptors,
+// Device helpers of the NVFP4 MoE family: cp.async copies, wgmma fences and descriptors,
 // and the e2m1 -> bf16 register dequantization.
 #pragma once
 
@@ -7,12 +7,10 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include "common/async_copy.cuh"  // smem_u32, cp_async_commit, cp_async_wait<N>
+
 namespace dsv4 {
 namespace moe {
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
@@ -30,11 +28,6 @@ __device__ __forceinline__ uint2 lds64(uint32_t addr) {
   uint2 v;
   asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
   return v;
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 // Programmatic dependent launch: every kernel after the routing one is launched so
