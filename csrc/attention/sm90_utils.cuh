@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "common/async_copy.cuh"
+#include "common/wgmma_sync.cuh"
 
 namespace dsv4 {
 namespace attention {
@@ -89,12 +90,6 @@ __device__ __forceinline__ uint64_t gmma_desc_sw128(uint32_t smem_addr, uint32_t
   return d;
 }
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
 // Keeps the compiler from moving register reads/writes of an accumulator across the
 // (asynchronous) wgmma issue / wait points.
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }

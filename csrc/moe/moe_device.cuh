@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "common/async_copy.cuh"  // smem_u32, cp_async_commit, cp_async_wait<N>
+#include "common/wgmma_sync.cuh"
 
 namespace dsv4 {
 namespace moe {
@@ -37,12 +38,6 @@ __device__ __forceinline__ uint2 lds64(uint32_t addr) {
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" :::); }
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
 // Keeps the compiler from moving accumulator reads/writes across the async MMAs.
 template <int NA>
 __device__ __forceinline__ void fence_acc(float (&d)[NA]) {
