@@ -1,57 +1,15 @@
-// Hopper (sm_90a) wgmma / mbarrier helpers for the sparse MQA kernels (raw PTX).
+// Hopper (sm_90a) wgmma helpers for the sparse MQA kernels (raw PTX); the barrier and
+// register-reallocation helpers they use live in common/sm90_pipeline.cuh.
 #pragma once
 
 #include <cstdint>
 
 #include "common/async_copy.cuh"
+#include "common/sm90_pipeline.cuh"  // mbar_*, named_bar_*, setmaxnreg_*, fence_proxy_async_smem
 #include "common/wgmma_sync.cuh"
 
 namespace dsv4 {
 namespace attention {
-
-// ---- mbarrier ------------------------------------------------------------------
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_init_fence() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile(
-      "{\n.reg .b64 st;\nmbarrier.arrive.release.cta.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_u32(bar))
-      : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
-
-// Generic-proxy smem writes -> visible to wgmma (async proxy).
-__device__ __forceinline__ void fence_proxy_async_smem() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void named_bar_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-// Signals a named barrier without waiting (the other side waits with named_bar_sync).
-__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-template <int N>
-__device__ __forceinline__ void setmaxnreg_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N>
-__device__ __forceinline__ void setmaxnreg_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
 
 // One cache line into L2 (a per-lane address: no uniform-operand loop as with the bulk form).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
