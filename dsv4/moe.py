@@ -17,9 +17,12 @@ at decode sizes GEMM1 reads x itself), grouped GEMM1 with the clamped-SwiGLU (+ 
 epilogue, grouped GEMM2, and a deterministic weighted combine; weights are the 64-row
 wgmma A operand, dequantized e2m1 -> bf16 in registers; tokens are the N operand. When
 the GEMM grid would not fill the GPU once (few tokens), the GEMMs run split-K on a
-persistent grid (deterministic fixup). No host sync, no value-dependent allocation:
-CUDA-graph capturable. Switches for A/B runs and tests (read per call):
-DSV4_MOE_SPLITK, DSV4_MOE_PDL, DSV4_MOE_DIRECT_X = 0/1 (docs/perf.md, nvfp4_moe v4b). CPU: the float32 reference
+persistent grid (deterministic fixup). Prefill sizes run a warp-specialized persistent
+kernel (a bulk-copy producer, two dequantizing consumer warpgroups sharing each token
+tile, optionally 2-CTA clusters multicasting it). No host sync, no value-dependent
+allocation: CUDA-graph capturable. Switches for A/B runs and tests (read per call):
+DSV4_MOE_SPLITK, DSV4_MOE_PDL, DSV4_MOE_DIRECT_X, DSV4_MOE_WS = 0/1 (docs/perf.md,
+nvfp4_moe v4b and v5). CPU: the float32 reference
 (``dsv4.reference.nvfp4_moe``) on the un-prepared weights.
 """
 
@@ -423,7 +426,13 @@ def nvfp4_moe(
             tensor with 1 element or [E] (per local expert). Required for "nvfp4".
         expert_map: int [E_global] global -> local expert id, -1 = not on this rank
             (those slots contribute nothing).
-        cta_mode: "auto" (0), 1 or 2: GEMM launch mode (see docs/perf.md, nvfp4_moe).
+        cta_mode: "auto" (0), 1 or 2: the prefill GEMM kernel. Above 24 expected
+            tokens per local expert, 1 or 2 run the warp-specialized prefill kernel
+            with single CTAs or with pairs of CTAs that share each token tile by
+            multicast; "auto" runs it from 60 expected tokens per local expert (pairs
+            below 96, single CTAs above, as measured fastest) and the one-warpgroup
+            kernel below 60 (docs/perf.md, nvfp4_moe v5). Decode sizes (up to 24)
+            always run the small-batch kernels, whatever the mode.
         out: optional bf16 [M, K] output buffer.
         check_ids: check the id ranges on the host (one device sync; skipped while
             capturing a CUDA graph or compiling). Out-of-range ids are dropped by

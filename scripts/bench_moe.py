@@ -20,7 +20,9 @@ Usage: python scripts/bench_moe.py [--quick] [--activation bf16|nvfp4|both] [--m
 
 --variants times every case under each set of DSV4_MOE_* switches (sk -> DSV4_MOE_SPLITK:
 split-K persistent GEMM grid off/on; pdl -> DSV4_MOE_PDL: programmatic dependent launch off/on;
-dx -> DSV4_MOE_DIRECT_X: bf16 decode GEMM1 reading x itself instead of a gather kernel), in
+dx -> DSV4_MOE_DIRECT_X: bf16 decode GEMM1 reading x itself instead of a gather kernel;
+ws -> DSV4_MOE_WS: 0 runs the previous one-warpgroup prefill GEMMs instead of the
+warp-specialized ones), in
 the same process; without it the library's defaults run. --profile prints per-kernel device
 times (torch.profiler) of the first model's decode sizes under each variant.
 """
@@ -87,7 +89,7 @@ def baseline(inp, w13, w2, E, N):
     return moe_bf16_baseline(inp["x"], inp["ids"], inp["tw"], inp["emap"], w13, w2, LIMIT)
 
 
-SWITCHES = {"sk": "DSV4_MOE_SPLITK", "pdl": "DSV4_MOE_PDL", "dx": "DSV4_MOE_DIRECT_X"}
+SWITCHES = {"sk": "DSV4_MOE_SPLITK", "pdl": "DSV4_MOE_PDL", "dx": "DSV4_MOE_DIRECT_X", "ws": "DSV4_MOE_WS"}
 
 
 def set_variant(v):
@@ -169,7 +171,7 @@ def main():
             except Exception as ex:  # keep the dsv4 numbers if the baseline cannot run
                 print(f"baseline failed at M={M}: {ex}", flush=True)
                 base_us = float("nan")
-            modes = ["auto"] if M in decode else [1, 2]
+            modes = ["auto"] if M in decode else ["auto", 1, 2]
             for act, var in [(a, v) for a in acts for v in variants]:
                 set_variant(var)
                 kw = dict(swiglu_limit=LIMIT, activation=act, check_ids=False)

@@ -10,6 +10,13 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// The first 1024-byte-aligned address in dynamic shared memory, by pointer arithmetic:
+// a round trip through an integer would hide from the compiler that later accesses
+// are to shared memory (generic 64-bit loads and stores instead of LDS/STS).
+__device__ __forceinline__ uint8_t* align_smem_1024(uint8_t* p) {
+  return p + ((1024u - (smem_u32(p) & 1023u)) & 1023u);
+}
+
 // 16-byte global -> shared copy that bypasses registers and L1. valid = false reads nothing
 // and fills the 16 bytes with zeros (src-size 0), so skipped rows need no separate store.
 __device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* gmem_src, bool valid = true) {

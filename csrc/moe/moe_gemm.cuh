@@ -8,13 +8,10 @@
 // the token tile of each 64-wide K step. Grids (classic and split-K): see
 // moe_gemm_kernel at the end.
 //
-// GEMM1 (kGemm1): rows of w13 (interleaved gate/up, see moe_params.cuh), K = hidden.
-//   Epilogue: clamped SwiGLU of (gate, up) held by the same thread, staged through
-//   shared memory, then either bf16 h, or NVFP4 (codes + e4m3 scales, the exact
-//   rules of common/nvfp4.cuh) plus its bf16 expansion code * block scale, which is
-//   what GEMM2 reads as its B operand (the global scale a2 goes in GEMM2's epilogue).
-// GEMM2: rows of w2 (output hidden dims), K = intermediate. Epilogue: y (bf16) per
-//   padded row, to be combined into token order by moe_combine_kernel.
+// GEMM1 (kGemm1): rows of w13 (interleaved gate/up, see moe_params.cuh), K = hidden;
+//   epilogue gemm1_epilogue (clamped SwiGLU, bf16 or NVFP4 h).
+// GEMM2: rows of w2 (output hidden dims), K = intermediate; epilogue gemm2_epilogue.
+// Prefill sizes run the warp-specialized kernel of moe_gemm_ws.cuh instead.
 #pragma once
 
 #include "common/nvfp4.cuh"
@@ -25,15 +22,129 @@
 namespace dsv4 {
 namespace moe {
 
+// Epilogue staging: 128 bytes per token row (GEMM1: 32 fp32, GEMM2: 64 bf16), groups
+// of 8 columns XOR-swizzled by token row so that a warp's fragment writes hit distinct
+// banks while each group stays contiguous for vector reads.
+__device__ __forceinline__ int stage1_index(int tok, int col) { return tok * 32 + (col ^ (((tok >> 1) & 3) << 3)); }
+__device__ __forceinline__ int stage2_index(int tok, int col) { return tok * 64 + (col ^ (((tok >> 1) & 3) << 3)); }
+
 template <int BN, int STAGES>
 struct GemmSmem {
   static constexpr int kB = BN * 128;  // one 64-wide K slice of BN token rows
   static constexpr int kPipe = STAGES * (kB + kCodeTileBytes + kScaleTileBytes);
-  static constexpr int kStage1 = BN * 33 * 4;
-  static constexpr int kStage2 = BN * 65 * 4;
-  static constexpr int kMax = kPipe > kStage2 ? kPipe : kStage2;
+  static constexpr int kStaging = BN * 128;
+  static constexpr int kMax = kPipe > kStaging ? kPipe : kStaging;
   static constexpr int kBytes = kMax + 1024;  // + alignment slack
 };
+
+// Epilogues of one 64-row weight tile x BN tokens, run by the warpgroup that holds
+// the accumulators (tid = its thread index, 0..127). stg: shared staging of BN * 128
+// bytes (stage1_index / stage2_index), private to the warpgroup; sync() orders
+// the warpgroup's staging writes and reads (the classic kernels' CTA is the
+// warpgroup: __syncthreads; the warp-specialized kernel: a named barrier). kTiled:
+// h is written in the tiled layout (act_offset) that the prefill kernel reads.
+//
+// GEMM1: clamped SwiGLU of (gate, up) held by the same thread, then either bf16 h, or
+// NVFP4 (codes + e4m3 scales, the exact rules of common/nvfp4.cuh) plus its bf16
+// expansion code * block scale, which is what GEMM2 reads as its B operand (the
+// global scale a2 goes in GEMM2's epilogue).
+template <int BN, bool kTiled, typename Sync>
+__device__ __forceinline__ void gemm1_epilogue(const MoeParams& p, const float (&acc)[BN / 2], float* stg, int e,
+                                               int row0, int rt, int tid, Sync sync) {
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const float ag = p.act_nvfp4 ? __ldg(p.a13_scale + (p.a13_per_expert ? e : 0)) : 1.0f;
+  const float sg = __ldg(p.w13_scale_2 + 2 * e) * 128.0f * ag;
+  const float su = __ldg(p.w13_scale_2 + 2 * e + 1) * 128.0f * ag;
+  const float L = p.swiglu_limit;
+#pragma unroll
+  for (int c = 0; c < BN / 8; ++c) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float gate = acc[4 * c + i] * sg;
+      float up = acc[4 * c + 2 + i] * su;
+      if (p.has_limit) {
+        gate = fminf(gate, L);
+        up = fminf(fmaxf(up, -L), L);
+      }
+      stg[stage1_index(8 * c + 2 * t + i, 8 * warp + g)] = silu(gate) * up;
+    }
+  }
+  sync();
+  const int N = p.N;
+  if (!p.act_nvfp4) {
+    for (int idx = tid; idx < BN * 4; idx += kThreads) {
+      const int tok = idx >> 2, ch = idx & 3;
+      const uint4 o = bf16x8_bits(stg + stage1_index(tok, ch * 8));
+      *reinterpret_cast<uint4*>(p.h + act_offset<kTiled>(row0 + tok, rt * 4 + ch, N)) = o;
+    }
+  } else {
+    const float g2 = __ldg(p.a2_scale + (p.a2_per_expert ? e : 0));
+    for (int idx = tid; idx < BN * 2; idx += kThreads) {
+      const int tok = idx >> 1, blk = idx & 1;
+      const float* vlo = stg + stage1_index(tok, blk * 16);
+      const float* vhi = stg + stage1_index(tok, blk * 16 + 8);
+      float lo[8], hi[8];
+      float amax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        lo[i] = vlo[i];
+        hi[i] = vhi[i];
+        amax = fmaxf(amax, fmaxf(fabsf(lo[i]), fabsf(hi[i])));
+      }
+      const __nv_fp8_e4m3 s8 = nvfp4_block_scale(amax, g2);
+      const float sf = float(s8);
+      const uint32_t clo = nvfp4_encode8(lo, sf, g2);
+      const uint32_t chi = nvfp4_encode8(hi, sf, g2);
+      const size_t row = size_t(row0 + tok);
+      *reinterpret_cast<uint2*>(p.hq + row * (N / 2) + rt * 16 + blk * 8) = make_uint2(clo, chi);
+      p.hs[row * (N / 16) + rt * 2 + blk] = s8;
+      // bf16 expansion code * block scale (exact) for GEMM2's B operand.
+      uint32_t w[8];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        w[i] = bf16x2_bits(e2m1_value(clo >> (8 * i)) * sf, e2m1_value(clo >> (8 * i + 4)) * sf);
+        w[4 + i] = bf16x2_bits(e2m1_value(chi >> (8 * i)) * sf, e2m1_value(chi >> (8 * i + 4)) * sf);
+      }
+      *reinterpret_cast<uint4*>(p.h + act_offset<kTiled>(row0 + tok, rt * 4 + blk * 2, N)) =
+          make_uint4(w[0], w[1], w[2], w[3]);
+      *reinterpret_cast<uint4*>(p.h + act_offset<kTiled>(row0 + tok, rt * 4 + blk * 2 + 1, N)) =
+          make_uint4(w[4], w[5], w[6], w[7]);
+    }
+  }
+  if (p.h_debug != nullptr) {
+    for (int idx = tid; idx < BN * 32; idx += kThreads) {
+      const int tok = idx >> 5, n = idx & 31;
+      p.h_debug[size_t(row0 + tok) * N + rt * 32 + n] = stg[stage1_index(tok, n)];
+    }
+  }
+}
+
+// GEMM2: y (bf16, row-major) per padded row, to be combined into token order by
+// moe_combine_kernel. Staged as bf16 (the one rounding of acc * scale).
+
+template <int BN, typename Sync>
+__device__ __forceinline__ void gemm2_epilogue(const MoeParams& p, const float (&acc)[BN / 2], __nv_bfloat16* stg,
+                                               int e, int row0, int rt, int tid, Sync sync) {
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const float ag = p.act_nvfp4 ? __ldg(p.a2_scale + (p.a2_per_expert ? e : 0)) : 1.0f;
+  const float sc = __ldg(p.w2_scale_2 + e) * 128.0f * ag;
+#pragma unroll
+  for (int c = 0; c < BN / 8; ++c) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int tok = 8 * c + 2 * t + (i & 1);
+      const int kk = 16 * warp + g + 8 * (i >> 1);
+      stg[stage2_index(tok, kk)] = __float2bfloat16_rn(acc[4 * c + i] * sc);
+    }
+  }
+  sync();
+  const int K = p.K;
+  for (int idx = tid; idx < BN * 8; idx += kThreads) {
+    const int tok = idx >> 3, ch = idx & 7;
+    const uint4 o = *reinterpret_cast<const uint4*>(stg + stage2_index(tok, ch * 8));
+    *reinterpret_cast<uint4*>(p.y + size_t(row0 + tok) * K + rt * 64 + ch * 8) = o;
+  }
+}
 
 // Minimum K steps per split-K chunk: fewer and the pipeline prologue and the partial
 // round trip cost more than the extra parallelism gives.
@@ -65,7 +176,7 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
   uint8_t* sW = sB + STAGES * S::kB;
   uint8_t* sS = sW + STAGES * kCodeTileBytes;
 
-  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int warp = tid >> 5, g = (tid & 31) >> 2;
 
   // Per-thread copy assignments, fixed over the K loop: 16 code bytes, 16 scale
   // bytes (threads < 16) and max(BN/16, 1) 16-byte chunks of the token tile (rows
@@ -199,95 +310,11 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
     }
   }
 
-  float* stg = reinterpret_cast<float*>(smem);
-  if constexpr (kGemm1) {
-    const float ag = p.act_nvfp4 ? __ldg(p.a13_scale + (p.a13_per_expert ? e : 0)) : 1.0f;
-    const float sg = __ldg(p.w13_scale_2 + 2 * e) * 128.0f * ag;
-    const float su = __ldg(p.w13_scale_2 + 2 * e + 1) * 128.0f * ag;
-    const float L = p.swiglu_limit;
-    constexpr int LD = 33;
-#pragma unroll
-    for (int c = 0; c < BN / 8; ++c) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        float gate = acc[4 * c + i] * sg;
-        float up = acc[4 * c + 2 + i] * su;
-        if (p.has_limit) {
-          gate = fminf(gate, L);
-          up = fminf(fmaxf(up, -L), L);
-        }
-        stg[(8 * c + 2 * t + i) * LD + 8 * warp + g] = silu(gate) * up;
-      }
-    }
-    __syncthreads();
-    const int N = p.N;
-    if (!p.act_nvfp4) {
-      for (int idx = tid; idx < BN * 4; idx += kThreads) {
-        const int tok = idx >> 2, ch = idx & 3;
-        const float* v = stg + tok * LD + ch * 8;
-        const uint4 o = bf16x8_bits(v);
-        *reinterpret_cast<uint4*>(p.h + size_t(row0 + tok) * N + rt * 32 + ch * 8) = o;
-      }
-    } else {
-      const float g2 = __ldg(p.a2_scale + (p.a2_per_expert ? e : 0));
-      for (int idx = tid; idx < BN * 2; idx += kThreads) {
-        const int tok = idx >> 1, blk = idx & 1;
-        const float* v = stg + tok * LD + blk * 16;
-        float lo[8], hi[8];
-        float amax = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          lo[i] = v[i];
-          hi[i] = v[8 + i];
-          amax = fmaxf(amax, fmaxf(fabsf(lo[i]), fabsf(hi[i])));
-        }
-        const __nv_fp8_e4m3 s8 = nvfp4_block_scale(amax, g2);
-        const float sf = float(s8);
-        const uint32_t clo = nvfp4_encode8(lo, sf, g2);
-        const uint32_t chi = nvfp4_encode8(hi, sf, g2);
-        const size_t row = size_t(row0 + tok);
-        *reinterpret_cast<uint2*>(p.hq + row * (N / 2) + rt * 16 + blk * 8) = make_uint2(clo, chi);
-        p.hs[row * (N / 16) + rt * 2 + blk] = s8;
-        // bf16 expansion code * block scale (exact) for GEMM2's B operand.
-        uint32_t w[8];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          w[i] = bf16x2_bits(e2m1_value(clo >> (8 * i)) * sf, e2m1_value(clo >> (8 * i + 4)) * sf);
-          w[4 + i] = bf16x2_bits(e2m1_value(chi >> (8 * i)) * sf, e2m1_value(chi >> (8 * i + 4)) * sf);
-        }
-        uint4* dst = reinterpret_cast<uint4*>(p.h + row * N + rt * 32 + blk * 16);
-        dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
-        dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
-      }
-    }
-    if (p.h_debug != nullptr) {
-      for (int idx = tid; idx < BN * 32; idx += kThreads) {
-        const int tok = idx >> 5, n = idx & 31;
-        p.h_debug[size_t(row0 + tok) * N + rt * 32 + n] = stg[tok * LD + n];
-      }
-    }
-  } else {
-    const float ag = p.act_nvfp4 ? __ldg(p.a2_scale + (p.a2_per_expert ? e : 0)) : 1.0f;
-    const float sc = __ldg(p.w2_scale_2 + e) * 128.0f * ag;
-    constexpr int LD = 65;
-#pragma unroll
-    for (int c = 0; c < BN / 8; ++c) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int tok = 8 * c + 2 * t + (i & 1);
-        const int kk = 16 * warp + g + 8 * (i >> 1);
-        stg[tok * LD + kk] = acc[4 * c + i] * sc;
-      }
-    }
-    __syncthreads();
-    const int K = p.K;
-    for (int idx = tid; idx < BN * 8; idx += kThreads) {
-      const int tok = idx >> 3, ch = idx & 7;
-      const float* v = stg + tok * LD + ch * 8;
-      const uint4 o = bf16x8_bits(v);
-      *reinterpret_cast<uint4*>(p.y + size_t(row0 + tok) * K + rt * 64 + ch * 8) = o;
-    }
-  }
+  auto cta_sync = [] { __syncthreads(); };
+  if constexpr (kGemm1)
+    gemm1_epilogue<BN, false>(p, acc, reinterpret_cast<float*>(smem), e, row0, rt, tid, cta_sync);
+  else
+    gemm2_epilogue<BN>(p, acc, reinterpret_cast<__nv_bfloat16*>(smem), e, row0, rt, tid, cta_sync);
 }
 
 // Grids. Classic (moe_gemm_kernel): x = token tile (rows [tile * BN, tile * BN + BN)
@@ -303,7 +330,7 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
   pdl_wait();
   pdl_launch_dependents();
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* smem = align_smem_1024(smem_raw);
   const int KT = (kGemm1 ? p.K : p.N) / kTileK;
   if (int(blockIdx.x) >= __ldg(p.num_tiles)) return;
   gemm_segment<BN, STAGES, kGemm1>(p, smem, blockIdx.x, blockIdx.y, 0, KT, 0, 1, 0, threadIdx.x);
@@ -320,7 +347,7 @@ __global__ void __launch_bounds__(kThreads, kSplitMinCtas<BN, kGemm1>) moe_gemm_
   pdl_wait();
   pdl_launch_dependents();
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* smem = align_smem_1024(smem_raw);
   const int num_tiles = __ldg(p.num_tiles);
   const int KT = (kGemm1 ? p.K : p.N) / kTileK;
   const int RT = kGemm1 ? (2 * p.N) / kTileRows : p.K / kTileRows;

@@ -68,6 +68,8 @@ struct MoeParams {
   int* tile_expert;  // [max_tiles]
   int* num_tiles;    // [1]
   int* error_flag;   // [1] set to 1 when an expert id was out of range
+  int* route_counts; // [E] multi-CTA routing (prefill sizes): slots per expert, else nullptr
+  int* route_tile_off; // [E + 1] multi-CTA routing: first tile of each expert
   __nv_bfloat16* xg; // [max_rows, K]  GEMM1 B operand (nvfp4 mode: code * block scale); unused with direct_x
   __nv_bfloat16* h;  // [max_rows, N]  GEMM2 B operand (nvfp4 mode: code * block scale)
   uint8_t* hq;       // nvfp4 mode: [max_rows, N/2] packed codes of the SwiGLU output
@@ -81,9 +83,27 @@ struct MoeParams {
   int sk_ctas;       // >= either GEMM's grid; bounds the number of split items and chunks
   float* sk_partial; // [sk_ctas, 64 * block_n] fp32, one per (item, chunk) of a split item
   int* sk_count;     // [2, sk_ctas] (GEMM1, GEMM2): chunks done per item; zeroed by routing
+  // Prefill (ws = 1, moe_gemm_ws.cuh): xg and h are stored tiled (act_offset) so
+  // that each 64-row x 64-column block is one contiguous, pre-swizzled 8 KB bulk copy;
+  // the GEMMs walk groups of up to three token tiles of one expert.
+  int ws;
+  int* group_tile;   // [max_tiles] group -> first tile * 4 + (tiles in the group - 1)
+  int* num_groups;   // [1]
+  int* group_ready;  // [max_tiles] GEMM1 weight-row tiles whose h is written, per group
+                     // (GEMM2 starts on a group as soon as it is complete)
   __nv_bfloat16* y;  // [max_rows, K]  GEMM2 output per padded row
   __nv_bfloat16* out;// [M, K]
 };
+
+// Element offset of 16-byte chunk `chunk` (8 bf16) of padded row `row` in an activation
+// buffer (xg or h) with `cols` columns: row-major, or tiled (ws = 1) as
+// [row / 64][col / 64][row % 64][128 bytes, chunk c at c ^ (row % 8)], i.e. each
+// 64 x 64 block is 8 KB in the 128-byte-swizzled K-major layout wgmma reads.
+template <bool kTiled>
+__host__ __device__ __forceinline__ size_t act_offset(int row, int chunk, int cols) {
+  if constexpr (!kTiled) return size_t(row) * cols + size_t(chunk) * 8;
+  return ((size_t(row >> 6) * (cols >> 6) + (chunk >> 3)) * 64 + (row & 63)) * 64 + (((chunk & 7) ^ (row & 7)) << 3);
+}
 
 }  // namespace moe
 }  // namespace dsv4

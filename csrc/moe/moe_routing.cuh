@@ -11,58 +11,94 @@ namespace dsv4 {
 namespace moe {
 
 constexpr int kRouteThreads = 1024;
+constexpr int kRouteBatch = 8;  // slots per thread whose ids are loaded together
 
-// Local expert of slot i, or -1 (not on this rank, or an invalid id, which also
-// raises *error_flag; the wrapper checks ids on the host when it may sync).
-__device__ __forceinline__ int resolve_expert(const MoeParams& p, int i) {
-  const int id = __ldg(p.topk_ids + i);
+// Local experts of the kRouteBatch slots base + j * kRouteThreads + lane: -1 when not
+// on this rank or the id is invalid (which also raises *error_flag; the wrapper checks
+// ids on the host when it may sync), -2 at or past slot S. All ids are loaded before
+// any is used, then all map entries: one CTA walks all M * k slots, so its time is the
+// number of dependent global-load round trips (~100 us at prefill sizes when done one
+// slot at a time).
+__device__ __forceinline__ void resolve_experts(const MoeParams& p, int base, int lane, int (&ev)[kRouteBatch],
+                                                int S) {
+  int id[kRouteBatch];
+#pragma unroll
+  for (int j = 0; j < kRouteBatch; ++j) {
+    const int i = base + j * kRouteThreads + lane;
+    id[j] = i < S ? __ldg(p.topk_ids + i) : 0;
+  }
+  const int n_ids = p.expert_map != nullptr ? p.E_global : p.E;
+  bool bad = false;
+#pragma unroll
+  for (int j = 0; j < kRouteBatch; ++j) {
+    const bool ok = id[j] >= 0 && id[j] < n_ids;
+    bad |= !ok && base + j * kRouteThreads + lane < S;
+    ev[j] = ok ? id[j] : -1;
+  }
   if (p.expert_map != nullptr) {
-    if (id < 0 || id >= p.E_global) {
-      *p.error_flag = 1;
-      return -1;
+#pragma unroll
+    for (int j = 0; j < kRouteBatch; ++j) ev[j] = ev[j] >= 0 ? __ldg(p.expert_map + ev[j]) : -1;
+#pragma unroll
+    for (int j = 0; j < kRouteBatch; ++j) {
+      if (ev[j] < -1 || ev[j] >= p.E) {
+        bad = true;
+        ev[j] = -1;
+      }
     }
-    const int e = __ldg(p.expert_map + id);
-    if (e < -1 || e >= p.E) {
-      *p.error_flag = 1;
-      return -1;
-    }
-    return e;
   }
-  if (id < 0 || id >= p.E) {
-    *p.error_flag = 1;
-    return -1;
-  }
-  return id;
+#pragma unroll
+  for (int j = 0; j < kRouteBatch; ++j)
+    if (base + j * kRouteThreads + lane >= S) ev[j] = -2;
+  if (bad) *p.error_flag = 1;
 }
 
-// One CTA: per-expert counts (warp-aggregated shared atomics), tile offsets padded
-// to block_n, the tile -> expert table, and the slot <-> padded-row maps. The order
-// of the rows inside an expert depends on atomics, but every row is computed
-// independently and the combine reads rows by slot, so results are deterministic.
-// Dynamic shared memory: 2 * E + 1 ints.
+// Counts of the 3-, 2- and 1-tile groups that n tiles of one expert split into
+// (ceil(n / 3) groups, sizes as even as possible), packed at bits 0, 21 and 42.
+constexpr unsigned long long kField = (1ull << 21) - 1;
+__device__ __forceinline__ unsigned long long group_size_counts(int n) {
+  if (n == 0) return 0;
+  const int g = (n + 2) / 3, base = n / g, big = n % g;  // big groups of base + 1, the rest of base
+  unsigned long long c = (unsigned long long)(g - big) << (21 * (3 - base));
+  if (big > 0) c += (unsigned long long)big << (21 * (2 - base));
+  return c;
+}
+
+// One CTA: per-expert counts (shared atomics), tile offsets padded
+// to block_n, the tile -> expert table, the slot <-> padded-row maps and (ws) the
+// prefill kernel's groups of tiles. The order of the rows inside an expert depends on
+// atomics, but every row is computed independently and the combine reads rows by
+// slot, so results are deterministic. Dynamic shared memory: 5 * E + 1 ints.
 __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const MoeParams p) {
   pdl_launch_dependents();
   extern __shared__ int rsm[];
   int* cnt = rsm;            // [E]
   int* tile_off = rsm + p.E; // [E + 1]
+  int* group_at = tile_off + p.E + 1;  // [3 * E] (ws): next 3-, 2-, 1-tile group slot of each expert
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int S = p.M * p.topk;
   const int BN = p.block_n;
   for (int e = tid; e < p.E; e += kRouteThreads) cnt[e] = 0;
-  if (tid == 0) *p.error_flag = 0;
+  if (tid == 0 && p.route_counts == nullptr) *p.error_flag = 0;  // else zeroed before moe_count_kernel
   if (p.splitk)
     for (int i = tid; i < 2 * p.sk_ctas; i += kRouteThreads) p.sk_count[i] = 0;
+  if (p.ws)
+    for (int i = tid; i < p.max_tiles; i += kRouteThreads) p.group_ready[i] = 0;
   __syncthreads();
 
-  for (int base = warp * 32; base < S; base += kRouteThreads) {
-    const int i = base + lane;
-    const int e = i < S ? resolve_expert(p, i) : -2;
-    const unsigned peers = __match_any_sync(0xffffffffu, e);
-    const int leader = __ffs(peers) - 1;
-    int start = 0;
-    if (lane == leader && e >= 0) start = atomicAdd(cnt + e, __popc(peers));
-    start = __shfl_sync(0xffffffffu, start, leader);
-    if (i < S) p.slot_pos[i] = e >= 0 ? start + __popc(peers & ((1u << lane) - 1u)) : -1;
+  if (p.route_counts != nullptr) {  // moe_count_kernel ranked the slots
+    for (int e = tid; e < p.E; e += kRouteThreads) cnt[e] = p.route_counts[e];
+  } else {
+    for (int base = warp * 32; base < S; base += kRouteThreads * kRouteBatch) {
+      int ev[kRouteBatch];
+      resolve_experts(p, base, lane, ev, S);
+      // One shared atomic per local slot (the experts' counters sit in different
+      // banks), not a match_any aggregation per warp and slot.
+#pragma unroll
+      for (int j = 0; j < kRouteBatch; ++j) {
+        const int i = base + j * kRouteThreads + lane;
+        if (i < S) p.slot_pos[i] = ev[j] >= 0 ? atomicAdd(cnt + ev[j], 1) : -1;
+      }
+    }
   }
   __syncthreads();
 
@@ -86,22 +122,117 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const MoeParam
       tile_off[p.E] = incl;
       *p.num_tiles = incl;
     }
+    if (p.ws) {
+      // Groups ordered by size, 3-tile groups first: the persistent grid takes units
+      // round-robin, so each round's units then cost about the same. One scan of the
+      // per-expert counts of 3-, 2- and 1-tile groups, packed in 21-bit fields.
+      unsigned long long mine = 0;
+      for (int e = e0; e < e1; ++e) mine += group_size_counts((cnt[e] + BN - 1) / BN);
+      unsigned long long incl = mine;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const unsigned long long v = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += v;
+      }
+      const unsigned long long total = __shfl_sync(0xffffffffu, incl, 31);
+      const int n3 = int(total & kField), n2 = int((total >> 21) & kField), n1 = int(total >> 42);
+      unsigned long long run = incl - mine;
+      for (int e = e0; e < e1; ++e) {
+        group_at[3 * e] = int(run & kField);                      // next 3-tile group
+        group_at[3 * e + 1] = n3 + int((run >> 21) & kField);     // next 2-tile group
+        group_at[3 * e + 2] = n3 + n2 + int(run >> 42);           // next 1-tile group
+        run += group_size_counts((cnt[e] + BN - 1) / BN);
+      }
+      if (lane == 31) *p.num_groups = n3 + n2 + n1;
+    }
   }
   __syncthreads();
 
   const int total_rows = tile_off[p.E] * BN;
-  for (int e = tid; e < p.E; e += kRouteThreads)
+  for (int e = tid; e < p.E; e += kRouteThreads) {
     for (int j = tile_off[e]; j < tile_off[e + 1]; ++j) p.tile_expert[j] = e;
+    if (p.ws) {  // n tiles in g groups as even as possible: the first n % g get one more
+      const int n = tile_off[e + 1] - tile_off[e], g = (n + 2) / 3;
+      int t = tile_off[e];
+      for (int q = 0; q < g; ++q) {
+        const int size = n / g + (q < n % g ? 1 : 0);
+        p.group_tile[group_at[3 * e + 3 - size]++] = 4 * t + size - 1;
+        t += size;
+      }
+    }
+  }
   for (int r = tid; r < total_rows; r += kRouteThreads) p.row_slot[r] = -1;
+  if (p.route_counts != nullptr) {  // moe_place_kernel places the slots
+    for (int e = tid; e <= p.E; e += kRouteThreads) p.route_tile_off[e] = tile_off[e];
+    return;
+  }
   __syncthreads();
 
-  for (int base = warp * 32; base < S; base += kRouteThreads) {
-    const int i = base + lane;
-    if (i >= S) continue;
-    const int rank = p.slot_pos[i];
-    if (rank < 0) continue;
-    const int e = resolve_expert(p, i);
-    const int pos = tile_off[e] * BN + rank;
+  for (int base = warp * 32; base < S; base += kRouteThreads * kRouteBatch) {
+    int rank[kRouteBatch], ev[kRouteBatch];
+#pragma unroll
+    for (int j = 0; j < kRouteBatch; ++j) {
+      const int i = base + j * kRouteThreads + lane;
+      rank[j] = i < S ? p.slot_pos[i] : -1;
+    }
+    resolve_experts(p, base, lane, ev, S);
+#pragma unroll
+    for (int j = 0; j < kRouteBatch; ++j) {
+      if (rank[j] < 0) continue;
+      const int i = base + j * kRouteThreads + lane;
+      const int pos = tile_off[ev[j]] * BN + rank[j];
+      p.slot_pos[i] = pos;
+      p.row_slot[pos] = i;
+    }
+  }
+}
+
+// Prefill sizes (route_counts set) split the routing over many CTAs: one CTA walking
+// all M * k slots took ~35 us at M = 8192. moe_count_kernel: each CTA ranks its
+// kRouteSlotsPerCta slots on shared counters, reserves a range per expert with one
+// global atomic (route_counts, zeroed before) and writes slot_pos = rank within the
+// expert. moe_route_kernel (one CTA) then builds the tables from the counts and
+// moe_place_kernel turns ranks into padded rows.
+constexpr int kRouteSlotsPerCta = kRouteThreads * kRouteBatch;
+
+__global__ void __launch_bounds__(kRouteThreads) moe_count_kernel(const MoeParams p) {
+  extern __shared__ int cnt[];  // [E]
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int S = min(p.M * p.topk, (int(blockIdx.x) + 1) * kRouteSlotsPerCta);
+  const int base = blockIdx.x * kRouteSlotsPerCta + warp * 32;
+  for (int e = tid; e < p.E; e += kRouteThreads) cnt[e] = 0;
+  __syncthreads();
+  int ev[kRouteBatch], rank[kRouteBatch];
+  resolve_experts(p, base, lane, ev, S);
+#pragma unroll
+  for (int j = 0; j < kRouteBatch; ++j) rank[j] = ev[j] >= 0 ? atomicAdd(cnt + ev[j], 1) : -1;
+  __syncthreads();
+  for (int e = tid; e < p.E; e += kRouteThreads)
+    if (cnt[e] > 0) cnt[e] = atomicAdd(p.route_counts + e, cnt[e]);
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kRouteBatch; ++j) {
+    const int i = base + j * kRouteThreads + lane;
+    if (i < S) p.slot_pos[i] = ev[j] >= 0 ? cnt[ev[j]] + rank[j] : -1;
+  }
+}
+
+__global__ void __launch_bounds__(kRouteThreads) moe_place_kernel(const MoeParams p) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int S = min(p.M * p.topk, (int(blockIdx.x) + 1) * kRouteSlotsPerCta);
+  const int base = blockIdx.x * kRouteSlotsPerCta + warp * 32;
+  int ev[kRouteBatch], rank[kRouteBatch];
+#pragma unroll
+  for (int j = 0; j < kRouteBatch; ++j) {
+    const int i = base + j * kRouteThreads + lane;
+    rank[j] = i < S ? p.slot_pos[i] : -1;
+  }
+  resolve_experts(p, base, lane, ev, S);
+#pragma unroll
+  for (int j = 0; j < kRouteBatch; ++j) {
+    if (rank[j] < 0) continue;
+    const int i = base + j * kRouteThreads + lane;
+    const int pos = p.route_tile_off[ev[j]] * p.block_n + rank[j];
     p.slot_pos[i] = pos;
     p.row_slot[pos] = i;
   }
@@ -110,6 +241,7 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const MoeParam
 // Padded rows of GEMM1's B operand: the token's x (bf16 mode) or its NVFP4
 // quantization with the expert's a13 scale expanded to bf16 code * block scale
 // (nvfp4 mode; the same rules as dsv4.formats.quantize_nvfp4); zeros for padding.
+// Row-major, or tiled (act_offset) for the prefill kernel (ws).
 // Two adjacent lanes share a 16-element block. blockDim.x is a multiple of 32.
 template <bool kNvfp4>
 __global__ void __launch_bounds__(256) moe_gather_kernel(const MoeParams p) {
@@ -125,13 +257,13 @@ __global__ void __launch_bounds__(256) moe_gather_kernel(const MoeParams p) {
       const int e = p.tile_expert[r / p.block_n];
       g = __ldg(p.a13_scale + (p.a13_per_expert ? e : 0));
     }
-    __nv_bfloat16* dst = p.xg + size_t(r) * p.K;
     for (int c0 = 0; c0 < chunks; c0 += blockDim.x) {
       const int c = c0 + threadIdx.x;
       uint4 raw = make_uint4(0, 0, 0, 0);
       if (src != nullptr && c < chunks) raw = __ldg(reinterpret_cast<const uint4*>(src) + c);
+      __nv_bfloat16* dst = p.xg + (p.ws ? act_offset<true>(r, c, p.K) : act_offset<false>(r, c, p.K));
       if constexpr (!kNvfp4) {
-        if (c < chunks) reinterpret_cast<uint4*>(dst)[c] = raw;
+        if (c < chunks) *reinterpret_cast<uint4*>(dst) = raw;
       } else {
         const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
         float v[8];
@@ -152,7 +284,7 @@ __global__ void __launch_bounds__(256) moe_gather_kernel(const MoeParams p) {
 #pragma unroll
         for (int i = 0; i < 4; ++i)
           ow[i] = bf16x2_bits(e2m1_value(codes >> (8 * i)) * sf, e2m1_value(codes >> (8 * i + 4)) * sf);
-        if (c < chunks) reinterpret_cast<uint4*>(dst)[c] = o;
+        if (c < chunks) *reinterpret_cast<uint4*>(dst) = o;
       }
     }
   }

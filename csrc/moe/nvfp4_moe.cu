@@ -17,6 +17,7 @@
 
 #include "common/checks.h"
 #include "moe/moe_gemm.cuh"
+#include "moe/moe_gemm_ws.cuh"
 #include "moe/moe_routing.cuh"
 
 namespace dsv4 {
@@ -135,14 +136,12 @@ Checked check_inputs(const at::Tensor& x, const at::Tensor& topk_ids, const at::
 }
 
 // Token tile of the grouped GEMMs from shapes only: expected tokens per local
-// expert under uniform routing over the global experts. cta_mode 2 selects the wide
-// 128-token tile (still one CTA per tile: the 2-CTA cluster / TMA-multicast kernel is
-// not implemented yet); 1 and auto use 64 at prefill, which measured faster.
-int pick_block_n(int64_t M, int64_t topk, int64_t E_global, int64_t cta_mode) {
+// expert under uniform routing over the global experts. 64 is the prefill tile (the
+// warp-specialized kernel groups up to three of them into one unit).
+int pick_block_n(int64_t M, int64_t topk, int64_t E_global) {
   const double per_expert = double(M) * double(topk) / double(E_global);
   if (per_expert <= 4.0) return 8;
   if (per_expert <= 24.0) return 16;
-  if (cta_mode == 2 && per_expert > 96.0) return 128;
   return 64;
 }
 
@@ -180,9 +179,45 @@ GemmOccupancy gemm_setup_for(int block_n) {
   switch (block_n) {
     case 8: return gemm_setup<8, 8>();
     case 16: return gemm_setup<16, 8>();
-    case 64: return gemm_setup<64, 6>();
-    default: return gemm_setup<128, 4>();
+    default: return gemm_setup<64, 6>();
   }
+}
+
+// The prefill kernels (moe_gemm_ws.cuh): shared-memory opt-in once per device.
+void ws_setup() {
+  static std::atomic<bool> done[64];
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (done[dev & 63].load(std::memory_order_acquire)) return;
+  for (auto k : {moe::moe_gemm_ws_kernel<true, 1>, moe::moe_gemm_ws_kernel<false, 1>, moe::moe_gemm_ws_kernel<true, 2>,
+                 moe::moe_gemm_ws_kernel<false, 2>})
+    C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, moe::WsConfig::kBytes));
+  done[dev & 63].store(true, std::memory_order_release);
+}
+
+// The prefill kernel (moe_gemm_ws.cuh) runs at the 64-token tile when cta_mode is given
+// (1 or 2) or, in auto mode, from kWsMinTokensPerExpert expected tokens per local expert:
+// below that most groups are one partly filled tile and the one-warpgroup kernel, with
+// 2-3 CTAs per SM, measured faster (48 tokens: 0.75-0.83x; 64-72: 1.10-1.29x; docs/perf.md,
+// nvfp4_moe v5). DSV4_MOE_WS=0 always keeps the one-warpgroup kernel (A/B runs and tests).
+constexpr double kWsMinTokensPerExpert = 60.0;
+
+double tokens_per_expert(const Checked& c) { return double(c.M) * double(c.topk) / double(c.E_global); }
+
+bool use_ws(const Checked& c, int block_n, bool splitk, int64_t cta_mode) {
+  const char* env = std::getenv("DSV4_MOE_WS");
+  if (env != nullptr && env[0] == '0') return false;
+  if (block_n != 64 || splitk) return false;
+  return cta_mode != 0 || tokens_per_expert(c) >= kWsMinTokensPerExpert;
+}
+
+// CTAs per cluster of the prefill kernel: cta_mode 1 or 2. Auto: 2 below 96 expected
+// tokens per local expert (groups of 1-2 tiles; 1.08x at V4-Pro 64 tokens), else 1, 2-9 %
+// faster there (the kernel is bound by dequant and MMA issue, not by the L2 traffic that
+// multicasting the token tile halves; docs/perf.md, nvfp4_moe v5).
+int ws_cluster(const Checked& c, int64_t cta_mode) {
+  if (cta_mode != 0) return int(cta_mode);
+  return tokens_per_expert(c) < 96.0 ? 2 : 1;
 }
 
 // Split-K (persistent grid, items cut into K chunks) or the classic grid (one CTA
@@ -221,18 +256,71 @@ bool use_pdl(int block_n) {
 }
 
 void launch(void (*kernel)(MoeParams), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
-            const MoeParams& p) {
+            const MoeParams& p, int cluster = 1) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  int n = 0;
+  if (pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  if (cluster > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = unsigned(cluster);
+    attr[n].val.clusterDim.y = 1;
+    attr[n].val.clusterDim.z = 1;
+    ++n;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  cfg.numAttrs = n;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+}
+
+// CTAs of the persistent prefill grid: one per SM, or as many 2-CTA clusters as can be
+// resident at once (fewer than SMs / 2 when a GPC has an odd number of free SMs; a
+// cluster that does not fit would run after the others, doubling the time).
+int ws_grid(int sms, int cluster) {
+  if (cluster == 1) return sms;
+  static std::atomic<int> cached[64];
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  int n = cached[dev & 63].load(std::memory_order_acquire);
+  if (n == 0) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(unsigned(sms / 2 * 2));
+    cfg.blockDim = dim3(moe::WsConfig::kThreads);
+    cfg.dynamicSmemBytes = moe::WsConfig::kBytes;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = 2;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, moe::moe_gemm_ws_kernel<true, 2>, &cfg));
+    TORCH_CHECK(clusters > 0, "dsv4: nvfp4_moe's 2-CTA prefill kernel does not fit on this device (cta_mode=2)");
+    n = std::min(clusters, sms / 2) * 2;
+    cached[dev & 63].store(n, std::memory_order_release);
+  }
+  return n;
+}
+
+// Persistent prefill GEMMs (a whole number of clusters).
+void launch_ws_gemms(const MoeParams& p, bool gemm2, cudaStream_t stream, int sms, bool pdl, int cluster) {
+  using C = moe::WsConfig;
+  ws_setup();
+  const dim3 grid(unsigned(ws_grid(sms, cluster)));
+  auto k1 = cluster == 2 ? moe::moe_gemm_ws_kernel<true, 2> : moe::moe_gemm_ws_kernel<true, 1>;
+  auto k2 = cluster == 2 ? moe::moe_gemm_ws_kernel<false, 2> : moe::moe_gemm_ws_kernel<false, 1>;
+  launch(k1, grid, C::kThreads, C::kBytes, stream, pdl, p, cluster);
+  // Always programmatic: GEMM2 overlaps GEMM1's tail (see moe_gemm_ws_kernel).
+  if (gemm2) launch(k2, grid, C::kThreads, C::kBytes, stream, true, p, cluster);
 }
 
 template <int BN, int STAGES>
@@ -253,25 +341,46 @@ void launch_gemms(const MoeParams& p, bool gemm2, cudaStream_t stream, int sms, 
   if (gemm2) launch(moe::moe_gemm_kernel<BN, STAGES, false>, g2, moe::kThreads, S::kBytes, stream, pdl, p);
 }
 
+// Above this many slots (M * k) the routing runs on many CTAs (moe_count_kernel); below
+// it one CTA is faster (one launch instead of three, plus a memset).
+constexpr int64_t kMultiCtaRouteSlots = 8192;
+
 // Runs the chain; with debug_h set it stops after GEMM1.
 void run_moe(MoeParams& p, const Checked& c, int64_t cta_mode, const at::Tensor& x, bool full) {
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const size_t route_smem = size_t(2 * c.E + 1) * sizeof(int);
+  const size_t route_smem = size_t(5 * c.E + 1) * sizeof(int);
   if (route_smem > 48 * 1024)
     C10_CUDA_CHECK(cudaFuncSetAttribute(moe::moe_route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(route_smem)));
-  moe::moe_route_kernel<<<1, moe::kRouteThreads, route_smem, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (p.route_counts != nullptr) {  // count -> tables -> place (see moe_count_kernel)
+    const unsigned ctas = unsigned((c.M * c.topk + moe::kRouteSlotsPerCta - 1) / moe::kRouteSlotsPerCta);
+    const size_t count_smem = size_t(c.E) * sizeof(int);
+    if (count_smem > 48 * 1024)
+      C10_CUDA_CHECK(cudaFuncSetAttribute(moe::moe_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(count_smem)));
+    C10_CUDA_CHECK(cudaMemsetAsync(p.error_flag, 0, size_t(1 + c.E) * sizeof(int), stream));  // + route_counts
+    moe::moe_count_kernel<<<ctas, moe::kRouteThreads, count_smem, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    moe::moe_route_kernel<<<1, moe::kRouteThreads, route_smem, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    moe::moe_place_kernel<<<ctas, moe::kRouteThreads, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else {
+    moe::moe_route_kernel<<<1, moe::kRouteThreads, route_smem, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   const unsigned gather_blocks = unsigned(std::min<int64_t>(p.max_rows, int64_t(sms) * 8));
   const bool pdl = use_pdl(p.block_n);
   if (!p.direct_x)
     launch(c.nvfp4 ? moe::moe_gather_kernel<true> : moe::moe_gather_kernel<false>, dim3(gather_blocks), dim3(256), 0,
            stream, pdl, p);
-  switch (p.block_n) {
-    case 8: launch_gemms<8, 8>(p, full, stream, sms, pdl); break;
-    case 16: launch_gemms<16, 8>(p, full, stream, sms, pdl); break;
-    case 64: launch_gemms<64, 6>(p, full, stream, sms, pdl); break;
-    default: launch_gemms<128, 4>(p, full, stream, sms, pdl); break;
+  if (p.ws) {
+    launch_ws_gemms(p, full, stream, sms, pdl, ws_cluster(c, cta_mode));
+  } else {
+    switch (p.block_n) {
+      case 8: launch_gemms<8, 8>(p, full, stream, sms, pdl); break;
+      case 16: launch_gemms<16, 8>(p, full, stream, sms, pdl); break;
+      default: launch_gemms<64, 6>(p, full, stream, sms, pdl); break;
+    }
   }
   if (!full) return;
   const unsigned combine_blocks = unsigned(std::min<int64_t>(c.M, int64_t(sms) * 16));
@@ -295,7 +404,7 @@ Workspace fill_params(MoeParams& p, const Checked& c, int64_t cta_mode, const at
   p.E_global = int(c.E_global);
   p.K = int(c.K);
   p.N = int(c.N);
-  p.block_n = pick_block_n(c.M, c.topk, c.E_global, cta_mode);
+  p.block_n = pick_block_n(c.M, c.topk, c.E_global);
   const int64_t S = c.M * c.topk;
   const int64_t busy = std::min<int64_t>(c.E, S);
   const int64_t max_tiles = std::max<int64_t>(1, (S + busy * (p.block_n - 1)) / p.block_n);
@@ -304,6 +413,9 @@ Workspace fill_params(MoeParams& p, const Checked& c, int64_t cta_mode, const at
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   p.splitk = use_splitk(c, p.block_n, sms) ? 1 : 0;
   p.direct_x = !c.nvfp4 && p.block_n <= 16 && use_direct_x() ? 1 : 0;
+  p.ws = use_ws(c, p.block_n, p.splitk, cta_mode) ? 1 : 0;
+  // The routing kernel counts the prefill kernel's tile groups in 21-bit fields.
+  TORCH_CHECK(!p.ws || S < (int64_t(1) << 26), "dsv4: M * k = ", S, " slots is too large for nvfp4_moe's prefill path");
   if (p.splitk) {
     const GemmOccupancy occ = gemm_setup_for(p.block_n);
     p.sk_ctas = std::max(occ.gemm1, occ.gemm2) * sms;
@@ -311,9 +423,13 @@ Workspace fill_params(MoeParams& p, const Checked& c, int64_t cta_mode, const at
 
   // One allocation for the whole workspace (fewer allocator calls per step):
   // ints | xg | h | [hq | hs] | [y] | [split-K partials], each part 256-byte aligned.
+  // ints: slot_pos | row_slot | tile_expert | num_tiles | error_flag | route_counts |
+  // route_tile_off | sk_count | group_tile | num_groups | group_ready.
   Workspace ws;
   auto opt = x.options();
-  const int64_t n_ints = S + p.max_rows + max_tiles + 2 + 2 * int64_t(p.sk_ctas);
+  const bool multi_cta_route = S > kMultiCtaRouteSlots;
+  const int64_t n_route = multi_cta_route ? 2 * c.E + 1 : 0;
+  const int64_t n_ints = S + p.max_rows + max_tiles + 2 + n_route + 2 * int64_t(p.sk_ctas) + 2 * max_tiles + 1;
   auto up = [](int64_t b) { return (b + 255) / 256 * 256; };
   const int64_t b_ints = up(n_ints * 4), b_xg = p.direct_x ? 0 : up(int64_t(p.max_rows) * c.K * 2), b_h = up(int64_t(p.max_rows) * c.N * 2);
   const int64_t b_hq = c.nvfp4 ? up(int64_t(p.max_rows) * c.N / 2) : 0;
@@ -329,7 +445,14 @@ Workspace fill_params(MoeParams& p, const Checked& c, int64_t cta_mode, const at
   p.tile_expert = ip + S + p.max_rows;
   p.num_tiles = ip + S + p.max_rows + max_tiles;
   p.error_flag = p.num_tiles + 1;
-  p.sk_count = p.error_flag + 1;
+  if (multi_cta_route) {
+    p.route_counts = p.error_flag + 1;
+    p.route_tile_off = p.route_counts + c.E;
+  }
+  p.sk_count = p.error_flag + 1 + n_route;
+  p.group_tile = p.sk_count + 2 * p.sk_ctas;
+  p.num_groups = p.group_tile + max_tiles;
+  p.group_ready = p.num_groups + 1;
   uint8_t* cur = base + b_ints;
   p.xg = reinterpret_cast<__nv_bfloat16*>(cur);
   cur += b_xg;
