@@ -52,6 +52,27 @@ __device__ __forceinline__ void resolve_experts(const MoeParams& p, int base, in
   if (bad) *p.error_flag = 1;
 }
 
+// Turns the ranks within their expert held in slot_pos for the kRouteBatch slots
+// base + j * kRouteThreads + lane (< S) into padded rows, and fills row_slot.
+// tile_off: first tile of each expert.
+__device__ __forceinline__ void place_slots(const MoeParams& p, int base, int lane, int S, const int* tile_off) {
+  int rank[kRouteBatch], ev[kRouteBatch];
+#pragma unroll
+  for (int j = 0; j < kRouteBatch; ++j) {
+    const int i = base + j * kRouteThreads + lane;
+    rank[j] = i < S ? p.slot_pos[i] : -1;
+  }
+  resolve_experts(p, base, lane, ev, S);
+#pragma unroll
+  for (int j = 0; j < kRouteBatch; ++j) {
+    if (rank[j] < 0) continue;
+    const int i = base + j * kRouteThreads + lane;
+    const int pos = tile_off[ev[j]] * p.block_n + rank[j];
+    p.slot_pos[i] = pos;
+    p.row_slot[pos] = i;
+  }
+}
+
 // Counts of the 3-, 2- and 1-tile groups that n tiles of one expert split into
 // (ceil(n / 3) groups, sizes as even as possible), packed at bits 0, 21 and 42.
 constexpr unsigned long long kField = (1ull << 21) - 1;
@@ -168,23 +189,7 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const MoeParam
   }
   __syncthreads();
 
-  for (int base = warp * 32; base < S; base += kRouteThreads * kRouteBatch) {
-    int rank[kRouteBatch], ev[kRouteBatch];
-#pragma unroll
-    for (int j = 0; j < kRouteBatch; ++j) {
-      const int i = base + j * kRouteThreads + lane;
-      rank[j] = i < S ? p.slot_pos[i] : -1;
-    }
-    resolve_experts(p, base, lane, ev, S);
-#pragma unroll
-    for (int j = 0; j < kRouteBatch; ++j) {
-      if (rank[j] < 0) continue;
-      const int i = base + j * kRouteThreads + lane;
-      const int pos = tile_off[ev[j]] * BN + rank[j];
-      p.slot_pos[i] = pos;
-      p.row_slot[pos] = i;
-    }
-  }
+  for (int base = warp * 32; base < S; base += kRouteThreads * kRouteBatch) place_slots(p, base, lane, S, tile_off);
 }
 
 // Prefill sizes (route_counts set) split the routing over many CTAs: one CTA walking
@@ -220,22 +225,7 @@ __global__ void __launch_bounds__(kRouteThreads) moe_count_kernel(const MoeParam
 __global__ void __launch_bounds__(kRouteThreads) moe_place_kernel(const MoeParams p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int S = min(p.M * p.topk, (int(blockIdx.x) + 1) * kRouteSlotsPerCta);
-  const int base = blockIdx.x * kRouteSlotsPerCta + warp * 32;
-  int ev[kRouteBatch], rank[kRouteBatch];
-#pragma unroll
-  for (int j = 0; j < kRouteBatch; ++j) {
-    const int i = base + j * kRouteThreads + lane;
-    rank[j] = i < S ? p.slot_pos[i] : -1;
-  }
-  resolve_experts(p, base, lane, ev, S);
-#pragma unroll
-  for (int j = 0; j < kRouteBatch; ++j) {
-    if (rank[j] < 0) continue;
-    const int i = base + j * kRouteThreads + lane;
-    const int pos = p.route_tile_off[ev[j]] * p.block_n + rank[j];
-    p.slot_pos[i] = pos;
-    p.row_slot[pos] = i;
-  }
+  place_slots(p, blockIdx.x * kRouteSlotsPerCta + warp * 32, lane, S, p.route_tile_off);
 }
 
 // Padded rows of GEMM1's B operand: the token's x (bf16 mode) or its NVFP4
