@@ -50,6 +50,14 @@ def _ref(x, ids, tw, w, **kw):
     return reference.nvfp4_moe(x, ids, tw, *(w[k] for k in KEYS), **kw)
 
 
+def _call_kwargs(w, activation, limit, emap=None):
+    """nvfp4_moe keyword arguments of one case; nvfp4 mode adds the checkpoint's input scales."""
+    kw = dict(swiglu_limit=limit, activation=activation, expert_map=emap)
+    if activation == "nvfp4":
+        kw.update(a13_scale=w["w13_input_scale"], a2_scale=w["w2_input_scale"])
+    return kw
+
+
 def _rel_l2(a, b):
     a, b = a.float(), b.float()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -87,9 +95,7 @@ def test_cpu_wrapper_is_the_reference(small, activation):
     emap = _expert_map(9, 4, gen, "cpu")
     emap[0] = 1
     ids, tw = _routing(5, 3, 9, gen)
-    kw = dict(swiglu_limit=10.0, activation=activation, expert_map=emap)
-    if activation == "nvfp4":
-        kw.update(a13_scale=w["w13_input_scale"], a2_scale=w["w2_input_scale"])
+    kw = _call_kwargs(w, activation, 10.0, emap)
     got = nvfp4_moe(x, ids, tw, p, **kw)
     assert got.dtype == torch.bfloat16 and got.shape == (5, 128)
     assert torch.equal(got, _ref(x, ids, tw, w, **kw).to(torch.bfloat16))
@@ -295,9 +301,7 @@ def test_gpu_gemm1_epilogue(activation, M):
 def test_gpu_vs_reference(shape, M, routing, use_map, limit, activation, cta):
     w, p = _gpu_model(shape)
     x, ids, tw, emap = _case(shape, M, routing, use_map, seed=M + 17)
-    kw = dict(swiglu_limit=limit, activation=activation, expert_map=emap)
-    if activation == "nvfp4":
-        kw.update(a13_scale=w["w13_input_scale"], a2_scale=w["w2_input_scale"])
+    kw = _call_kwargs(w, activation, limit, emap)
     out = torch.full((M, shape["K"]), float("nan"), dtype=torch.bfloat16, device="cuda")  # poisoned
     got = nvfp4_moe(x, ids, tw, p, cta_mode=cta, out=out, **kw)
     assert got.data_ptr() == out.data_ptr()
@@ -342,9 +346,7 @@ def test_gpu_bad_inputs():
 def test_gpu_cuda_graph_replay(activation):
     w, p = _gpu_model(FLASH)
     x, ids, tw, emap = _case(FLASH, 64, "uniform", True, seed=11)
-    kw = dict(swiglu_limit=10.0, activation=activation, expert_map=emap)
-    if activation == "nvfp4":
-        kw.update(a13_scale=w["w13_input_scale"], a2_scale=w["w2_input_scale"])
+    kw = _call_kwargs(w, activation, 10.0, emap)
     out = torch.empty_like(x)
     nvfp4_moe(x, ids, tw, p, out=out, **kw)  # warm up outside the graph
     graph = torch.cuda.CUDAGraph()
@@ -369,9 +371,7 @@ def test_gpu_odd_k_steps(activation, M):
     gen = torch.Generator().manual_seed(M)
     x = torch.randn(M, 320, generator=gen).to(torch.bfloat16).cuda()
     ids, tw = _routing(M, 2, 3, gen, "cuda")
-    kw = dict(swiglu_limit=10.0, activation=activation)
-    if activation == "nvfp4":
-        kw.update(a13_scale=w["w13_input_scale"], a2_scale=w["w2_input_scale"])
+    kw = _call_kwargs(w, activation, 10.0)
     for cta in ("auto", 2):
         got = nvfp4_moe(x, ids, tw, p, cta_mode=cta, **kw)
         err = _rel_l2(got, _ref(x, ids, tw, w, **kw))
@@ -431,9 +431,7 @@ WS_CASES = [
 def test_gpu_prefill_kernels_agree(monkeypatch, shape, M, routing, use_map, limit, activation):
     w, p = _gpu_model(shape)
     x, ids, tw, emap = _case(shape, M, routing, use_map, seed=M + 29)
-    kw = dict(swiglu_limit=limit, activation=activation, expert_map=emap)
-    if activation == "nvfp4":
-        kw.update(a13_scale=w["w13_input_scale"], a2_scale=w["w2_input_scale"])
+    kw = _call_kwargs(w, activation, limit, emap)
     ref = _ref(x, ids, tw, w, **kw)
     tol = 5e-3 if activation == "bf16" else 2e-2
     got = {}
