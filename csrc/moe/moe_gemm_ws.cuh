@@ -33,8 +33,8 @@ namespace moe {
 
 constexpr int kWsBlockBytes = 64 * 128;  // one 64 x 64 bf16 activation block
 
-// Shape of the prefill kernel: kWsConsumers dequantizing warpgroups after the
-// producer warpgroup, units of up to kWsMaxTiles 64-token tiles.
+// Shape of the prefill kernel: kConsumers dequantizing warpgroups after the producer
+// warpgroup, units of up to kMaxTiles 64-token tiles.
 struct WsConfig {
   static constexpr int kConsumers = 3;
   static constexpr int kMaxTiles = 3;
