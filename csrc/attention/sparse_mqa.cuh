@@ -275,6 +275,16 @@ __device__ __forceinline__ void load_half_fp8(uint8_t* buf_smem, const uint8_t* 
   mbar_arrive(ready);
 }
 
+// The producers fill the four halves of a round in the order the consumers first need
+// them: 0L, 1R, 0R, 1L. Step -> (buffer, half, half index hb = 2 buf + half).
+struct HalfStep {
+  int buf, half, hb;
+};
+__device__ __forceinline__ HalfStep half_step(int step) {
+  const int buf = step & 1, half = (step == 1 || step == 2) ? 1 : 0;
+  return HalfStep{buf, half, 2 * buf + half};
+}
+
 // Producer, before filling half hb (= 2 buf + half) in round `round` (counted over all of the
 // CTA's work items): wait until the consumers have freed it.
 __device__ __forceinline__ void wait_half_free(uint8_t* smem, int hb, int round) {
@@ -350,13 +360,11 @@ __device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, cons
       row_offsets<true>(paged_source(p, tile_list(tt, tile0 + k)), slot[k], data_off[k], so);
     }
 
-    // Halves in the order the consumers first need them: 0L, 1R, 0R, 1L. Not unrolled: the
-    // compiler would hoist every step's row addresses and spill them (88 registers here).
+    // Halves in half_step order. Not unrolled: the compiler would hoist every step's row
+    // addresses and spill them (88 registers here).
 #pragma unroll 1
     for (int step = 0; step < 4; ++step) {
-      const int buf = step & 1;
-      const int half = (step == 1 || step == 2) ? 1 : 0;
-      const int hb = 2 * buf + half;
+      const auto [buf, half, hb] = half_step(step);
       wait_half_free(smem, hb, round_base + r);
       if (step < 2) publish_mask(smem, buf, __ballot_sync(0xffffffffu, (buf ? slot[1] : slot[0]) >= 0) & 0xFFFFu);
       const uint8_t* base = paged_source(p, tile_list(tt, tile0 + buf)).base;
@@ -427,12 +435,10 @@ __device__ __forceinline__ void producer_loop_bf16(const SparseMqaParams& p, con
       }
     }
 
-    // Halves in the order the consumers first need them: 0L, 1R, 0R, 1L.
+    // Halves in half_step order.
 #pragma unroll 1
     for (int step = 0; step < 4; ++step) {
-      const int buf = step & 1;
-      const int half = (step == 1 || step == 2) ? 1 : 0;
-      const int hb = 2 * buf + half;
+      const auto [buf, half, hb] = half_step(step);
       wait_half_free(smem, hb, round_base + r);
       // (Selects, not off[buf]: a runtime index would put the array in local memory.)
       int64_t d[4];
