@@ -121,7 +121,6 @@ __device__ __forceinline__ void gemm1_epilogue(const MoeParams& p, const float (
 
 // GEMM2: y (bf16, row-major) per padded row, to be combined into token order by
 // moe_combine_kernel. Staged as bf16 (the one rounding of acc * scale).
-
 template <int BN, typename Sync>
 __device__ __forceinline__ void gemm2_epilogue(const MoeParams& p, const float (&acc)[BN / 2], __nv_bfloat16* stg,
                                                int e, int row0, int rt, int tid, Sync sync) {
@@ -164,7 +163,7 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
   const int row0 = tile * BN;
   const int kdim = kGemm1 ? p.K : p.N;
   const int KT = kdim / kTileK;
-  const int RT = kGemm1 ? (2 * p.N) / kTileRows : p.K / kTileRows;
+  const int RT = gemm_row_tiles<kGemm1>(p);
   const int nk = ke - kb;
   const size_t tile_index = (size_t(e) * RT + rt) * KT + kb;
   const uint8_t* wq = (kGemm1 ? p.w13 : p.w2) + tile_index * kCodeTileBytes;
@@ -331,7 +330,7 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
   pdl_launch_dependents();
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = align_smem_1024(smem_raw);
-  const int KT = (kGemm1 ? p.K : p.N) / kTileK;
+  const int KT = gemm_k_steps<kGemm1>(p);
   if (int(blockIdx.x) >= __ldg(p.num_tiles)) return;
   gemm_segment<BN, STAGES, kGemm1>(p, smem, blockIdx.x, blockIdx.y, 0, KT, 0, 1, 0, threadIdx.x);
 }
@@ -349,8 +348,8 @@ __global__ void __launch_bounds__(kThreads, kSplitMinCtas<BN, kGemm1>) moe_gemm_
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = align_smem_1024(smem_raw);
   const int num_tiles = __ldg(p.num_tiles);
-  const int KT = (kGemm1 ? p.K : p.N) / kTileK;
-  const int RT = kGemm1 ? (2 * p.N) / kTileRows : p.K / kTileRows;
+  const int KT = gemm_k_steps<kGemm1>(p);
+  const int RT = gemm_row_tiles<kGemm1>(p);
   const int items = num_tiles * RT;
   const int P = gridDim.x;
   const int splits = items >= P || items == 0 ? 1 : max(1, min(P / items, KT / kSplitMinSteps));

@@ -82,8 +82,8 @@ template <bool kGemm1, int kCluster, bool kTokens>
 __device__ __forceinline__ void ws_producer(const MoeParams& p, uint8_t* smem, uint64_t* full, uint64_t* empty,
                                             int units, int units_per_group, uint32_t rank) {
   using C = WsConfig;
-  const int KT = (kGemm1 ? p.K : p.N) / kTileK;
-  const int RT = kGemm1 ? 2 * p.N / kTileRows : p.K / kTileRows;
+  const int KT = gemm_k_steps<kGemm1>(p);
+  const int RT = gemm_row_tiles<kGemm1>(p);
   const uint8_t* codes = kGemm1 ? p.w13 : p.w2;
   const uint8_t* scales = kGemm1 ? p.w13_scale : p.w2_scale;
   const uint8_t* act = reinterpret_cast<const uint8_t*>(kGemm1 ? p.xg : p.h);
@@ -105,7 +105,7 @@ __device__ __forceinline__ void ws_producer(const MoeParams& p, uint8_t* smem, u
     if (!kGemm1 && kTokens) {
       // GEMM2 runs alongside GEMM1's last units (programmatic launch, no grid-wide
       // wait): the group's h is complete once all 2N/64 GEMM1 row tiles reported it.
-      wait_flag_geq(p.group_ready + w.group, 2 * p.N / kTileRows);
+      wait_flag_geq(p.group_ready + w.group, gemm_row_tiles<true>(p));
       fence_proxy_async_global();
     }
     for (int kt = 0; kt < KT; ++kt) {
@@ -147,8 +147,8 @@ template <int BN, bool kGemm1, int kCluster>
 __device__ __forceinline__ void ws_consume(const MoeParams& p, uint8_t* smem, uint64_t* full, uint64_t* empty,
                                            const WsUnit& u, int w, int tid, int& s, uint32_t& phase) {
   using C = WsConfig;
-  const int KT = (kGemm1 ? p.K : p.N) / kTileK;
-  const int RT = kGemm1 ? 2 * p.N / kTileRows : p.K / kTileRows;
+  const int KT = gemm_k_steps<kGemm1>(p);
+  const int RT = gemm_row_tiles<kGemm1>(p);
   const int rt = C::kConsumers * u.rq + w;
   const bool active = rt < RT;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2;
@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(WsConfig::kThreads, 1) moe_gemm_ws_kernel(cons
   else
     __syncthreads();
 
-  const int RT = kGemm1 ? 2 * p.N / kTileRows : p.K / kTileRows;
+  const int RT = gemm_row_tiles<kGemm1>(p);
   const int units_per_group = (RT + C::kConsumers * kCluster - 1) / (C::kConsumers * kCluster);
   const int units = __ldg(p.num_groups) * units_per_group;
   if (wg == 0) {

@@ -95,6 +95,17 @@ struct MoeParams {
   __nv_bfloat16* out;// [M, K]
 };
 
+// 64-wide K steps and 64-row weight tiles of GEMM1 (w13: 2N rows over K) or GEMM2
+// (w2: K rows over N).
+template <bool kGemm1>
+__device__ __forceinline__ int gemm_k_steps(const MoeParams& p) {
+  return (kGemm1 ? p.K : p.N) / kTileK;
+}
+template <bool kGemm1>
+__device__ __forceinline__ int gemm_row_tiles(const MoeParams& p) {
+  return kGemm1 ? 2 * p.N / kTileRows : p.K / kTileRows;
+}
+
 // Element offset of 16-byte chunk `chunk` (8 bf16) of padded row `row` in an activation
 // buffer (xg or h) with `cols` columns: row-major, or tiled (ws = 1) as
 // [row / 64][col / 64][row % 64][128 bytes, chunk c at c ^ (row % 8)], i.e. each
