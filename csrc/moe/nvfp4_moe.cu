@@ -183,18 +183,6 @@ GemmOccupancy gemm_setup_for(int block_n) {
   }
 }
 
-// The prefill kernels (moe_gemm_ws.cuh): shared-memory opt-in once per device.
-void ws_setup() {
-  static std::atomic<bool> done[64];
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  if (done[dev & 63].load(std::memory_order_acquire)) return;
-  for (auto k : {moe::moe_gemm_ws_kernel<true, 1>, moe::moe_gemm_ws_kernel<false, 1>, moe::moe_gemm_ws_kernel<true, 2>,
-                 moe::moe_gemm_ws_kernel<false, 2>})
-    C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, moe::WsConfig::kBytes));
-  done[dev & 63].store(true, std::memory_order_release);
-}
-
 // The prefill kernel (moe_gemm_ws.cuh) runs at the 64-token tile when cta_mode is given
 // (1 or 2) or, in auto mode, from kWsMinTokensPerExpert expected tokens per local expert:
 // below that most groups are one partly filled tile and the one-warpgroup kernel, with
@@ -281,16 +269,20 @@ void launch(void (*kernel)(MoeParams), dim3 grid, dim3 block, size_t smem, cudaS
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
-// CTAs of the persistent prefill grid: one per SM, or as many 2-CTA clusters as can be
+// The prefill kernels (moe_gemm_ws.cuh), once per device: the shared-memory opt-in,
+// and the CTAs of the persistent grid in 2-CTA mode: as many clusters as can be
 // resident at once (fewer than SMs / 2 when a GPC has an odd number of free SMs; a
-// cluster that does not fit would run after the others, doubling the time).
-int ws_grid(int sms, int cluster) {
-  if (cluster == 1) return sms;
-  static std::atomic<int> cached[64];
+// cluster that does not fit would run after the others, doubling the time; 0 when
+// none fits). 1-CTA mode runs one CTA per SM.
+int ws_setup(int sms) {
+  static std::atomic<int> cached[64];  // 1 + the 2-CTA grid per device, 0 = not yet
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   int n = cached[dev & 63].load(std::memory_order_acquire);
   if (n == 0) {
+    for (auto k : {moe::moe_gemm_ws_kernel<true, 1>, moe::moe_gemm_ws_kernel<false, 1>,
+                   moe::moe_gemm_ws_kernel<true, 2>, moe::moe_gemm_ws_kernel<false, 2>})
+      C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, moe::WsConfig::kBytes));
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(unsigned(sms / 2 * 2));
     cfg.blockDim = dim3(moe::WsConfig::kThreads);
@@ -304,18 +296,18 @@ int ws_grid(int sms, int cluster) {
     cfg.numAttrs = 1;
     int clusters = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, moe::moe_gemm_ws_kernel<true, 2>, &cfg));
-    TORCH_CHECK(clusters > 0, "dsv4: nvfp4_moe's 2-CTA prefill kernel does not fit on this device (cta_mode=2)");
-    n = std::min(clusters, sms / 2) * 2;
+    n = 1 + std::min(clusters, sms / 2) * 2;
     cached[dev & 63].store(n, std::memory_order_release);
   }
-  return n;
+  return n - 1;
 }
 
 // Persistent prefill GEMMs (a whole number of clusters).
 void launch_ws_gemms(const MoeParams& p, bool gemm2, cudaStream_t stream, int sms, bool pdl, int cluster) {
   using C = moe::WsConfig;
-  ws_setup();
-  const dim3 grid(unsigned(ws_grid(sms, cluster)));
+  const int grid2 = ws_setup(sms);
+  TORCH_CHECK(cluster == 1 || grid2 > 0, "dsv4: nvfp4_moe's 2-CTA prefill kernel does not fit on this device (cta_mode=2)");
+  const dim3 grid(unsigned(cluster == 2 ? grid2 : sms));
   auto k1 = cluster == 2 ? moe::moe_gemm_ws_kernel<true, 2> : moe::moe_gemm_ws_kernel<true, 1>;
   auto k2 = cluster == 2 ? moe::moe_gemm_ws_kernel<false, 2> : moe::moe_gemm_ws_kernel<false, 1>;
   launch(k1, grid, C::kThreads, C::kBytes, stream, pdl, p, cluster);
