@@ -27,6 +27,24 @@ def median_us(fn: Callable[[int], object], *, n_inputs: int = 1, warmup: int = 5
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
 
 
+def interleaved_median_us(fns: dict, *, n_inputs: int = 1, warmup: int = 3, iters: int = 50) -> dict:
+    """Median times (us) of several variants of one call, taken round-robin (a, b, c, a, b,
+    c, ...) so that clock and temperature drift during the run hit every variant alike;
+    timed one after the other, the first variant measured several percent faster."""
+    for i in range(warmup):
+        for fn in fns.values():
+            fn(i % n_inputs)
+    events = {k: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+              for k in fns}
+    for i in range(iters):
+        for k, fn in fns.items():
+            events[k][i][0].record()
+            fn(i % n_inputs)
+            events[k][i][1].record()
+    torch.cuda.synchronize()
+    return {k: statistics.median(s.elapsed_time(e) for s, e in ev) * 1e3 for k, ev in events.items()}
+
+
 def graph_median_us(fn: Callable[[int], object], *, n_inputs: int = 1, iters: int = 50) -> float:
     """Like median_us, but each input set's call is captured once in a CUDA graph and the
     graphs are replayed: no host or dispatcher overhead, as vLLM runs decode."""

@@ -37,7 +37,7 @@ import sys
 import torch
 
 from dsv4 import formats
-from dsv4.benchmarking import bf16_gemm_tflops, copy_bandwidth_tbps, graph_median_us, median_us
+from dsv4.benchmarking import bf16_gemm_tflops, copy_bandwidth_tbps, graph_median_us, interleaved_median_us, median_us
 from dsv4.latency import moe_bf16_baseline
 from dsv4.moe import nvfp4_moe, prepare_nvfp4_moe_weights
 
@@ -178,13 +178,14 @@ def main():
                 if act == "nvfp4":
                     kw.update(a13_scale=w["w13_input_scale"], a2_scale=w["w2_input_scale"])
                 outs = [torch.empty(M, K, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
-                res = {}
-                for cta in modes:
-                    def run(i, cta=cta):
-                        s = sets[i]
-                        nvfp4_moe(s["x"], s["ids"], s["tw"], prepared, expert_map=s["emap"], cta_mode=cta,
-                                  out=outs[i], **kw)
-                    res[cta] = median_us(run, n_inputs=4, iters=args.iters)
+                def run(i, cta):
+                    s = sets[i]
+                    nvfp4_moe(s["x"], s["ids"], s["tw"], prepared, expert_map=s["emap"], cta_mode=cta,
+                              out=outs[i], **kw)
+
+                # The modes round-robin, so the 2-CTA / 1-CTA ratio is not skewed by drift.
+                res = interleaved_median_us({cta: (lambda i, cta=cta: run(i, cta)) for cta in modes}, n_inputs=4,
+                                            iters=args.iters)
                 graph_us = None
                 if M in decode:  # decode runs under CUDA graphs in vLLM: time the replay too
                     def run_auto(i):
