@@ -33,10 +33,23 @@ def _routing(M, k, E_ids, gen, device="cpu", kind="uniform"):
         ids = torch.full((M, k), 3 % E_ids)
     elif kind == "sparse":  # only experts 0 and 5 (and 2): the others get no token
         ids = torch.tensor([0, 5, 2])[torch.randint(0, 3, (M, k), generator=gen)]
+    elif kind == "ladder":  # expert j gets LADDER[j] slots (the rest spread over the others), shuffled
+        counts = LADDER + [0] * (E_ids - len(LADDER))
+        rest = M * k - sum(LADDER)
+        assert rest >= 0 and E_ids > len(LADDER) + 2
+        for j in range(len(LADDER) + 1, E_ids):  # expert len(LADDER) stays empty
+            counts[j] = rest // (E_ids - len(LADDER) - 1) + (1 if j - len(LADDER) - 1 < rest % (E_ids - len(LADDER) - 1) else 0)
+        flat = torch.repeat_interleave(torch.arange(E_ids), torch.tensor(counts))
+        ids = flat[torch.randperm(M * k, generator=gen)].view(M, k)
     else:
         raise ValueError(kind)
     w = torch.rand(M, k, generator=gen) + 0.1
     return ids.to(torch.int32).to(device), (w / w.sum(-1, keepdim=True)).float().to(device)
+
+
+# Slot counts around every 32-row boundary of the prefill kernel's groups (tails of 1..5
+# halves, full 192-row groups, several groups per expert).
+LADDER = [1, 17, 31, 32, 33, 63, 64, 65, 95, 96, 97, 127, 128, 129, 159, 160, 161, 191, 192, 193, 224, 257, 385, 450]
 
 
 def _expert_map(E_global, E_local, gen, device):
@@ -412,16 +425,18 @@ def test_gpu_splitk_odd_k_steps(monkeypatch, activation):
         test_gpu_odd_k_steps(activation, M)
 
 
-# Prefill sizes run the warp-specialized kernel (moe_gemm_ws.cuh): units of one to three
-# 64-token tiles x 192 weight rows, one or two CTAs per cluster. Both cluster modes and
+# Prefill sizes run the warp-specialized kernel (moe_gemm_ws.cuh): units of 32 to 192
+# token rows x 192 weight rows, one or two CTAs per cluster. Both cluster modes and
 # the previous one-warpgroup kernel (DSV4_MOE_WS=0) on the same inputs: each against
 # the reference, and the two cluster modes bit-identical (same per-row math). Skewed
-# routing gives one expert many tiles (many 3-tile groups), uniform routing 1-, 2- and
-# 3-tile groups; the odd-K test (test_gpu_odd_k_steps) covers consumers and whole CTAs
-# without weight rows (2N or K not a multiple of 192 / 384).
+# routing gives one expert many full groups, the ladder every tail size (32 .. 160
+# rows) and experts of several groups; the odd-K test (test_gpu_odd_k_steps) covers
+# consumers and whole CTAs without weight rows (2N or K not a multiple of 192 / 384).
 WS_CASES = [
     (FLASH, 2048, "uniform", True, 10.0, "bf16"),
     (FLASH, 2048, "skewed", False, None, "nvfp4"),
+    (FLASH, 1024, "ladder", False, 10.0, "bf16"),
+    (PRO, 1024, "ladder", False, None, "nvfp4"),
     (PRO, 2048, "uniform", True, 10.0, "bf16"),
 ]
 

@@ -1,17 +1,19 @@
 // Prefill grouped GEMMs of the NVFP4 MoE: warp-specialized, persistent, optionally
 // in clusters of 2 CTAs that share each token tile by multicast.
 //
-// Work unit: (group, rq). A group is up to three consecutive 64-token tiles of one
-// expert (moe_route_kernel's group_tile list: an expert's tiles split as evenly as
-// possible); rq selects 3 x 64 weight rows, the 64-row tiles 3rq .. 3rq + 2. Per CTA:
+// Work unit: (group, rq). A group is 32 to 192 consecutive token rows of one expert,
+// in 32-row halves of its 64-row tiles (moe_route_kernel's group_tile list: full groups
+// of 192 rows, then each expert's tail rounded up to 32 rows); rq selects 3 x 64 weight
+// rows, the 64-row tiles 3rq .. 3rq + 2. Per CTA:
 //   * warpgroup 0, the producers: one thread of warp 0 issues the token-tile bulk
 //     copies, one thread of warp 1 the weight copies, into rings of kStages stages,
-//     each one 64-wide K step: the token tile (one contiguous, pre-swizzled 8 KB block
-//     per 64 tokens, see act_offset), three code tiles (2 KB) and three scale tiles
+//     each one 64-wide K step: the token rows (one contiguous, pre-swizzled 8 KB block
+//     per 64 tokens, see act_offset; its first 4 KB for a group's last half tile),
+//     three code tiles (2 KB) and three scale tiles
 //     (256 B). (Two issuing threads: one alone fell behind at 64-token units.)
 //   * warpgroups 1..3, the consumers: consumer w dequantizes weight-row tile 3rq + w
 //     into registers and multiplies it with all tokens of the group from shared
-//     memory. Each dequantized element feeds 64-192 tokens, and while some
+//     memory. Each dequantized element feeds 32-192 tokens, and while some
 //     warpgroups dequantize, the others' MMAs keep the tensor cores busy (one
 //     warpgroup cannot overlap its own dequant with its MMAs: ptxas serializes the
 //     wgmmas, C7513).
@@ -34,7 +36,7 @@ namespace moe {
 constexpr int kWsBlockBytes = 64 * 128;  // one 64 x 64 bf16 activation block
 
 // Shape of the prefill kernel: kConsumers dequantizing warpgroups after the producer
-// warpgroup, units of up to kMaxTiles 64-token tiles.
+// warpgroup, units of up to kMaxTiles 64-token tiles (2 * kMaxTiles halves).
 struct WsConfig {
   static constexpr int kConsumers = 3;
   static constexpr int kMaxTiles = 3;
@@ -52,16 +54,18 @@ struct WsConfig {
   static constexpr int kBars = kStagingAt + kConsumers * kStaging;
   static constexpr int kBytes = kBars + 2 * kStages * 8 + 1024;  // + alignment slack
   // Registers: the producers keep kProducerRegs, the consumers share the rest of the
-  // 64K register file (setmaxnreg, multiples of 8).
+  // 64K register file (setmaxnreg, multiples of 8). ptxas still compiles the consumers
+  // of this 512-thread kernel within the launch's 128 registers (a wider unit, n224 with
+  // 112 accumulators, fails with C7602), so units stop at 192 tokens.
   static constexpr int kProducerRegs = 72;
   static constexpr int kConsumerRegs = (65536 - 128 * kProducerRegs) / (128 * kConsumers) / 8 * 8;
 };
 static_assert(WsConfig::kBytes <= 227 * 1024, "the prefill kernel's shared memory exceeds the sm_90 limit");
 
-// The unit's first token tile t0, its tile count nt (1..3), expert e and row group rq
-// (weight-row tiles kConsumers * rq + w).
+// The unit's first token tile t0, its 32-row halves nh (1..6, BN = 32 nh tokens),
+// expert e and row group rq (weight-row tiles kConsumers * rq + w).
 struct WsUnit {
-  int group, t0, nt, e, rq;
+  int group, t0, nh, e, rq;
 };
 
 template <int kCluster>
@@ -70,8 +74,8 @@ __device__ __forceinline__ WsUnit ws_unit(const MoeParams& p, int u, int units_p
   const int gt = __ldg(p.group_tile + group);
   WsUnit w;
   w.group = group;
-  w.t0 = gt >> 2;
-  w.nt = (gt & 3) + 1;
+  w.t0 = gt >> 3;
+  w.nh = (gt & 7) + 1;
   w.e = __ldg(p.tile_expert + w.t0);
   w.rq = (u - group * units_per_group) * kCluster + int(rank);
   return w;
@@ -88,8 +92,8 @@ __device__ __forceinline__ void ws_producer(const MoeParams& p, uint8_t* smem, u
   const uint8_t* scales = kGemm1 ? p.w13_scale : p.w2_scale;
   const uint8_t* act = reinterpret_cast<const uint8_t*>(kGemm1 ? p.xg : p.h);
   const size_t tile_stride = size_t(KT) * kWsBlockBytes;  // bytes of one 64-token tile
-  // Each tile's block: all of it, or (clusters) half `rank` of it, multicast to both.
-  constexpr uint32_t kPart = kWsBlockBytes / kCluster;
+  // Each tile's block (8 KB, or its first 4 KB = 32 rows for an odd last half): all of
+  // it, or (clusters) part `rank` of it, multicast to both.
   const uint32_t ring = smem_u32(smem);
   int s = 0;
   uint32_t phase = 0;
@@ -97,8 +101,8 @@ __device__ __forceinline__ void ws_producer(const MoeParams& p, uint8_t* smem, u
     const WsUnit w = ws_unit<kCluster>(p, u, units_per_group, rank);
     const int n_rows = min(C::kConsumers, RT - C::kConsumers * w.rq);  // weight-row tiles of this CTA (<= 0: none)
     const uint32_t bytes =
-        kTokens ? uint32_t(w.nt * kWsBlockBytes) : uint32_t(max(n_rows, 0) * (kCodeTileBytes + kScaleTileBytes));
-    const uint8_t* b_src = act + size_t(w.t0) * tile_stride + rank * kPart;
+        kTokens ? uint32_t(w.nh * kWsBlockBytes / 2) : uint32_t(max(n_rows, 0) * (kCodeTileBytes + kScaleTileBytes));
+    const uint8_t* b_src = act + size_t(w.t0) * tile_stride;
     const size_t tile0 = (size_t(w.e) * RT + C::kConsumers * w.rq) * KT;  // weight tile (e, first row tile, kt = 0)
     const uint8_t* a_src = codes + tile0 * kCodeTileBytes;
     const uint8_t* s_src = scales + tile0 * kScaleTileBytes;
@@ -114,12 +118,14 @@ __device__ __forceinline__ void ws_producer(const MoeParams& p, uint8_t* smem, u
       if constexpr (kTokens) {
         const uint32_t st = ring + s * C::kB;
         const uint8_t* bk = b_src + size_t(kt) * kWsBlockBytes;
-        for (int j = 0; j < w.nt; ++j) {
-          const uint32_t dst = st + j * kWsBlockBytes + rank * kPart;
+        for (int j = 0; 2 * j < w.nh; ++j) {
+          const uint32_t part = (2 * j + 1 < w.nh ? kWsBlockBytes : kWsBlockBytes / 2) / kCluster;
+          const uint32_t dst = st + j * kWsBlockBytes + rank * part;
+          const uint8_t* src = bk + j * tile_stride + rank * part;
           if constexpr (kCluster > 1)
-            bulk_g2s_multicast(dst, bk + j * tile_stride, kPart, full + s, uint16_t((1u << kCluster) - 1));
+            bulk_g2s_multicast(dst, src, part, full + s, uint16_t((1u << kCluster) - 1));
           else
-            bulk_g2s(dst, bk + j * tile_stride, kPart, full + s);
+            bulk_g2s(dst, src, part, full + s);
         }
       } else {
         const uint32_t st = ring + C::kWeightsAt + s * C::kWStage;
@@ -137,7 +143,7 @@ __device__ __forceinline__ void ws_producer(const MoeParams& p, uint8_t* smem, u
   }
 }
 
-// One unit's K loop for consumer warpgroup w (BN = 64 * nt tokens) and its epilogue.
+// One unit's K loop for consumer warpgroup w (BN = 32 * nh tokens) and its epilogue.
 // The next stage's code and scale words are loaded while this stage's MMAs run (they
 // are not wgmma operands, so ptxas keeps the MMAs asynchronous); the dequant itself
 // waits for the MMAs, which read its output registers. Inactive consumers (no weight
@@ -261,12 +267,15 @@ __global__ void __launch_bounds__(WsConfig::kThreads, 1) moe_gemm_ws_kernel(cons
     uint32_t phase = 0;
     for (int u = blockIdx.x / kCluster; u < units; u += gridDim.x / kCluster) {
       const WsUnit unit = ws_unit<kCluster>(p, u, units_per_group, rank);
-      if (unit.nt == 3)
-        ws_consume<192, kGemm1, kCluster>(p, smem, full, empty, unit, wg - 1, tid, s, phase);
-      else if (unit.nt == 2)
-        ws_consume<128, kGemm1, kCluster>(p, smem, full, empty, unit, wg - 1, tid, s, phase);
-      else
-        ws_consume<64, kGemm1, kCluster>(p, smem, full, empty, unit, wg - 1, tid, s, phase);
+      const int w = wg - 1;
+      switch (unit.nh) {
+        case 6: ws_consume<192, kGemm1, kCluster>(p, smem, full, empty, unit, w, tid, s, phase); break;
+        case 5: ws_consume<160, kGemm1, kCluster>(p, smem, full, empty, unit, w, tid, s, phase); break;
+        case 4: ws_consume<128, kGemm1, kCluster>(p, smem, full, empty, unit, w, tid, s, phase); break;
+        case 3: ws_consume<96, kGemm1, kCluster>(p, smem, full, empty, unit, w, tid, s, phase); break;
+        case 2: ws_consume<64, kGemm1, kCluster>(p, smem, full, empty, unit, w, tid, s, phase); break;
+        default: ws_consume<32, kGemm1, kCluster>(p, smem, full, empty, unit, w, tid, s, phase); break;
+      }
     }
   }
   // Clusters: no CTA may exit while its peer can still multicast into it or arrive

@@ -85,9 +85,9 @@ struct MoeParams {
   int* sk_count;     // [2, sk_ctas] (GEMM1, GEMM2): chunks done per item; zeroed by routing
   // Prefill (ws = 1, moe_gemm_ws.cuh): xg and h are stored tiled (act_offset) so
   // that each 64-row x 64-column block is one contiguous, pre-swizzled 8 KB bulk copy;
-  // the GEMMs walk groups of up to three token tiles of one expert.
+  // the GEMMs walk groups of 32 to 192 token rows of one expert.
   int ws;
-  int* group_tile;   // [max_tiles] group -> first tile * 4 + (tiles in the group - 1)
+  int* group_tile;   // [max_tiles] group -> first tile * 8 + (32-row halves in the group - 1)
   int* num_groups;   // [1]
   int* group_ready;  // [max_tiles] GEMM1 weight-row tiles whose h is written, per group
                      // (GEMM2 starts on a group as soon as it is complete)

@@ -73,28 +73,34 @@ __device__ __forceinline__ void place_slots(const MoeParams& p, int base, int la
   }
 }
 
-// Counts of the 3-, 2- and 1-tile groups that n tiles of one expert split into
-// (ceil(n / 3) groups, sizes as even as possible), packed at bits 0, 21 and 42.
-constexpr unsigned long long kField = (1ull << 21) - 1;
-__device__ __forceinline__ unsigned long long group_size_counts(int n) {
-  if (n == 0) return 0;
-  const int g = (n + 2) / 3, base = n / g, big = n % g;  // big groups of base + 1, the rest of base
-  unsigned long long c = (unsigned long long)(g - big) << (21 * (3 - base));
-  if (big > 0) c += (unsigned long long)big << (21 * (2 - base));
-  return c;
+// The prefill kernel's groups: an expert's rows in 32-row halves of its 64-row tiles,
+// Q = ceil(count / 32), cut into Q / 6 full groups of 6 halves (192 rows) and one tail
+// group of Q % 6 halves, so a group's MMA width follows the rows it really has (up to
+// 31 padding rows instead of up to 63 per expert).
+constexpr int kGroupHalves = 6;
+__device__ __forceinline__ int expert_halves(int count) { return (count + 31) / 32; }
+
+// Inclusive warp scan.
+__device__ __forceinline__ int warp_scan_incl(int v, int lane) {
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int u = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v += u;
+  }
+  return v;
 }
 
 // One CTA: per-expert counts (shared atomics), tile offsets padded
 // to block_n, the tile -> expert table, the slot <-> padded-row maps and (ws) the
-// prefill kernel's groups of tiles. The order of the rows inside an expert depends on
+// prefill kernel's groups. The order of the rows inside an expert depends on
 // atomics, but every row is computed independently and the combine reads rows by
-// slot, so results are deterministic. Dynamic shared memory: 5 * E + 1 ints.
+// slot, so results are deterministic. Dynamic shared memory: 4 * E + 1 ints.
 __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const MoeParams p) {
   pdl_launch_dependents();
   extern __shared__ int rsm[];
   int* cnt = rsm;            // [E]
   int* tile_off = rsm + p.E; // [E + 1]
-  int* group_at = tile_off + p.E + 1;  // [3 * E] (ws): next 3-, 2-, 1-tile group slot of each expert
+  int* group_at = tile_off + p.E + 1;  // [2 * E] (ws): each expert's first full group and its tail group
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int S = p.M * p.topk;
   const int BN = p.block_n;
@@ -128,12 +134,7 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const MoeParam
     const int e0 = lane * per, e1 = min(p.E, e0 + per);
     int sum = 0;
     for (int e = e0; e < e1; ++e) sum += (cnt[e] + BN - 1) / BN;
-    int incl = sum;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, d);
-      if (lane >= d) incl += v;
-    }
+    const int incl = warp_scan_incl(sum, lane);
     int run = incl - sum;
     for (int e = e0; e < e1; ++e) {
       tile_off[e] = run;
@@ -144,27 +145,38 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const MoeParam
       *p.num_tiles = incl;
     }
     if (p.ws) {
-      // Groups ordered by size, 3-tile groups first: the persistent grid takes units
-      // round-robin, so each round's units then cost about the same. One scan of the
-      // per-expert counts of 3-, 2- and 1-tile groups, packed in 21-bit fields.
-      unsigned long long mine = 0;
-      for (int e = e0; e < e1; ++e) mine += group_size_counts((cnt[e] + BN - 1) / BN);
-      unsigned long long incl = mine;
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const unsigned long long v = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += v;
-      }
-      const unsigned long long total = __shfl_sync(0xffffffffu, incl, 31);
-      const int n3 = int(total & kField), n2 = int((total >> 21) & kField), n1 = int(total >> 42);
-      unsigned long long run = incl - mine;
+      // Groups ordered by size, full groups first, then the tails of 5 .. 1 halves:
+      // the persistent grid takes units round-robin, so each round's units then cost
+      // about the same. One warp scan per size class.
+      int full = 0, tails[kGroupHalves - 1] = {};  // tails[q - 1]: experts with a tail of q halves
       for (int e = e0; e < e1; ++e) {
-        group_at[3 * e] = int(run & kField);                      // next 3-tile group
-        group_at[3 * e + 1] = n3 + int((run >> 21) & kField);     // next 2-tile group
-        group_at[3 * e + 2] = n3 + n2 + int(run >> 42);           // next 1-tile group
-        run += group_size_counts((cnt[e] + BN - 1) / BN);
+        const int q = expert_halves(cnt[e]);
+        full += q / kGroupHalves;
+#pragma unroll
+        for (int t = 1; t < kGroupHalves; ++t) tails[t - 1] += q % kGroupHalves == t ? 1 : 0;
       }
-      if (lane == 31) *p.num_groups = n3 + n2 + n1;
+      const int full_incl = warp_scan_incl(full, lane);
+      int base = __shfl_sync(0xffffffffu, full_incl, 31);  // first group of the current class
+      int full_run = full_incl - full;
+      int tail_run[kGroupHalves - 1];
+#pragma unroll
+      for (int t = kGroupHalves - 1; t >= 1; --t) {
+        const int incl_t = warp_scan_incl(tails[t - 1], lane);
+        tail_run[t - 1] = base + incl_t - tails[t - 1];
+        base += __shfl_sync(0xffffffffu, incl_t, 31);
+      }
+      for (int e = e0; e < e1; ++e) {
+        const int q = expert_halves(cnt[e]);
+        group_at[2 * e] = full_run;
+        full_run += q / kGroupHalves;
+        int at = -1;
+#pragma unroll
+        for (int t = 1; t < kGroupHalves; ++t) {
+          if (q % kGroupHalves == t) at = tail_run[t - 1]++;
+        }
+        group_at[2 * e + 1] = at;
+      }
+      if (lane == 31) *p.num_groups = base;
     }
   }
   __syncthreads();
@@ -172,14 +184,12 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const MoeParam
   const int total_rows = tile_off[p.E] * BN;
   for (int e = tid; e < p.E; e += kRouteThreads) {
     for (int j = tile_off[e]; j < tile_off[e + 1]; ++j) p.tile_expert[j] = e;
-    if (p.ws) {  // n tiles in g groups as even as possible: the first n % g get one more
-      const int n = tile_off[e + 1] - tile_off[e], g = (n + 2) / 3;
+    if (p.ws) {  // group_tile: first tile * 8 + halves - 1 (see expert_halves)
+      const int q = expert_halves(cnt[e]);
       int t = tile_off[e];
-      for (int q = 0; q < g; ++q) {
-        const int size = n / g + (q < n % g ? 1 : 0);
-        p.group_tile[group_at[3 * e + 3 - size]++] = 4 * t + size - 1;
-        t += size;
-      }
+      for (int f = 0; f < q / kGroupHalves; ++f, t += kGroupHalves / 2)
+        p.group_tile[group_at[2 * e] + f] = 8 * t + kGroupHalves - 1;
+      if (q % kGroupHalves != 0) p.group_tile[group_at[2 * e + 1]] = 8 * t + q % kGroupHalves - 1;
     }
   }
   for (int r = tid; r < total_rows; r += kRouteThreads) p.row_slot[r] = -1;
