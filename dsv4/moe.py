@@ -429,9 +429,9 @@ def nvfp4_moe(
         cta_mode: "auto" (0), 1 or 2: the prefill GEMM kernel. Above 24 expected
             tokens per local expert, 1 or 2 run the warp-specialized prefill kernel
             with single CTAs or with pairs of CTAs that share each token tile by
-            multicast; "auto" runs it from 60 expected tokens per local expert (pairs
-            below 96, single CTAs above, as measured fastest) and the one-warpgroup
-            kernel below 60 (docs/perf.md, nvfp4_moe v5). Decode sizes (up to 24)
+            multicast; "auto" runs it with single CTAs (pairs measured 0.97-0.99x of
+            them) from 60 expected tokens per local expert and the one-warpgroup
+            kernel below 60 (docs/perf.md, nvfp4_moe v5b). Decode sizes (up to 24)
             always run the small-batch kernels, whatever the mode.
         out: optional bf16 [M, K] output buffer.
         check_ids: check the id ranges on the host (one device sync; skipped while

@@ -186,8 +186,9 @@ GemmOccupancy gemm_setup_for(int block_n) {
 // The prefill kernel (moe_gemm_ws.cuh) runs at the 64-token tile when cta_mode is given
 // (1 or 2) or, in auto mode, from kWsMinTokensPerExpert expected tokens per local expert:
 // below that most groups are one partly filled tile and the one-warpgroup kernel, with
-// 2-3 CTAs per SM, measured faster (48 tokens: 0.75-0.83x; 64-72: 1.10-1.29x; docs/perf.md,
-// nvfp4_moe v5). DSV4_MOE_WS=0 always keeps the one-warpgroup kernel (A/B runs and tests).
+// 2-3 CTAs per SM, measured as fast or faster (the prefill kernel at 32-48 tokens:
+// 0.82-1.0x of it; at 64-72: 1.21-1.49x; docs/perf.md, nvfp4_moe v5b). DSV4_MOE_WS=0
+// always keeps the one-warpgroup kernel (A/B runs and tests).
 constexpr double kWsMinTokensPerExpert = 60.0;
 
 double tokens_per_expert(const Checked& c) { return double(c.M) * double(c.topk) / double(c.E_global); }
@@ -199,14 +200,11 @@ bool use_ws(const Checked& c, int block_n, bool splitk, int64_t cta_mode) {
   return cta_mode != 0 || tokens_per_expert(c) >= kWsMinTokensPerExpert;
 }
 
-// CTAs per cluster of the prefill kernel: cta_mode 1 or 2. Auto: 2 below 96 expected
-// tokens per local expert (groups of 1-2 tiles; 1.08x at V4-Pro 64 tokens), else 1, 2-9 %
-// faster there (the kernel is bound by dequant and MMA issue, not by the L2 traffic that
-// multicasting the token tile halves; docs/perf.md, nvfp4_moe v5).
-int ws_cluster(const Checked& c, int64_t cta_mode) {
-  if (cta_mode != 0) return int(cta_mode);
-  return tokens_per_expert(c) < 96.0 ? 2 : 1;
-}
+// CTAs per cluster of the prefill kernel: cta_mode 1 or 2; auto: 1. With the modes timed
+// round-robin, pairs measured 0.97-0.99x of single CTAs at every prefill size (the kernel
+// is bound by dequant and MMA issue, not by the L2 traffic that multicasting the token
+// rows halves; docs/perf.md, nvfp4_moe v5b).
+int ws_cluster(int64_t cta_mode) { return cta_mode != 0 ? int(cta_mode) : 1; }
 
 // Split-K (persistent grid, items cut into K chunks) or the classic grid (one CTA
 // per token tile x weight-row tile, hardware-scheduled). Split-K when the expected
@@ -366,7 +364,7 @@ void run_moe(MoeParams& p, const Checked& c, int64_t cta_mode, const at::Tensor&
     launch(c.nvfp4 ? moe::moe_gather_kernel<true> : moe::moe_gather_kernel<false>, dim3(gather_blocks), dim3(256), 0,
            stream, pdl, p);
   if (p.ws) {
-    launch_ws_gemms(p, full, stream, sms, pdl, ws_cluster(c, cta_mode));
+    launch_ws_gemms(p, full, stream, sms, pdl, ws_cluster(cta_mode));
   } else {
     switch (p.block_n) {
       case 8: launch_gemms<8, 8>(p, full, stream, sms, pdl); break;
