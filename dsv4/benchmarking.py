@@ -15,16 +15,7 @@ import torch
 
 def median_us(fn: Callable[[int], object], *, n_inputs: int = 1, warmup: int = 5, iters: int = 50) -> float:
     """Median time of ``fn(i % n_inputs)`` in microseconds, one event pair per call."""
-    for i in range(warmup):
-        fn(i % n_inputs)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for i in range(iters):
-        starts[i].record()
-        fn(i % n_inputs)
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+    return interleaved_median_us({0: fn}, n_inputs=n_inputs, warmup=warmup, iters=iters)[0]
 
 
 def interleaved_median_us(fns: dict, *, n_inputs: int = 1, warmup: int = 3, iters: int = 50) -> dict:
