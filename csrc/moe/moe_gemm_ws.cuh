@@ -39,7 +39,7 @@ constexpr int kWsBlockBytes = 64 * 128;  // one 64 x 64 bf16 activation block
 // warpgroup, units of up to kMaxTiles 64-token tiles (2 * kMaxTiles halves).
 struct WsConfig {
   static constexpr int kConsumers = 3;
-  static constexpr int kMaxTiles = 3;
+  static constexpr int kMaxTiles = kGroupHalves / 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kStages = 5;
   // Shared memory: the token ring (stages of kMaxTiles 1024-aligned 8 KB blocks), the
@@ -268,6 +268,7 @@ __global__ void __launch_bounds__(WsConfig::kThreads, 1) moe_gemm_ws_kernel(cons
     for (int u = blockIdx.x / kCluster; u < units; u += gridDim.x / kCluster) {
       const WsUnit unit = ws_unit<kCluster>(p, u, units_per_group, rank);
       const int w = wg - 1;
+      static_assert(kGroupHalves == 6, "one case per group size");
       switch (unit.nh) {
         case 6: ws_consume<192, kGemm1, kCluster>(p, smem, full, empty, unit, w, tid, s, phase); break;
         case 5: ws_consume<160, kGemm1, kCluster>(p, smem, full, empty, unit, w, tid, s, phase); break;

@@ -31,6 +31,10 @@ constexpr int kCodeTileBytes = kTileRows * kTileK / 2;   // 2048
 constexpr int kScaleTileBytes = kTileRows * kTileK / 16; // 256
 constexpr int kThreads = 128;     // one consumer warpgroup
 
+// Largest prefill group (moe_route_kernel's group_tile list): 6 halves of 32 token rows,
+// the widest unit the prefill kernel's consumers hold accumulators for (n192).
+constexpr int kGroupHalves = 6;
+
 struct MoeParams {
   // shapes
   int M;         // tokens

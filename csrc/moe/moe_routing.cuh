@@ -74,10 +74,9 @@ __device__ __forceinline__ void place_slots(const MoeParams& p, int base, int la
 }
 
 // The prefill kernel's groups: an expert's rows in 32-row halves of its 64-row tiles,
-// Q = ceil(count / 32), cut into Q / 6 full groups of 6 halves (192 rows) and one tail
-// group of Q % 6 halves, so a group's MMA width follows the rows it really has (up to
-// 31 padding rows instead of up to 63 per expert).
-constexpr int kGroupHalves = 6;
+// Q = ceil(count / 32), cut into Q / kGroupHalves full groups (192 rows) and one tail
+// group of the remaining halves, so a group's MMA width follows the rows it really has
+// (up to 31 padding rows instead of up to 63 per expert).
 __device__ __forceinline__ int expert_halves(int count) { return (count + 31) / 32; }
 
 // Inclusive warp scan.
