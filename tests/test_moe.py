@@ -33,12 +33,11 @@ def _routing(M, k, E_ids, gen, device="cpu", kind="uniform"):
         ids = torch.full((M, k), 3 % E_ids)
     elif kind == "sparse":  # only experts 0 and 5 (and 2): the others get no token
         ids = torch.tensor([0, 5, 2])[torch.randint(0, 3, (M, k), generator=gen)]
-    elif kind == "ladder":  # expert j gets LADDER[j] slots (the rest spread over the others), shuffled
-        counts = LADDER + [0] * (E_ids - len(LADDER))
-        rest = M * k - sum(LADDER)
-        assert rest >= 0 and E_ids > len(LADDER) + 2
-        for j in range(len(LADDER) + 1, E_ids):  # expert len(LADDER) stays empty
-            counts[j] = rest // (E_ids - len(LADDER) - 1) + (1 if j - len(LADDER) - 1 < rest % (E_ids - len(LADDER) - 1) else 0)
+    elif kind == "ladder":  # expert j gets LADDER[j] slots, one stays empty, the rest spread evenly; shuffled
+        others = E_ids - len(LADDER) - 1
+        q, r = divmod(M * k - sum(LADDER), others)
+        assert q >= 0 and others >= 2
+        counts = LADDER + [0] + [q + (i < r) for i in range(others)]
         flat = torch.repeat_interleave(torch.arange(E_ids), torch.tensor(counts))
         ids = flat[torch.randperm(M * k, generator=gen)].view(M, k)
     else:
