@@ -67,10 +67,10 @@ class Nvfp4MoeWeights(NamedTuple):
 _CODE_PERM = (0, 1, 5, 2, 4, 8, 6, 7, 3, 9)  # [E,RT,w,hi,g,KT,j,kh,t,i] -> [E,RT,KT,w,g,t,j,kh,hi,i]
 _SCALE_PERM = (0, 1, 5, 2, 4, 6, 3)  # [E,RT,w,hi,g,KT,j] -> [E,RT,KT,w,g,j,hi]
 _BIT_POS = (
-    ((6, 7, 8, 15), (22, 23, 24, 31)),   # p0: the bf16x2 pattern itself
-    ((3, 4, 5, 12), (19, 20, 21, 28)),   # p1: pattern >> 3
-    ((0, 1, 2, 9), (16, 17, 18, 25)),    # p2: pattern >> 6
-    ((10, 11, 13, 14), (26, 27, 29, 30)),  # p3: the bits left over
+    ((6, 7, 8, 15), (22, 23, 24, 31)),    # p0: the bf16x2 pattern itself
+    ((28, 29, 30, 5), (12, 13, 14, 21)),  # p1: pattern rotated right by 10
+    ((25, 26, 27, 2), (9, 10, 11, 18)),   # p2: pattern rotated right by 13
+    ((3, 4, 0, 1), (19, 20, 16, 17)),     # p3: the bits left over (a multiply gathers them)
 )
 
 

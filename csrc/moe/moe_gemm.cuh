@@ -15,6 +15,7 @@
 #pragma once
 
 #include "common/nvfp4.cuh"
+#include "common/sm90_pipeline.cuh"
 #include "moe/moe_device.cuh"
 #include "moe/moe_params.cuh"
 #include "moe/wgmma_rs.cuh"
@@ -156,80 +157,96 @@ constexpr int kSplitMinSteps = 8;
 // registers) and runs the epilogue. No CTA waits for another, and a row's sums do not
 // depend on which tile the (atomics-ordered) routing put it in, so results are
 // deterministic.
+//
+// The K loop goes in pairs of 64-wide steps (one barrier, one wgmma commit/wait per
+// 128 of K) over a ring of STAGES/2 pair slots. An item's weight codes (and scales)
+// are one contiguous run in the prepared layout, so thread 0 fetches each pair with
+// two bulk copies counted on the slot's mbarrier; the token tile (rows gathered by the
+// routing, 128-byte swizzled) goes by cp.async, one 16-byte chunk per thread per BN/8
+// rows. At decode sizes the kernel is issue-bound (ncu: issue slots 78 % busy), and
+// per-thread cp.async of the weights was as many instructions as the dequant.
 template <int BN, int STAGES, bool kGemm1>
-__device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, int tile, int rt, int kb, int ke,
-                                             int item, int splits, int chunk, int tid) {
+__device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, uint64_t* full, int& ring,
+                                             uint32_t& phase, int tile, int rt, int kb, int ke, int item, int splits,
+                                             int chunk, int tid) {
   const int e = __ldg(p.tile_expert + tile);
   const int row0 = tile * BN;
   const int kdim = kGemm1 ? p.K : p.N;
   const int KT = kdim / kTileK;
   const int RT = gemm_row_tiles<kGemm1>(p);
   const int nk = ke - kb;
+  const int npairs = (nk + 1) >> 1;
   const size_t tile_index = (size_t(e) * RT + rt) * KT + kb;
   const uint8_t* wq = (kGemm1 ? p.w13 : p.w2) + tile_index * kCodeTileBytes;
   const uint8_t* wsc = (kGemm1 ? p.w13_scale : p.w2_scale) + tile_index * kScaleTileBytes;
-  const __nv_bfloat16* bsrc = (kGemm1 ? p.xg : p.h) + size_t(row0) * kdim + size_t(kb) * kTileK;
 
   using S = GemmSmem<BN, STAGES>;
+  constexpr int kPairs = STAGES / 2;
+  static_assert(STAGES % 2 == 0 && STAGES >= 4, "a ring of at least two pair slots");
   uint8_t* sB = smem;
   uint8_t* sW = sB + STAGES * S::kB;
   uint8_t* sS = sW + STAGES * kCodeTileBytes;
 
   const int warp = tid >> 5, g = (tid & 31) >> 2;
 
-  // Per-thread copy assignments, fixed over the K loop: 16 code bytes, 16 scale
-  // bytes (threads < 16) and max(BN/16, 1) 16-byte chunks of the token tile (rows
-  // r0 + 16i, chunk c, swizzled; r0 & 7 is the same for every i; at BN = 8 only the
-  // first 64 threads copy).
-  constexpr int kBIters = BN >= 16 ? BN / 16 : 1;
-  const int r0 = tid >> 3, c0 = tid & 7;
-  const bool b_loader = BN >= 16 || tid < BN * 8;
-  const uint32_t sW_dst = smem_u32(sW) + tid * 16;
-  const uint32_t sS_dst = smem_u32(sS) + tid * 16;
-  const uint32_t sB_dst = smem_u32(sB) + r0 * 128 + ((c0 ^ (r0 & 7)) << 4);
-  // Source pointers of the next K step to fetch (advanced by one step per fetch).
-  const uint8_t* wq_src = wq + tid * 16;
-  const uint8_t* ws_src = wsc + tid * 16;
-  const __nv_bfloat16* b_src = bsrc + size_t(b_loader ? r0 : 0) * kdim + c0 * 8;
+  // Token-tile chunks of this thread, fixed over the K loop: rows r0 + 8i (i < BN/8),
+  // step `half` of each pair, 16-byte chunk c0 (stored at c0 ^ (row & 7), the same
+  // for every i).
+  constexpr int kBIters = BN / 8;
+  const int r0 = tid >> 4, half = (tid >> 3) & 1, c0 = tid & 7;
+  const uint32_t sB_dst = smem_u32(sB) + half * S::kB + r0 * 128 + ((c0 ^ r0) << 4);
+  const __nv_bfloat16* b_src[kBIters];
+  uint32_t b_bytes[kBIters];
+#pragma unroll
+  for (int i = 0; i < kBIters; ++i) {
+    b_src[i] = (kGemm1 ? p.xg : p.h) + size_t(row0 + r0 + 8 * i) * kdim;
+    b_bytes[i] = 16;
+  }
   // Decode tiles in bf16 mode read the token rows straight from x (no gather kernel,
   // one launch less); padding rows are zero-filled by the copy itself (src size 0).
-  uint32_t b_bytes = 16;
-  if constexpr (kGemm1 && kBIters == 1) {
-    if (p.direct_x && b_loader) {
-      const int slot = p.row_slot[row0 + r0];
-      b_bytes = slot >= 0 ? 16 : 0;
-      b_src = p.x + size_t(slot >= 0 ? slot / p.topk : 0) * kdim + size_t(kb) * kTileK + c0 * 8;
+  if constexpr (kGemm1 && kBIters <= 2) {
+    if (p.direct_x) {
+#pragma unroll
+      for (int i = 0; i < kBIters; ++i) {
+        const int slot = p.row_slot[row0 + r0 + 8 * i];
+        b_bytes[i] = slot >= 0 ? 16 : 0;
+        b_src[i] = p.x + size_t(slot >= 0 ? slot / p.topk : 0) * kdim;
+      }
     }
   }
-  const size_t b_row16 = size_t(16) * kdim;
-  const bool scale_loader = tid < kScaleTileBytes / 16;
-
-  // One commit group per K step (empty past the end), so group counts stay exact.
-  auto load_next = [&](int kt, int s) {
-    if (kt < nk) {
-      cp_async16(sW_dst + s * kCodeTileBytes, wq_src);
-      if (scale_loader) cp_async16(sS_dst + s * kScaleTileBytes, ws_src);
-      if (b_loader) {
 #pragma unroll
-        for (int i = 0; i < kBIters; ++i) cp_async16_zfill(sB_dst + s * S::kB + i * 16 * 128, b_src + i * b_row16, b_bytes);
+  for (int i = 0; i < kBIters; ++i) b_src[i] += size_t(kb + half) * kTileK + c0 * 8;
+
+  // One commit group per pair (empty past the end), so group counts stay exact.
+  auto load_pair = [&](int pi, int slot) {
+    if (pi < npairs) {
+      const int k0 = 2 * pi;
+      const int steps = min(2, nk - k0);
+      if (tid == 0) {
+        mbar_arrive_expect_tx(full + slot, steps * (kCodeTileBytes + kScaleTileBytes));
+        bulk_g2s(smem_u32(sW) + slot * 2 * kCodeTileBytes, wq + size_t(k0) * kCodeTileBytes,
+                 steps * kCodeTileBytes, full + slot);
+        bulk_g2s(smem_u32(sS) + slot * 2 * kScaleTileBytes, wsc + size_t(k0) * kScaleTileBytes,
+                 steps * kScaleTileBytes, full + slot);
       }
-      wq_src += kCodeTileBytes;
-      ws_src += kScaleTileBytes;
-      b_src += kTileK;
+      if (half < steps) {
+#pragma unroll
+        for (int i = 0; i < kBIters; ++i)
+          cp_async16_zfill(sB_dst + slot * 2 * S::kB + i * 8 * 128, b_src[i] + size_t(k0) * kTileK,
+                           b_bytes[i]);
+      }
     }
     cp_async_commit();
   };
 
-  // K steps go in pairs (one barrier, one wgmma commit/wait per 128 of K). Prefetch
-  // distance STAGES-2 steps: the two stages refilled by pair kt were read by pair
-  // kt-2, whose wgmmas every warp retired (wait_group<0>) before this pair's barrier.
-  // (Overlapping the dequant of the next pair with the MMAs of this one inside one
-  // warpgroup makes ptxas serialize the wgmmas, C7513; the overlap comes from the
-  // 2-8 CTAs that share an SM instead.)
-  static_assert(STAGES % 2 == 0 && STAGES >= 4, "pairs of stages must not wrap");
-  constexpr int kAhead = STAGES - 2;
+  // Prefetch distance kPairs - 1: the slot refilled in pair pi was read in pair pi - 1,
+  // whose wgmmas every warp retired (wait_group<0>) before this pair's barrier. The
+  // ring position (slot `ring`, mbarrier parity `phase`) carries over between the
+  // segments of a persistent CTA.
+  constexpr int kAhead = kPairs - 1;
+  auto slot_after = [](int slot, int n) { return slot + n >= kPairs ? slot + n - kPairs : slot + n; };
 #pragma unroll
-  for (int s = 0; s < kAhead; ++s) load_next(s, s);
+  for (int j = 0; j < kAhead; ++j) load_pair(j, slot_after(ring, j));
 
   float acc[BN / 2];
 #pragma unroll
@@ -244,16 +261,25 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
 #pragma unroll
     for (int j = 0; j < 4; ++j) WgmmaRS<BN>::mma(acc, af[j], desc + 2 * j, 1);
   };
-
-  int s = 0;
-  int kt = 0;
-  for (; kt + 1 < nk; kt += 2) {
-    cp_async_wait<kAhead - 2>();
+  // Pair pi's slot ready: this thread's token copies landed, everyone's are visible
+  // (and done with the slot refilled next), the weight bytes arrived.
+  auto enter_pair = [&](int pi) {
+    cp_async_wait<kAhead - 1>();
     __syncthreads();
-    int ns = s + kAhead;
-    if (ns >= STAGES) ns -= STAGES;
-    load_next(kt + kAhead, ns);
-    load_next(kt + kAhead + 1, ns + 1);
+    load_pair(pi + kAhead, slot_after(ring, kAhead));
+    mbar_wait(full + ring, phase);
+  };
+  auto next_slot = [&] {
+    if (++ring == kPairs) {
+      ring = 0;
+      phase ^= 1;
+    }
+  };
+
+  const int full_pairs = nk >> 1;
+  for (int pi = 0; pi < full_pairs; ++pi) {
+    enter_pair(pi);
+    const int s = 2 * ring;
     uint32_t a0[4][4], a1[4][4];
     dequant_tile(lds128(sW_rd + s * kCodeTileBytes), lds64(sS_rd + s * kScaleTileBytes), a0);
     dequant_tile(lds128(sW_rd + (s + 1) * kCodeTileBytes), lds64(sS_rd + (s + 1) * kScaleTileBytes), a1);
@@ -263,12 +289,11 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
     wgmma_commit();
     wgmma_wait<0>();
     fence_acc(acc);
-    s += 2;
-    if (s == STAGES) s = 0;
+    next_slot();
   }
-  if (kt < nk) {  // odd step count: the last step alone
-    cp_async_wait<kAhead - 1>();
-    __syncthreads();
+  if (nk & 1) {  // odd step count: the last step alone
+    enter_pair(full_pairs);
+    const int s = 2 * ring;
     uint32_t a0[4][4];
     dequant_tile(lds128(sW_rd + s * kCodeTileBytes), lds64(sS_rd + s * kScaleTileBytes), a0);
     wgmma_fence();
@@ -276,6 +301,7 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
     wgmma_commit();
     wgmma_wait<0>();
     fence_acc(acc);
+    next_slot();
   }
   cp_async_wait<0>();
   __syncthreads();
@@ -324,15 +350,29 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
 // device so that items * splits fills the grid at most once (capped at KT /
 // kSplitMinSteps). For few tokens (one expert = 64 items per GEMM at M = 1) the
 // classic grid leaves most SMs idle while each CTA runs a latency-bound K loop.
+template <int NBARS>
+__device__ __forceinline__ void init_pair_ring(uint64_t (&full)[NBARS]) {
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int j = 0; j < NBARS; ++j) mbar_init(full + j, 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+}
+
 template <int BN, int STAGES, bool kGemm1>
 __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
   pdl_wait();
   pdl_launch_dependents();
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = align_smem_1024(smem_raw);
+  __shared__ uint64_t full[STAGES / 2];
   const int KT = gemm_k_steps<kGemm1>(p);
   if (int(blockIdx.x) >= __ldg(p.num_tiles)) return;
-  gemm_segment<BN, STAGES, kGemm1>(p, smem, blockIdx.x, blockIdx.y, 0, KT, 0, 1, 0, threadIdx.x);
+  init_pair_ring(full);
+  int ring = 0;
+  uint32_t phase = 0;
+  gemm_segment<BN, STAGES, kGemm1>(p, smem, full, ring, phase, blockIdx.x, blockIdx.y, 0, KT, 0, 1, 0, threadIdx.x);
 }
 
 // Register caps of the split-K kernel at decode tiles: without them the unit loop's
@@ -355,6 +395,10 @@ __global__ void __launch_bounds__(kThreads, kSplitMinCtas<BN, kGemm1>) moe_gemm_
   const int splits = items >= P || items == 0 ? 1 : max(1, min(P / items, KT / kSplitMinSteps));
   const int units = items * splits;
   if (units == 0) return;
+  __shared__ uint64_t full[STAGES / 2];
+  init_pair_ring(full);
+  int ring = 0;
+  uint32_t phase = 0;
 #pragma unroll 1
   for (int u = blockIdx.x; u < units; u += P) {
     // Opaque, so that per-thread addresses are recomputed per unit instead of being
@@ -364,8 +408,8 @@ __global__ void __launch_bounds__(kThreads, kSplitMinCtas<BN, kGemm1>) moe_gemm_
     const int item = u / splits;
     const int chunk = u - item * splits;
     const int tile = item / RT;
-    gemm_segment<BN, STAGES, kGemm1>(p, smem, tile, item - tile * RT, KT * chunk / splits, KT * (chunk + 1) / splits,
-                                     item, splits, chunk, tid);
+    gemm_segment<BN, STAGES, kGemm1>(p, smem, full, ring, phase, tile, item - tile * RT, KT * chunk / splits,
+                                     KT * (chunk + 1) / splits, item, splits, chunk, tid);
     if (u + P < units) __syncthreads();  // the epilogue's staging smem is the next prologue's ring
   }
 }

@@ -8,9 +8,9 @@
 //   warpgroup owns bytes [16T, 16T+16): four little-endian words, word j = k16 step j,
 //   holding exactly the 8 elements of its wgmma A fragment (rows 16w+g and 16w+g+8,
 //   columns 2t, 2t+1, 2t+8, 2t+9 of that k16 step). Fragment register p (p = 0..3:
-//   (row g, col 2t), (row g+8, col 2t), (row g, col 2t+8), (row g+8, col 2t+8)) has its
-//   even element at nibble 3-p and its odd element at nibble 7-p, so that
-//   x = word << 4p puts the pair at bits [12,16) and [28,32) (see dequant_pair).
+//   (row g, col 2t), (row g+8, col 2t), (row g, col 2t+8), (row g+8, col 2t+8)) holds an
+//   (even, odd) element pair whose 8 code bits sit where dequant_kstep
+//   (moe_device.cuh) expands them with 1-3 integer instructions.
 //   Inside a scale tile, thread (w, g) reads 8 bytes at 8*(8w+g): byte 2j = scale of
 //   row 16w+g, byte 2j+1 = scale of row 16w+g+8, for k16 step j.
 //   w13 rows are interleaved so that one warp holds gate and up of the same
