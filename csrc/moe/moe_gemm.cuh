@@ -165,11 +165,11 @@ constexpr int kSplitMinSteps = 8;
 // routing, 128-byte swizzled) goes by cp.async, one 16-byte chunk per thread per BN/8
 // rows. At decode sizes the kernel is issue-bound (ncu: issue slots 78 % busy), and
 // per-thread cp.async of the weights was as many instructions as the dequant.
-template <int BN, int STAGES, bool kGemm1>
+template <int BN, int STAGES, bool kGemm1, typename BeforeTokens>
 __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, uint64_t* full, int& ring,
                                              uint32_t& phase, int tile, int rt, int kb, int ke, int item, int splits,
-                                             int chunk, int tid) {
-  const int e = __ldg(p.tile_expert + tile);
+                                             int chunk, int tid, BeforeTokens before_tokens) {
+  const int e = __ldcg(p.tile_expert + tile);  // L2: GEMM2 reads it before any grid wait
   const int row0 = tile * BN;
   const int kdim = kGemm1 ? p.K : p.N;
   const int KT = kdim / kTileK;
@@ -217,24 +217,23 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
 #pragma unroll
   for (int i = 0; i < kBIters; ++i) b_src[i] += size_t(kb + half) * kTileK + c0 * 8;
 
-  // One commit group per pair (empty past the end), so group counts stay exact.
-  auto load_pair = [&](int pi, int slot) {
-    if (pi < npairs) {
+  auto load_weights = [&](int pi, int slot) {
+    if (pi < npairs && tid == 0) {
       const int k0 = 2 * pi;
       const int steps = min(2, nk - k0);
-      if (tid == 0) {
-        mbar_arrive_expect_tx(full + slot, steps * (kCodeTileBytes + kScaleTileBytes));
-        bulk_g2s(smem_u32(sW) + slot * 2 * kCodeTileBytes, wq + size_t(k0) * kCodeTileBytes,
-                 steps * kCodeTileBytes, full + slot);
-        bulk_g2s(smem_u32(sS) + slot * 2 * kScaleTileBytes, wsc + size_t(k0) * kScaleTileBytes,
-                 steps * kScaleTileBytes, full + slot);
-      }
-      if (half < steps) {
+      mbar_arrive_expect_tx(full + slot, steps * (kCodeTileBytes + kScaleTileBytes));
+      bulk_g2s(smem_u32(sW) + slot * 2 * kCodeTileBytes, wq + size_t(k0) * kCodeTileBytes, steps * kCodeTileBytes,
+               full + slot);
+      bulk_g2s(smem_u32(sS) + slot * 2 * kScaleTileBytes, wsc + size_t(k0) * kScaleTileBytes,
+               steps * kScaleTileBytes, full + slot);
+    }
+  };
+  // One commit group per pair (empty past the end), so group counts stay exact.
+  auto load_tokens = [&](int pi, int slot) {
+    if (pi < npairs && half < min(2, nk - 2 * pi)) {
 #pragma unroll
-        for (int i = 0; i < kBIters; ++i)
-          cp_async16_zfill(sB_dst + slot * 2 * S::kB + i * 8 * 128, b_src[i] + size_t(k0) * kTileK,
-                           b_bytes[i]);
-      }
+      for (int i = 0; i < kBIters; ++i)
+        cp_async16_zfill(sB_dst + slot * 2 * S::kB + i * 8 * 128, b_src[i] + size_t(2 * pi) * kTileK, b_bytes[i]);
     }
     cp_async_commit();
   };
@@ -242,11 +241,15 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
   // Prefetch distance kPairs - 1: the slot refilled in pair pi was read in pair pi - 1,
   // whose wgmmas every warp retired (wait_group<0>) before this pair's barrier. The
   // ring position (slot `ring`, mbarrier parity `phase`) carries over between the
-  // segments of a persistent CTA.
+  // segments of a persistent CTA. The weights of the first pairs go out before
+  // before_tokens() (GEMM2: the wait for GEMM1's h), the token rows after it.
   constexpr int kAhead = kPairs - 1;
   auto slot_after = [](int slot, int n) { return slot + n >= kPairs ? slot + n - kPairs : slot + n; };
 #pragma unroll
-  for (int j = 0; j < kAhead; ++j) load_pair(j, slot_after(ring, j));
+  for (int j = 0; j < kAhead; ++j) load_weights(j, slot_after(ring, j));
+  before_tokens();
+#pragma unroll
+  for (int j = 0; j < kAhead; ++j) load_tokens(j, slot_after(ring, j));
 
   float acc[BN / 2];
 #pragma unroll
@@ -266,7 +269,8 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
   auto enter_pair = [&](int pi) {
     cp_async_wait<kAhead - 1>();
     __syncthreads();
-    load_pair(pi + kAhead, slot_after(ring, kAhead));
+    load_weights(pi + kAhead, slot_after(ring, kAhead));
+    load_tokens(pi + kAhead, slot_after(ring, kAhead));
     mbar_wait(full + ring, phase);
   };
   auto next_slot = [&] {
@@ -336,15 +340,30 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
   }
 
   auto cta_sync = [] { __syncthreads(); };
-  if constexpr (kGemm1)
+  if constexpr (kGemm1) {
     gemm1_epilogue<BN, false>(p, acc, reinterpret_cast<float*>(smem), e, row0, rt, tid, cta_sync);
-  else
+    // Publish this weight-row tile of the token tile's h to GEMM2 (gemm2_wait_h).
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) atomicAdd(p.group_ready + tile, 1);
+  } else {
     gemm2_epilogue<BN>(p, acc, reinterpret_cast<__nv_bfloat16*>(smem), e, row0, rt, tid, cta_sync);
+  }
 }
 
-// Grids. Classic (moe_gemm_kernel): x = token tile (rows [tile * BN, tile * BN + BN)
-// of the padded, expert-sorted activation buffer; all belong to expert
-// tile_expert[tile]; CTAs past *num_tiles exit at once), y = 64-row weight tile.
+// GEMM2 does not wait for GEMM1's grid (see moe_gemm_kernel): before reading a token
+// tile's h it waits until all 2N/64 GEMM1 row tiles of that tile were published.
+__device__ __forceinline__ void gemm2_wait_h(const MoeParams& p, int tile) {
+  if (threadIdx.x == 0) wait_flag_geq(p.group_ready + tile, gemm_row_tiles<true>(p));
+  __syncthreads();
+}
+
+// Grids. Classic (moe_gemm_kernel): x = 64-row weight tile, y = token tile (rows
+// [tile * BN, tile * BN + BN) of the padded, expert-sorted activation buffer; all belong
+// to expert tile_expert[tile]; CTAs past *num_tiles exit at once). The weight-row tile
+// varies fastest, so the CTAs of one token tile run together and its h is complete
+// early: GEMM2 CTAs, launched in the same order, find their tiles ready while GEMM1's
+// last tiles still run.
 // Split-K (moe_gemm_splitk_kernel): a persistent grid of occupancy x SMs CTAs; each
 // item (tile, weight-row tile) is cut into `splits` equal K chunks, splits chosen on
 // device so that items * splits fills the grid at most once (capped at KT /
@@ -360,19 +379,33 @@ __device__ __forceinline__ void init_pair_ring(uint64_t (&full)[NBARS]) {
   __syncthreads();
 }
 
+// Launch order and waits: GEMM1 waits for the routing grid (pdl_wait) before it lets
+// GEMM2 launch, so when any GEMM2 CTA runs the routing tables are complete. GEMM2
+// (programmatic launch) never waits for GEMM1's grid: its CTAs take the slots GEMM1's
+// finished CTAs leave, stream their first weight pairs, and wait per token tile for h
+// (gemm2_wait_h) - GEMM2 fills GEMM1's tail instead of starting after it. All GEMM1
+// CTAs are resident or done when GEMM2 launches, so the waits cannot deadlock.
+template <bool kGemm1>
+__device__ __forceinline__ void gemm_grid_dependencies() {
+  if constexpr (kGemm1) pdl_wait();
+  pdl_launch_dependents();
+}
+
 template <int BN, int STAGES, bool kGemm1>
 __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
-  pdl_wait();
-  pdl_launch_dependents();
+  gemm_grid_dependencies<kGemm1>();
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = align_smem_1024(smem_raw);
   __shared__ uint64_t full[STAGES / 2];
   const int KT = gemm_k_steps<kGemm1>(p);
-  if (int(blockIdx.x) >= __ldg(p.num_tiles)) return;
+  const int tile = blockIdx.y;
+  if (tile >= __ldcg(p.num_tiles)) return;
   init_pair_ring(full);
   int ring = 0;
   uint32_t phase = 0;
-  gemm_segment<BN, STAGES, kGemm1>(p, smem, full, ring, phase, blockIdx.x, blockIdx.y, 0, KT, 0, 1, 0, threadIdx.x);
+  gemm_segment<BN, STAGES, kGemm1>(p, smem, full, ring, phase, tile, blockIdx.x, 0, KT, 0, 1, 0, threadIdx.x, [&] {
+    if constexpr (!kGemm1) gemm2_wait_h(p, tile);
+  });
 }
 
 // Register caps of the split-K kernel at decode tiles: without them the unit loop's
@@ -383,11 +416,10 @@ constexpr int kSplitMinCtas = BN <= 8 ? (kGemm1 ? 6 : 7) : (BN <= 16 ? 6 : 1);
 
 template <int BN, int STAGES, bool kGemm1>
 __global__ void __launch_bounds__(kThreads, kSplitMinCtas<BN, kGemm1>) moe_gemm_splitk_kernel(const MoeParams p) {
-  pdl_wait();
-  pdl_launch_dependents();
+  gemm_grid_dependencies<kGemm1>();
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = align_smem_1024(smem_raw);
-  const int num_tiles = __ldg(p.num_tiles);
+  const int num_tiles = __ldcg(p.num_tiles);
   const int KT = gemm_k_steps<kGemm1>(p);
   const int RT = gemm_row_tiles<kGemm1>(p);
   const int items = num_tiles * RT;
@@ -409,7 +441,9 @@ __global__ void __launch_bounds__(kThreads, kSplitMinCtas<BN, kGemm1>) moe_gemm_
     const int chunk = u - item * splits;
     const int tile = item / RT;
     gemm_segment<BN, STAGES, kGemm1>(p, smem, full, ring, phase, tile, item - tile * RT, KT * chunk / splits,
-                                     KT * (chunk + 1) / splits, item, splits, chunk, tid);
+                                     KT * (chunk + 1) / splits, item, splits, chunk, tid, [&] {
+                                       if constexpr (!kGemm1) gemm2_wait_h(p, tile);
+                                     });
     if (u + P < units) __syncthreads();  // the epilogue's staging smem is the next prologue's ring
   }
 }

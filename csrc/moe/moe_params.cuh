@@ -93,8 +93,9 @@ struct MoeParams {
   int ws;
   int* group_tile;   // [max_tiles] group -> first tile * 8 + (32-row halves in the group - 1)
   int* num_groups;   // [1]
-  int* group_ready;  // [max_tiles] GEMM1 weight-row tiles whose h is written, per group
-                     // (GEMM2 starts on a group as soon as it is complete)
+  int* group_ready;  // [max_tiles] GEMM1 weight-row tiles whose h is written, per group (ws)
+                     // or per token tile (moe_gemm.cuh); GEMM2 starts on one as soon as
+                     // it is complete. Zeroed by the routing kernel.
   __nv_bfloat16* y;  // [max_rows, K]  GEMM2 output per padded row
   __nv_bfloat16* out;// [M, K]
 };

@@ -107,8 +107,7 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const MoeParam
   if (tid == 0 && p.route_counts == nullptr) *p.error_flag = 0;  // else zeroed before moe_count_kernel
   if (p.splitk)
     for (int i = tid; i < 2 * p.sk_ctas; i += kRouteThreads) p.sk_count[i] = 0;
-  if (p.ws)
-    for (int i = tid; i < p.max_tiles; i += kRouteThreads) p.group_ready[i] = 0;
+  for (int i = tid; i < p.max_tiles; i += kRouteThreads) p.group_ready[i] = 0;
   __syncthreads();
 
   if (p.route_counts != nullptr) {  // moe_count_kernel ranked the slots

@@ -325,8 +325,10 @@ void launch_gemms(const MoeParams& p, bool gemm2, cudaStream_t stream, int sms, 
              stream, pdl, p);
     return;
   }
-  const dim3 g1(unsigned(p.max_tiles), unsigned(2 * p.N / moe::kTileRows));
-  const dim3 g2(unsigned(p.max_tiles), unsigned(p.K / moe::kTileRows));
+  TORCH_CHECK(p.max_tiles <= 65535, "dsv4: nvfp4_moe's one-warpgroup GEMM grid takes at most 65535 token tiles, got ",
+              p.max_tiles, " (M * k = ", int64_t(p.M) * p.topk, " slots); call it on fewer tokens at a time");
+  const dim3 g1(unsigned(2 * p.N / moe::kTileRows), unsigned(p.max_tiles));
+  const dim3 g2(unsigned(p.K / moe::kTileRows), unsigned(p.max_tiles));
   launch(moe::moe_gemm_kernel<BN, STAGES, true>, g1, moe::kThreads, S::kBytes, stream, pdl, p);
   if (gemm2) launch(moe::moe_gemm_kernel<BN, STAGES, false>, g2, moe::kThreads, S::kBytes, stream, pdl, p);
 }
