@@ -99,6 +99,44 @@ def test_prepare_roundtrip_and_idempotent(small):
     assert torch.equal(back["w13_scale_2"], w["w13_scale_2"].unsqueeze(1).expand(4, 2))
 
 
+def _bf16_halves(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 words holding two bf16 -> their (low, high) values as float32."""
+    lo = ((words & 0xFFFF) << 16).to(torch.int32).view(torch.float32)
+    hi = (words & 0xFFFF0000).to(torch.int32).view(torch.float32)
+    return lo, hi
+
+
+def test_prepared_codes_expand_with_the_kernel_integer_ops(small):
+    """The prepared w2 tiles, expanded with exactly the integer and bf16 steps of
+    dequant_kstep / scale_pair_bf16x2 (csrc/moe/moe_device.cuh), give every weight times
+    2^-7: the Python bit layout (_BIT_POS) and the kernel's extraction agree."""
+    w, p = small
+    E, RT, KT, _ = p.w2.shape
+    q = p.w2.reshape(E, RT, KT, 128, 4, 4).to(torch.int64)  # [.., thread T, word j, byte]
+    q = q[..., 0] | q[..., 1] << 8 | q[..., 2] << 16 | q[..., 3] << 24
+    mask = 0x81C081C0
+
+    def rotl(v, r):  # __funnelshift_l(v, v, r)
+        return ((v << r) | (v >> (32 - r))) & 0xFFFFFFFF
+
+    pairs = [q & mask, rotl(q, 10) & mask, rotl(q, 13) & mask, (((q & 0x001B001B) * 0x4108) & 0xFFFFFFFF) & mask]
+    sb = p.w2_scale.reshape(E, RT, KT, 4, 8, 4, 2).to(torch.int64)  # [.., w, g, j, row g / g+8]
+    sw = sb[..., 0] | sb[..., 1] << 16  # one PRMT: row g's byte low, row g+8's byte high
+    s_lo, s_hi = _bf16_halves(sw * 16 + 0x76007600)  # [.., w, g, j]
+    got = torch.empty(E, RT, KT, 64, 64)
+    T = torch.arange(128)
+    wq, g, t = T // 32, (T // 4) % 8, T % 4
+    for j in range(4):
+        for pr in range(4):
+            kh, hi = pr // 2, pr % 2
+            scale = (s_hi if hi else s_lo)[..., wq, g, j]  # [E, RT, KT, 128]
+            for i, v in enumerate(_bf16_halves(pairs[pr][..., j])):
+                got[..., 16 * wq + 8 * hi + g, 16 * j + 8 * kh + 2 * t + i] = v * scale
+    got = got.permute(0, 1, 3, 2, 4).reshape(E, RT * 64, KT * 64)
+    want = formats.dequantize_experts(w["w2"], w["w2_scale"], torch.ones(E)) * 2.0**-7
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("activation", ["bf16", "nvfp4"])
 def test_cpu_wrapper_is_the_reference(small, activation):
     w, p = small
