@@ -239,10 +239,13 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
   };
 
   // Prefetch distance kPairs - 1: the slot refilled in pair pi was read in pair pi - 1,
-  // whose wgmmas every warp retired (wait_group<0>) before this pair's barrier. The
-  // ring position (slot `ring`, mbarrier parity `phase`) carries over between the
-  // segments of a persistent CTA. The weights of the first pairs go out before
-  // before_tokens() (GEMM2: the wait for GEMM1's h), the token rows after it.
+  // whose wgmmas every warp retired (wait_group<0>) before this pair's barrier.
+  // (Overlapping the dequant of the next pair with the MMAs of this one inside one
+  // warpgroup makes ptxas serialize the wgmmas, C7513; the overlap comes from the 2-8
+  // CTAs that share an SM instead.) The ring position (slot `ring`, mbarrier parity
+  // `phase`) carries over between the segments of a persistent CTA. The weights of the
+  // first pairs go out before before_tokens() (GEMM2: the wait for GEMM1's h), the
+  // token rows after it.
   constexpr int kAhead = kPairs - 1;
   auto slot_after = [](int slot, int n) { return slot + n >= kPairs ? slot + n - kPairs : slot + n; };
 #pragma unroll
@@ -351,6 +354,17 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
   }
 }
 
+// The pair ring's mbarriers (one expected arrival each: thread 0's, with the bytes).
+template <int NBARS>
+__device__ __forceinline__ void init_pair_ring(uint64_t (&full)[NBARS]) {
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int j = 0; j < NBARS; ++j) mbar_init(full + j, 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+}
+
 // GEMM2 does not wait for GEMM1's grid (see moe_gemm_kernel): before reading a token
 // tile's h it waits until all 2N/64 GEMM1 row tiles of that tile were published.
 __device__ __forceinline__ void gemm2_wait_h(const MoeParams& p, int tile) {
@@ -369,16 +383,6 @@ __device__ __forceinline__ void gemm2_wait_h(const MoeParams& p, int tile) {
 // device so that items * splits fills the grid at most once (capped at KT /
 // kSplitMinSteps). For few tokens (one expert = 64 items per GEMM at M = 1) the
 // classic grid leaves most SMs idle while each CTA runs a latency-bound K loop.
-template <int NBARS>
-__device__ __forceinline__ void init_pair_ring(uint64_t (&full)[NBARS]) {
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int j = 0; j < NBARS; ++j) mbar_init(full + j, 1);
-    mbar_init_fence();
-  }
-  __syncthreads();
-}
-
 // Launch order and waits: GEMM1 waits for the routing grid (pdl_wait) before it lets
 // GEMM2 launch, so when any GEMM2 CTA runs the routing tables are complete. GEMM2
 // (programmatic launch) never waits for GEMM1's grid: its CTAs take the slots GEMM1's
