@@ -95,18 +95,19 @@ __device__ __forceinline__ void fp8x4_to_bf16x4(uint32_t w, float sc, uint32_t& 
 }
 
 // 16 fp8 values of one row (a quarter of a 64-column scale block) times the block's UE8M0
-// scale 2^(e-127) -> 16 bf16 at (row, col) of a tile. Exact: a power-of-two scale only
-// moves the exponent (results that leave the bf16 range round or overflow like the float32
-// reference rounded to bf16). e = 0 is the subnormal 2^-127, e = 255 gives inf.
-__device__ __forceinline__ void dequant_store_fp8x16(uint8_t* tile_smem, int row, int col, const uint4& v, uint32_t e) {
-  const float sc = e == 0 ? __int_as_float(0x00400000) : __int_as_float(static_cast<int>(e << 23));
+// scale 2^(e-127) -> 16 bf16, stored as two 16-byte chunks at smem addresses lo and hi.
+// Exact: a power-of-two scale only moves the exponent (results that leave the bf16 range
+// round or overflow like the float32 reference rounded to bf16). e = 0 is the subnormal
+// 2^-127 (the max below), e = 255 gives inf.
+__device__ __forceinline__ void dequant_store_fp8x16(uint32_t lo, uint32_t hi, const uint4& v, uint32_t e) {
+  const float sc = __int_as_float(max(static_cast<int>(e << 23), 0x00400000));
   uint4 o0, o1;
   fp8x4_to_bf16x4(v.x, sc, o0.x, o0.y);
   fp8x4_to_bf16x4(v.y, sc, o0.z, o0.w);
   fp8x4_to_bf16x4(v.z, sc, o1.x, o1.y);
   fp8x4_to_bf16x4(v.w, sc, o1.z, o1.w);
-  *reinterpret_cast<uint4*>(tile_smem + tile_offset(row, col)) = o0;
-  *reinterpret_cast<uint4*>(tile_smem + tile_offset(row, col + 8)) = o1;
+  sts_v4(lo, o0);
+  sts_v4(hi, o1);
 }
 
 // Per-token geometry shared by all threads of the CTA.
@@ -219,58 +220,53 @@ __device__ __forceinline__ void row_offsets(const PagedSource& s, int slot, int6
 
 // fp8 producer: fills half `half` of a buffer with this warp's 16 rows and signals ready.
 // Lanes 0..15 hold their row's byte offset and its 8 scale bytes.
-__device__ __forceinline__ void load_half_fp8(uint8_t* buf_smem, const uint8_t* base, int half, int64_t data_off,
-                                              uint2 scales, uint64_t* ready) {
+// Lane group g = lane / 4 takes rows 2g and 2g + 1 of the warp's 16, one per batch, and lane
+// q = lane % 4 the 16-byte chunks q + 4m of the row's fp8 bytes (m < 4 in the left half: scale
+// blocks 0..3; m < 3 in the right half: blocks 4..6), so a batch needs one row offset and one
+// scale word per lane and every address is a per-lane base plus an immediate. Group g starts
+// with row 2g + (g & 1): odd and even rows alternate across groups, so each 16-byte store of
+// the warp covers all 32 banks (4 wavefronts, the minimum).
+template <int kHalf>
+__device__ __forceinline__ void load_half_fp8(uint8_t* buf_smem, const uint8_t* base, int64_t data_off, uint2 scales,
+                                              uint64_t* ready) {
+  constexpr int kChunks = kHalf ? 3 : 4;
   const int warp = (threadIdx.x >> 5) & 3;
   const int lane = threadIdx.x & 31;
-  const uint32_t buf_u32 = smem_u32(buf_smem);
-  if (half == 0) {
-    // fp8 bytes [0, 256) = scale blocks 0..3: lane = 16-byte chunk (lane & 15) of row pair
-    // member (lane >> 4); 8 rows per lane, 4 loads in flight.
-    const int c = lane & 15;
+  const int g = lane >> 2, q = lane & 3;
+  // tile_offset(16 warp + 2g + rb, 16 (q + 4m) + 8 s) = lane_off + m * 8192 + rb * 128 + 16 (s ^ rb)
+  const uint32_t lane_off = smem_u32(buf_smem) + kHalf * 4 * 8192 + (2 * warp + (g >> 2)) * 1024 + (g & 3) * 256 +
+                            ((q ^ g) & 3) * 32;
+  const uint32_t sw = kHalf ? scales.y : scales.x;
+  const uint8_t* src0 = base + kHalf * 256 + 16 * q;
 #pragma unroll 1
-    for (int bt = 0; bt < 2; ++bt) {
-      uint4 v[4];
+  for (int bt = 0; bt < 2; ++bt) {
+    const int rb = bt ^ (g & 1);
+    const int row = 2 * g + rb;
+    const int64_t d = __shfl_sync(0xffffffffu, data_off, row);
+    const uint32_t e4 = __shfl_sync(0xffffffffu, sw, row);
+    uint4 v[kChunks];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int64_t d = __shfl_sync(0xffffffffu, data_off, 2 * (4 * bt + k) + (lane >> 4));
-        v[k] = d >= 0 ? ldg_nc_v4(base + d + 16 * c) : make_uint4(0, 0, 0, 0);
-      }
+    for (int m = 0; m < kChunks; ++m) {
+      v[m] = d >= 0 ? ldg_nc_v4(src0 + d + 64 * m) : make_uint4(0, 0, 0, 0);
+    }
+    if (kHalf) {
+      // Rope (bf16, bytes [448, 576) = d 448..511, column block 7): chunks q and q + 4, straight
+      // to smem.
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int rl = 2 * (4 * bt + k) + (lane >> 4);
-        const uint32_t e = (__shfl_sync(0xffffffffu, scales.x, rl) >> (8 * (c >> 2))) & 0xFFu;
-        dequant_store_fp8x16(buf_smem, warp * 16 + rl, 16 * c, v[k], e);
+      for (int n = 0; n < 2; ++n) {
+        const int rc = q + 4 * n;
+        const uint32_t dst = smem_u32(buf_smem) + 7 * 8192 + (2 * warp + (g >> 2)) * 1024 + ((2 * (g & 3) + rb) << 7) +
+                             ((rc ^ (2 * (g & 3) + rb)) << 4);
+        cp_async_16(dst, d >= 0 ? base + d + 448 + 16 * rc : base, d >= 0);
       }
     }
-  } else {
-    // Rope (bf16, bytes [448, 576) = d 448..511): 8 chunks per row, straight to smem.
+    const uint32_t lo = lane_off + rb * 144, hi = lane_off + rb * 112 + 16;
 #pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const int k = lane + 32 * m, rl = k >> 3, rc = k & 7;
-      const int64_t d = __shfl_sync(0xffffffffu, data_off, rl);
-      const bool ok = d >= 0;
-      cp_async_16(buf_u32 + tile_offset(warp * 16 + rl, 448 + 8 * rc), ok ? base + d + 448 + 16 * rc : base, ok);
+    for (int m = 0; m < kChunks; ++m) {
+      dequant_store_fp8x16(lo + m * 8192, hi + m * 8192, v[m], (e4 >> (8 * m)) & 0xFFu);
     }
-    // fp8 bytes [256, 448) = scale blocks 4..6: 12 chunks per row, 6 per lane, 3 in flight.
-#pragma unroll 1
-    for (int bt = 0; bt < 2; ++bt) {
-      uint4 v[3];
-#pragma unroll
-      for (int k = 0; k < 3; ++k) {
-        const int kk = lane + 32 * (3 * bt + k);
-        const int64_t d = __shfl_sync(0xffffffffu, data_off, kk / 12);
-        v[k] = d >= 0 ? ldg_nc_v4(base + d + 16 * (16 + kk % 12)) : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int k = 0; k < 3; ++k) {
-        const int kk = lane + 32 * (3 * bt + k), rl = kk / 12, c = 16 + kk % 12;
-        const uint32_t e = (__shfl_sync(0xffffffffu, scales.y, rl) >> (8 * ((c >> 2) - 4))) & 0xFFu;
-        dequant_store_fp8x16(buf_smem, warp * 16 + rl, 16 * c, v[k], e);
-      }
-    }
-    cp_async_wait_all();
   }
+  if (kHalf) cp_async_wait_all();
   fence_proxy_async_smem();
   mbar_arrive(ready);
 }
@@ -369,8 +365,12 @@ __device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, cons
       if (step < 2) publish_mask(smem, buf, __ballot_sync(0xffffffffu, (buf ? slot[1] : slot[0]) >= 0) & 0xFFFFu);
       const uint8_t* base = paged_source(p, tile_list(tt, tile0 + buf)).base;
       // (Selects, not data_off[buf]: a runtime index would put the arrays in local memory.)
-      load_half_fp8(smem + kOffKV + buf * kBufBytes, base, half, buf ? data_off[1] : data_off[0],
-                    buf ? scales[1] : scales[0], &ready[hb]);
+      uint8_t* dst = smem + kOffKV + buf * kBufBytes;
+      if (half) {
+        load_half_fp8<1>(dst, base, buf ? data_off[1] : data_off[0], buf ? scales[1] : scales[0], &ready[hb]);
+      } else {
+        load_half_fp8<0>(dst, base, buf ? data_off[1] : data_off[0], buf ? scales[1] : scales[0], &ready[hb]);
+      }
     }
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
