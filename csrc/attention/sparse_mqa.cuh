@@ -238,17 +238,23 @@ __device__ __forceinline__ void load_half_fp8(uint8_t* buf_smem, const uint8_t* 
                             ((q ^ g) & 3) * 32;
   const uint32_t sw = kHalf ? scales.y : scales.x;
   const uint8_t* src0 = base + kHalf * 256 + 16 * q;
-#pragma unroll 1
+  // Both rows' loads in flight at once (8 or 6 per lane), then both rows' dequant.
+  int64_t d[2];
+  uint32_t e4[2];
+  uint4 v[2][kChunks];
+#pragma unroll
   for (int bt = 0; bt < 2; ++bt) {
-    const int rb = bt ^ (g & 1);
-    const int row = 2 * g + rb;
-    const int64_t d = __shfl_sync(0xffffffffu, data_off, row);
-    const uint32_t e4 = __shfl_sync(0xffffffffu, sw, row);
-    uint4 v[kChunks];
+    const int row = 2 * g + (bt ^ (g & 1));
+    d[bt] = __shfl_sync(0xffffffffu, data_off, row);
+    e4[bt] = __shfl_sync(0xffffffffu, sw, row);
 #pragma unroll
     for (int m = 0; m < kChunks; ++m) {
-      v[m] = d >= 0 ? ldg_nc_v4(src0 + d + 64 * m) : make_uint4(0, 0, 0, 0);
+      v[bt][m] = d[bt] >= 0 ? ldg_nc_v4(src0 + d[bt] + 64 * m) : make_uint4(0, 0, 0, 0);
     }
+  }
+#pragma unroll
+  for (int bt = 0; bt < 2; ++bt) {
+    const int rb = bt ^ (g & 1);
     if (kHalf) {
       // Rope (bf16, bytes [448, 576) = d 448..511, column block 7): chunks q and q + 4, straight
       // to smem.
@@ -257,13 +263,17 @@ __device__ __forceinline__ void load_half_fp8(uint8_t* buf_smem, const uint8_t* 
         const int rc = q + 4 * n;
         const uint32_t dst = smem_u32(buf_smem) + 7 * 8192 + (2 * warp + (g >> 2)) * 1024 + ((2 * (g & 3) + rb) << 7) +
                              ((rc ^ (2 * (g & 3) + rb)) << 4);
-        cp_async_16(dst, d >= 0 ? base + d + 448 + 16 * rc : base, d >= 0);
+        cp_async_16(dst, d[bt] >= 0 ? base + d[bt] + 448 + 16 * rc : base, d[bt] >= 0);
       }
     }
+  }
+#pragma unroll
+  for (int bt = 0; bt < 2; ++bt) {
+    const int rb = bt ^ (g & 1);
     const uint32_t lo = lane_off + rb * 144, hi = lane_off + rb * 112 + 16;
 #pragma unroll
     for (int m = 0; m < kChunks; ++m) {
-      dequant_store_fp8x16(lo + m * 8192, hi + m * 8192, v[m], (e4 >> (8 * m)) & 0xFFu);
+      dequant_store_fp8x16(lo + m * 8192, hi + m * 8192, v[bt][m], (e4[bt] >> (8 * m)) & 0xFFu);
     }
   }
   if (kHalf) cp_async_wait_all();
