@@ -227,6 +227,9 @@ def prepare_nvfp4_moe_weights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scal
         finite and >= 0.
         Idempotent: passing a prepared set returns it unchanged (same tensors).
         :func:`unprepare_nvfp4_moe_weights` inverts it.
+        The prepared layout is internal to the dsv4 build that made it and changes with
+        the kernels, without a version mark: prepare at load time (as the vLLM plugin
+        does) and store checkpoints in the vLLM layout, never prepared sets.
     """
     if _is_prepared(w13):
         w = Nvfp4MoeWeights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
