@@ -226,9 +226,11 @@ __device__ __forceinline__ void row_offsets(const PagedSource& s, int slot, int6
 // scale word per lane and every address is a per-lane base plus an immediate. Group g starts
 // with row 2g + (g & 1): odd and even rows alternate across groups, so each 16-byte store of
 // the warp covers all 32 banks (4 wavefronts, the minimum).
-template <int kHalf>
+// wait_free() runs once the loads are in flight and before the first write to the half: the
+// loads need no free buffer, so their latency overlaps the wait.
+template <int kHalf, typename WaitFree>
 __device__ __forceinline__ void load_half_fp8(uint8_t* buf_smem, const uint8_t* base, int64_t data_off, uint2 scales,
-                                              uint64_t* ready) {
+                                              uint64_t* ready, WaitFree&& wait_free) {
   constexpr int kChunks = kHalf ? 3 : 4;
   const int warp = (threadIdx.x >> 5) & 3;
   const int lane = threadIdx.x & 31;
@@ -252,6 +254,7 @@ __device__ __forceinline__ void load_half_fp8(uint8_t* buf_smem, const uint8_t* 
       v[bt][m] = d[bt] >= 0 ? ldg_nc_v4(src0 + d[bt] + 64 * m) : make_uint4(0, 0, 0, 0);
     }
   }
+  wait_free();
 #pragma unroll
   for (int bt = 0; bt < 2; ++bt) {
     const int rb = bt ^ (g & 1);
@@ -371,15 +374,17 @@ __device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, cons
 #pragma unroll 1
     for (int step = 0; step < 4; ++step) {
       const auto [buf, half, hb] = half_step(step);
-      wait_half_free(smem, hb, round_base + r);
-      if (step < 2) publish_mask(smem, buf, __ballot_sync(0xffffffffu, (buf ? slot[1] : slot[0]) >= 0) & 0xFFFFu);
+      const auto wait_free = [&] {
+        wait_half_free(smem, hb, round_base + r);
+        if (step < 2) publish_mask(smem, buf, __ballot_sync(0xffffffffu, (buf ? slot[1] : slot[0]) >= 0) & 0xFFFFu);
+      };
       const uint8_t* base = paged_source(p, tile_list(tt, tile0 + buf)).base;
       // (Selects, not data_off[buf]: a runtime index would put the arrays in local memory.)
       uint8_t* dst = smem + kOffKV + buf * kBufBytes;
       if (half) {
-        load_half_fp8<1>(dst, base, buf ? data_off[1] : data_off[0], buf ? scales[1] : scales[0], &ready[hb]);
+        load_half_fp8<1>(dst, base, buf ? data_off[1] : data_off[0], buf ? scales[1] : scales[0], &ready[hb], wait_free);
       } else {
-        load_half_fp8<0>(dst, base, buf ? data_off[1] : data_off[0], buf ? scales[1] : scales[0], &ready[hb]);
+        load_half_fp8<0>(dst, base, buf ? data_off[1] : data_off[0], buf ? scales[1] : scales[0], &ready[hb], wait_free);
       }
     }
 #pragma unroll
