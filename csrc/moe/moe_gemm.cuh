@@ -267,10 +267,13 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
 #pragma unroll
     for (int j = 0; j < 4; ++j) WgmmaRS<BN>::mma(acc, af[j], desc + 2 * j, 1);
   };
-  // Pair pi's slot ready: this thread's token copies landed, everyone's are visible
-  // (and done with the slot refilled next), the weight bytes arrived.
+  // Pair pi's slot ready: this thread's token copies landed and are fenced for the async
+  // proxy (cp.async writes through the generic proxy, the wgmmas read through the async
+  // one), everyone's are visible (and done with the slot refilled next), the weight bytes
+  // arrived.
   auto enter_pair = [&](int pi) {
     cp_async_wait<kAhead - 1>();
+    fence_proxy_async_smem();
     __syncthreads();
     load_weights(pi + kAhead, slot_after(ring, kAhead));
     load_tokens(pi + kAhead, slot_after(ring, kAhead));
