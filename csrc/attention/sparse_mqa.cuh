@@ -240,7 +240,8 @@ __device__ __forceinline__ void load_half_fp8(uint8_t* buf_smem, const uint8_t* 
                             ((q ^ g) & 3) * 32;
   const uint32_t sw = kHalf ? scales.y : scales.x;
   const uint8_t* src0 = base + kHalf * 256 + 16 * q;
-  // Both rows' loads in flight at once (8 or 6 per lane), then both rows' dequant.
+  // Both rows' loads (8 or 6 per lane) before either row's dequant: ptxas keeps 4 ahead and
+  // issues the rest as the first row's chunks free their registers.
   int64_t d[2];
   uint32_t e4[2];
   uint4 v[2][kChunks];
