@@ -265,9 +265,8 @@ __device__ __forceinline__ void load_half_fp8(uint8_t* buf_smem, const uint8_t* 
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
         const int rc = q + 4 * n;
-        const uint32_t dst = smem_u32(buf_smem) + 7 * 8192 + (2 * warp + (g >> 2)) * 1024 + ((2 * (g & 3) + rb) << 7) +
-                             ((rc ^ (2 * (g & 3) + rb)) << 4);
-        cp_async_16(dst, d[bt] >= 0 ? base + d[bt] + 448 + 16 * rc : base, d[bt] >= 0);
+        cp_async_16(smem_u32(buf_smem) + tile_offset(16 * warp + 2 * g + rb, 448 + 8 * rc),
+                    d[bt] >= 0 ? base + d[bt] + 448 + 16 * rc : base, d[bt] >= 0);
       }
     }
   }
