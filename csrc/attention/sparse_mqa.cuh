@@ -381,10 +381,12 @@ __device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, cons
       const uint8_t* base = paged_source(p, tile_list(tt, tile0 + buf)).base;
       // (Selects, not data_off[buf]: a runtime index would put the arrays in local memory.)
       uint8_t* dst = smem + kOffKV + buf * kBufBytes;
+      const int64_t off = buf ? data_off[1] : data_off[0];
+      const uint2 sc = buf ? scales[1] : scales[0];
       if (half) {
-        load_half_fp8<1>(dst, base, buf ? data_off[1] : data_off[0], buf ? scales[1] : scales[0], &ready[hb], wait_free);
+        load_half_fp8<1>(dst, base, off, sc, &ready[hb], wait_free);
       } else {
-        load_half_fp8<0>(dst, base, buf ? data_off[1] : data_off[0], buf ? scales[1] : scales[0], &ready[hb], wait_free);
+        load_half_fp8<0>(dst, base, off, sc, &ready[hb], wait_free);
       }
     }
 #pragma unroll
