@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "common/async_copy.cuh"  // smem_u32, cp_async_commit, cp_async_wait<N>
+#include "common/mma_sync.cuh"
 #include "common/wgmma_sync.cuh"
 
 namespace dsv4 {

@@ -1,12 +1,13 @@
-// Grouped GEMMs of the NVFP4 MoE, "swap AB": the NVFP4 weights are the wgmma A
+// Grouped GEMMs of the NVFP4 MoE, "swap AB": the NVFP4 weights are the MMA A
 // operand (64 weight rows per CTA, dequantized e2m1 -> bf16 in registers), the
 // tokens routed to the expert are the B operand (block_n tokens per CTA, bf16 in
 // shared memory, 128-byte swizzle). Accumulation in fp32; the global scales are
 // applied in the epilogue.
 //
 // One warpgroup per CTA; a STAGES-deep cp.async ring feeds weight codes, scales and
-// the token tile of each 64-wide K step. Grids (classic and split-K): see
-// moe_gemm_kernel at the end.
+// the token tile of each 64-wide K step. Decode tiles (block_n 8 or 16) multiply with
+// warp-level mma.sync, larger ones with wgmma (see mma_tile). Grids (classic and
+// split-K): see moe_gemm_kernel at the end.
 //
 // GEMM1 (kGemm1): rows of w13 (interleaved gate/up, see moe_params.cuh), K = hidden;
 //   epilogue gemm1_epilogue (clamped SwiGLU, bf16 or NVFP4 h).
@@ -181,6 +182,7 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
   const uint8_t* wsc = (kGemm1 ? p.w13_scale : p.w2_scale) + tile_index * kScaleTileBytes;
 
   using S = GemmSmem<BN, STAGES>;
+  constexpr bool kWarpMma = BN <= 16;
   constexpr int kPairs = STAGES / 2;
   static_assert(STAGES % 2 == 0 && STAGES >= 4, "a ring of at least two pair slots");
   uint8_t* sB = smem;
@@ -239,7 +241,8 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
   };
 
   // Prefetch distance kPairs - 1: the slot refilled in pair pi was read in pair pi - 1,
-  // whose wgmmas every warp retired (wait_group<0>) before this pair's barrier.
+  // whose reads every warp finished (mma.sync: ldmatrix; wgmma: wait_group<0>) before
+  // this pair's barrier.
   // (Overlapping the dequant of the next pair with the MMAs of this one inside one
   // warpgroup makes ptxas serialize the wgmmas, C7513; the overlap comes from the 2-8
   // CTAs that share an SM instead.) The ring position (slot `ring`, mbarrier parity
@@ -262,18 +265,40 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
   const uint32_t sW_rd = smem_u32(sW) + tid * 16;
   const uint32_t sS_rd = smem_u32(sS) + (warp * 8 + g) * 8;
 
+  // Decode tiles (BN <= 16) multiply with warp-level mma.sync m16n8k16: its A fragment
+  // is the wgmma one of the warp's 16 rows and its accumulators are laid out alike, but
+  // the four warps need not meet at every MMA (ncu, Flash M=64: 14 % of the stalls were
+  // warps waiting at the first wgmma of a pair for the warpgroup's slowest dequant).
+  // B (8 token rows x 64 of K per n8 block) comes in by ldmatrix: lanes 8m..8m+7 address
+  // token row (lane & 7), K chunk 4q + m of the swizzled row.
+  const int lane = tid & 31;
+  const uint32_t ld_off0 = (lane & 7) * 128 + (((lane >> 3) ^ (lane & 7)) << 4);
+  const uint32_t ld_off1 = (lane & 7) * 128 + (((4 + (lane >> 3)) ^ (lane & 7)) << 4);
   auto mma_tile = [&](int s, const uint32_t(&af)[4][4]) {
-    const uint64_t desc = kmajor_sw128_desc(sB_base + s * S::kB);
+    if constexpr (kWarpMma) {
+      const uint32_t tb = sB_base + s * S::kB;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) WgmmaRS<BN>::mma(acc, af[j], desc + 2 * j, 1);
+      for (int h = 0; h < BN / 8; ++h) {
+        uint32_t b[2][4];
+        ldmatrix_x4(b[0], tb + h * 1024 + ld_off0);
+        ldmatrix_x4(b[1], tb + h * 1024 + ld_off1);
+        float(&d)[4] = *reinterpret_cast<float(*)[4]>(acc + 4 * h);  // n8 block h's accumulators
+#pragma unroll
+        for (int j = 0; j < 4; ++j) mma_bf16(d, af[j], b[j >> 1][2 * (j & 1)], b[j >> 1][2 * (j & 1) + 1]);
+      }
+    } else {
+      const uint64_t desc = kmajor_sw128_desc(sB_base + s * S::kB);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) WgmmaRS<BN>::mma(acc, af[j], desc + 2 * j, 1);
+    }
   };
-  // Pair pi's slot ready: this thread's token copies landed and are fenced for the async
-  // proxy (cp.async writes through the generic proxy, the wgmmas read through the async
-  // one), everyone's are visible (and done with the slot refilled next), the weight bytes
-  // arrived.
+  // Pair pi's slot ready: this thread's token copies landed (and, for wgmma, are fenced
+  // for the async proxy: cp.async writes through the generic proxy, the wgmmas read
+  // through the async one; ldmatrix reads through the generic one), everyone's are
+  // visible (and done with the slot refilled next), the weight bytes arrived.
   auto enter_pair = [&](int pi) {
     cp_async_wait<kAhead - 1>();
-    fence_proxy_async_smem();
+    if constexpr (!kWarpMma) fence_proxy_async_smem();
     __syncthreads();
     load_weights(pi + kAhead, slot_after(ring, kAhead));
     load_tokens(pi + kAhead, slot_after(ring, kAhead));
@@ -293,12 +318,14 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
     uint32_t a0[4][4], a1[4][4];
     dequant_tile(lds128(sW_rd + s * kCodeTileBytes), lds64(sS_rd + s * kScaleTileBytes), a0);
     dequant_tile(lds128(sW_rd + (s + 1) * kCodeTileBytes), lds64(sS_rd + (s + 1) * kScaleTileBytes), a1);
-    wgmma_fence();
+    if constexpr (!kWarpMma) wgmma_fence();
     mma_tile(s, a0);
     mma_tile(s + 1, a1);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_acc(acc);
+    if constexpr (!kWarpMma) {
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_acc(acc);
+    }
     next_slot();
   }
   if (nk & 1) {  // odd step count: the last step alone
@@ -306,11 +333,13 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
     const int s = 2 * ring;
     uint32_t a0[4][4];
     dequant_tile(lds128(sW_rd + s * kCodeTileBytes), lds64(sS_rd + s * kScaleTileBytes), a0);
-    wgmma_fence();
+    if constexpr (!kWarpMma) wgmma_fence();
     mma_tile(s, a0);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_acc(acc);
+    if constexpr (!kWarpMma) {
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_acc(acc);
+    }
     next_slot();
   }
   cp_async_wait<0>();
