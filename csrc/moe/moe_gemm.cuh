@@ -32,6 +32,12 @@ __device__ __forceinline__ int stage2_index(int tok, int col) { return tok * 64 
 
 template <int BN, int STAGES>
 struct GemmSmem {
+  // Decode tiles multiply with mma.sync and take 4 K steps per ring slot, larger ones
+  // with wgmma and 2 (two steps' A fragments live through one commit/wait).
+  static constexpr bool kWarpMma = BN <= 16;
+  static constexpr int kSteps = kWarpMma ? 4 : 2;
+  static constexpr int kSlots = STAGES / kSteps;
+  static_assert(STAGES % kSteps == 0 && kSlots >= 2, "a ring of at least two slots");
   static constexpr int kB = BN * 128;  // one 64-wide K slice of BN token rows
   static constexpr int kPipe = STAGES * (kB + kCodeTileBytes + kScaleTileBytes);
   static constexpr int kStaging = BN * 128;
@@ -159,13 +165,15 @@ constexpr int kSplitMinSteps = 8;
 // depend on which tile the (atomics-ordered) routing put it in, so results are
 // deterministic.
 //
-// The K loop goes in pairs of 64-wide steps (one barrier, one wgmma commit/wait per
-// 128 of K) over a ring of STAGES/2 pair slots. An item's weight codes (and scales)
-// are one contiguous run in the prepared layout, so thread 0 fetches each pair with
-// two bulk copies counted on the slot's mbarrier; the token tile (rows gathered by the
-// routing, 128-byte swizzled) goes by cp.async, one 16-byte chunk per thread per BN/8
-// rows. At decode sizes the kernel is issue-bound (ncu: issue slots 78 % busy), and
-// per-thread cp.async of the weights was as many instructions as the dequant.
+// The K loop goes in slots of S::kSteps 64-wide steps (one barrier per slot; wgmma:
+// one commit/wait per slot) over a ring of S::kSlots slots. An item's weight codes (and
+// scales) are one contiguous run in the prepared layout, so thread 0 fetches each slot
+// with two bulk copies counted on the slot's mbarrier; the token tile (rows gathered by
+// the routing, 128-byte swizzled) goes by cp.async, one 16-byte chunk per thread per
+// BN/8 rows and every other step. At decode sizes the kernel is issue-bound (ncu: issue
+// slots 65-78 % busy), and per-thread cp.async of the weights was as many instructions
+// as the dequant; the per-slot bookkeeping (barrier, copies, waits, addresses) is what
+// decode tiles amortize over 4 steps instead of 2.
 template <int BN, int STAGES, bool kGemm1, typename BeforeTokens>
 __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, uint64_t* full, int& ring,
                                              uint32_t& phase, int tile, int rt, int kb, int ke, int item, int splits,
@@ -176,15 +184,13 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
   const int KT = kdim / kTileK;
   const int RT = gemm_row_tiles<kGemm1>(p);
   const int nk = ke - kb;
-  const int npairs = (nk + 1) >> 1;
+  using S = GemmSmem<BN, STAGES>;
+  constexpr int kSteps = S::kSteps, kSlots = S::kSlots;
+  const int nslots = (nk + kSteps - 1) / kSteps;  // slots this segment fills
   const size_t tile_index = (size_t(e) * RT + rt) * KT + kb;
   const uint8_t* wq = (kGemm1 ? p.w13 : p.w2) + tile_index * kCodeTileBytes;
   const uint8_t* wsc = (kGemm1 ? p.w13_scale : p.w2_scale) + tile_index * kScaleTileBytes;
 
-  using S = GemmSmem<BN, STAGES>;
-  constexpr bool kWarpMma = BN <= 16;
-  constexpr int kPairs = STAGES / 2;
-  static_assert(STAGES % 2 == 0 && STAGES >= 4, "a ring of at least two pair slots");
   uint8_t* sB = smem;
   uint8_t* sW = sB + STAGES * S::kB;
   uint8_t* sS = sW + STAGES * kCodeTileBytes;
@@ -192,11 +198,11 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
   const int warp = tid >> 5, g = (tid & 31) >> 2;
 
   // Token-tile chunks of this thread, fixed over the K loop: rows r0 + 8i (i < BN/8),
-  // step `half` of each pair, 16-byte chunk c0 (stored at c0 ^ (row & 7), the same
-  // for every i).
+  // steps q0, q0 + 2, ... of each slot, 16-byte chunk c0 (stored at c0 ^ (row & 7), the
+  // same for every i).
   constexpr int kBIters = BN / 8;
-  const int r0 = tid >> 4, half = (tid >> 3) & 1, c0 = tid & 7;
-  const uint32_t sB_dst = smem_u32(sB) + half * S::kB + r0 * 128 + ((c0 ^ r0) << 4);
+  const int r0 = tid >> 4, q0 = (tid >> 3) & 1, c0 = tid & 7;
+  const uint32_t sB_dst = smem_u32(sB) + q0 * S::kB + r0 * 128 + ((c0 ^ r0) << 4);
   const __nv_bfloat16* b_src[kBIters];
   uint32_t b_bytes[kBIters];
 #pragma unroll
@@ -217,40 +223,47 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
     }
   }
 #pragma unroll
-  for (int i = 0; i < kBIters; ++i) b_src[i] += size_t(kb + half) * kTileK + c0 * 8;
+  for (int i = 0; i < kBIters; ++i) b_src[i] += size_t(kb + q0) * kTileK + c0 * 8;
 
-  auto load_weights = [&](int pi, int slot) {
-    if (pi < npairs && tid == 0) {
-      const int k0 = 2 * pi;
-      const int steps = min(2, nk - k0);
+  auto load_weights = [&](int si, int slot) {
+    if (si < nslots && tid == 0) {
+      const int k0 = kSteps * si;
+      const int steps = min(kSteps, nk - k0);
       mbar_arrive_expect_tx(full + slot, steps * (kCodeTileBytes + kScaleTileBytes));
-      bulk_g2s(smem_u32(sW) + slot * 2 * kCodeTileBytes, wq + size_t(k0) * kCodeTileBytes, steps * kCodeTileBytes,
-               full + slot);
-      bulk_g2s(smem_u32(sS) + slot * 2 * kScaleTileBytes, wsc + size_t(k0) * kScaleTileBytes,
+      bulk_g2s(smem_u32(sW) + slot * kSteps * kCodeTileBytes, wq + size_t(k0) * kCodeTileBytes,
+               steps * kCodeTileBytes, full + slot);
+      bulk_g2s(smem_u32(sS) + slot * kSteps * kScaleTileBytes, wsc + size_t(k0) * kScaleTileBytes,
                steps * kScaleTileBytes, full + slot);
     }
   };
-  // One commit group per pair (empty past the end), so group counts stay exact.
-  auto load_tokens = [&](int pi, int slot) {
-    if (pi < npairs && half < min(2, nk - 2 * pi)) {
+  // One commit group per slot (empty past the end), so group counts stay exact.
+  auto load_tokens = [&](int si, int slot) {
+    if (si < nslots) {
+      const int steps = min(kSteps, nk - kSteps * si);
 #pragma unroll
-      for (int i = 0; i < kBIters; ++i)
-        cp_async16_zfill(sB_dst + slot * 2 * S::kB + i * 8 * 128, b_src[i] + size_t(2 * pi) * kTileK, b_bytes[i]);
+      for (int q = 0; q < kSteps; q += 2) {
+        if (q0 + q < steps) {
+#pragma unroll
+          for (int i = 0; i < kBIters; ++i)
+            cp_async16_zfill(sB_dst + (slot * kSteps + q) * S::kB + i * 8 * 128,
+                             b_src[i] + size_t(kSteps * si + q) * kTileK, b_bytes[i]);
+        }
+      }
     }
     cp_async_commit();
   };
 
-  // Prefetch distance kPairs - 1: the slot refilled in pair pi was read in pair pi - 1,
+  // Prefetch distance kSlots - 1: the slot refilled in slot step si was read in si - 1,
   // whose reads every warp finished (mma.sync: ldmatrix; wgmma: wait_group<0>) before
-  // this pair's barrier.
-  // (Overlapping the dequant of the next pair with the MMAs of this one inside one
+  // this slot's barrier.
+  // (Overlapping the dequant of the next slot with the MMAs of this one inside one
   // warpgroup makes ptxas serialize the wgmmas, C7513; the overlap comes from the 2-8
   // CTAs that share an SM instead.) The ring position (slot `ring`, mbarrier parity
   // `phase`) carries over between the segments of a persistent CTA. The weights of the
-  // first pairs go out before before_tokens() (GEMM2: the wait for GEMM1's h), the
+  // first slots go out before before_tokens() (GEMM2: the wait for GEMM1's h), the
   // token rows after it.
-  constexpr int kAhead = kPairs - 1;
-  auto slot_after = [](int slot, int n) { return slot + n >= kPairs ? slot + n - kPairs : slot + n; };
+  constexpr int kAhead = kSlots - 1;
+  auto slot_after = [](int slot, int n) { return slot + n >= kSlots ? slot + n - kSlots : slot + n; };
 #pragma unroll
   for (int j = 0; j < kAhead; ++j) load_weights(j, slot_after(ring, j));
   before_tokens();
@@ -274,9 +287,12 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
   const int lane = tid & 31;
   const uint32_t ld_off0 = (lane & 7) * 128 + (((lane >> 3) ^ (lane & 7)) << 4);
   const uint32_t ld_off1 = (lane & 7) * 128 + (((4 + (lane >> 3)) ^ (lane & 7)) << 4);
-  auto mma_tile = [&](int s, const uint32_t(&af)[4][4]) {
-    if constexpr (kWarpMma) {
-      const uint32_t tb = sB_base + s * S::kB;
+  auto dequant_step = [&](int st, uint32_t(&af)[4][4]) {
+    dequant_tile(lds128(sW_rd + st * kCodeTileBytes), lds64(sS_rd + st * kScaleTileBytes), af);
+  };
+  auto mma_step = [&](int st, const uint32_t(&af)[4][4]) {
+    if constexpr (S::kWarpMma) {
+      const uint32_t tb = sB_base + st * S::kB;
 #pragma unroll
       for (int h = 0; h < BN / 8; ++h) {
         uint32_t b[2][4];
@@ -287,58 +303,68 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
         for (int j = 0; j < 4; ++j) mma_bf16(d, af[j], b[j >> 1][2 * (j & 1)], b[j >> 1][2 * (j & 1) + 1]);
       }
     } else {
-      const uint64_t desc = kmajor_sw128_desc(sB_base + s * S::kB);
+      const uint64_t desc = kmajor_sw128_desc(sB_base + st * S::kB);
 #pragma unroll
       for (int j = 0; j < 4; ++j) WgmmaRS<BN>::mma(acc, af[j], desc + 2 * j, 1);
     }
   };
-  // Pair pi's slot ready: this thread's token copies landed (and, for wgmma, are fenced
+  // Slot step si ready: this thread's token copies landed (and, for wgmma, are fenced
   // for the async proxy: cp.async writes through the generic proxy, the wgmmas read
   // through the async one; ldmatrix reads through the generic one), everyone's are
   // visible (and done with the slot refilled next), the weight bytes arrived.
-  auto enter_pair = [&](int pi) {
+  auto enter_slot = [&](int si) {
     cp_async_wait<kAhead - 1>();
-    if constexpr (!kWarpMma) fence_proxy_async_smem();
+    if constexpr (!S::kWarpMma) fence_proxy_async_smem();
     __syncthreads();
-    load_weights(pi + kAhead, slot_after(ring, kAhead));
-    load_tokens(pi + kAhead, slot_after(ring, kAhead));
+    load_weights(si + kAhead, slot_after(ring, kAhead));
+    load_tokens(si + kAhead, slot_after(ring, kAhead));
     mbar_wait(full + ring, phase);
   };
   auto next_slot = [&] {
-    if (++ring == kPairs) {
+    if (++ring == kSlots) {
       ring = 0;
       phase ^= 1;
     }
   };
 
-  const int full_pairs = nk >> 1;
-  for (int pi = 0; pi < full_pairs; ++pi) {
-    enter_pair(pi);
-    const int s = 2 * ring;
-    uint32_t a0[4][4], a1[4][4];
-    dequant_tile(lds128(sW_rd + s * kCodeTileBytes), lds64(sS_rd + s * kScaleTileBytes), a0);
-    dequant_tile(lds128(sW_rd + (s + 1) * kCodeTileBytes), lds64(sS_rd + (s + 1) * kScaleTileBytes), a1);
-    if constexpr (!kWarpMma) wgmma_fence();
-    mma_tile(s, a0);
-    mma_tile(s + 1, a1);
-    if constexpr (!kWarpMma) {
+  const int full_slots = nk / kSteps;
+  for (int si = 0; si < full_slots; ++si) {
+    enter_slot(si);
+    const int st = kSteps * ring;
+    if constexpr (S::kWarpMma) {
+#pragma unroll
+      for (int q = 0; q < kSteps; ++q) {
+        uint32_t a[4][4];
+        dequant_step(st + q, a);
+        mma_step(st + q, a);
+      }
+    } else {
+      static_assert(S::kWarpMma || kSteps == 2, "wgmma slots hold two steps' A fragments");
+      uint32_t a0[4][4], a1[4][4];
+      dequant_step(st, a0);
+      dequant_step(st + 1, a1);
+      wgmma_fence();
+      mma_step(st, a0);
+      mma_step(st + 1, a1);
       wgmma_commit();
       wgmma_wait<0>();
       fence_acc(acc);
     }
     next_slot();
   }
-  if (nk & 1) {  // odd step count: the last step alone
-    enter_pair(full_pairs);
-    const int s = 2 * ring;
-    uint32_t a0[4][4];
-    dequant_tile(lds128(sW_rd + s * kCodeTileBytes), lds64(sS_rd + s * kScaleTileBytes), a0);
-    if constexpr (!kWarpMma) wgmma_fence();
-    mma_tile(s, a0);
-    if constexpr (!kWarpMma) {
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_acc(acc);
+  if (const int rest = nk - full_slots * kSteps) {  // the last 1 .. kSteps - 1 steps
+    enter_slot(full_slots);
+    const int st = kSteps * ring;
+    for (int q = 0; q < rest; ++q) {
+      uint32_t a[4][4];
+      dequant_step(st + q, a);
+      if constexpr (!S::kWarpMma) wgmma_fence();
+      mma_step(st + q, a);
+      if constexpr (!S::kWarpMma) {
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_acc(acc);
+      }
     }
     next_slot();
   }
@@ -386,9 +412,9 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
   }
 }
 
-// The pair ring's mbarriers (one expected arrival each: thread 0's, with the bytes).
+// The ring's mbarriers (one expected arrival each: thread 0's, with the bytes).
 template <int NBARS>
-__device__ __forceinline__ void init_pair_ring(uint64_t (&full)[NBARS]) {
+__device__ __forceinline__ void init_ring(uint64_t (&full)[NBARS]) {
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int j = 0; j < NBARS; ++j) mbar_init(full + j, 1);
@@ -418,7 +444,7 @@ __device__ __forceinline__ void gemm2_wait_h(const MoeParams& p, int tile) {
 // Launch order and waits: GEMM1 waits for the routing grid (pdl_wait) before it lets
 // GEMM2 launch, so when any GEMM2 CTA runs the routing tables are complete. GEMM2
 // (programmatic launch) never waits for GEMM1's grid: its CTAs take the slots GEMM1's
-// finished CTAs leave, stream their first weight pairs, and wait per token tile for h
+// finished CTAs leave, stream their first weight slots, and wait per token tile for h
 // (gemm2_wait_h) - GEMM2 fills GEMM1's tail instead of starting after it. All GEMM1
 // CTAs are resident or done when GEMM2 launches, so the waits cannot deadlock.
 template <bool kGemm1>
@@ -432,11 +458,11 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
   gemm_grid_dependencies<kGemm1>();
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = align_smem_1024(smem_raw);
-  __shared__ uint64_t full[STAGES / 2];
+  __shared__ uint64_t full[GemmSmem<BN, STAGES>::kSlots];
   const int KT = gemm_k_steps<kGemm1>(p);
   const int tile = blockIdx.y;
   if (tile >= __ldcg(p.num_tiles)) return;
-  init_pair_ring(full);
+  init_ring(full);
   int ring = 0;
   uint32_t phase = 0;
   gemm_segment<BN, STAGES, kGemm1>(p, smem, full, ring, phase, tile, blockIdx.x, 0, KT, 0, 1, 0, threadIdx.x, [&] {
@@ -463,8 +489,8 @@ __global__ void __launch_bounds__(kThreads, kSplitMinCtas<BN, kGemm1>) moe_gemm_
   const int splits = items >= P || items == 0 ? 1 : max(1, min(P / items, KT / kSplitMinSteps));
   const int units = items * splits;
   if (units == 0) return;
-  __shared__ uint64_t full[STAGES / 2];
-  init_pair_ring(full);
+  __shared__ uint64_t full[GemmSmem<BN, STAGES>::kSlots];
+  init_ring(full);
   int ring = 0;
   uint32_t phase = 0;
 #pragma unroll 1
