@@ -32,10 +32,12 @@ __device__ __forceinline__ int stage2_index(int tok, int col) { return tok * 64 
 
 template <int BN, int STAGES>
 struct GemmSmem {
-  // Decode tiles multiply with mma.sync and take 4 K steps per ring slot, larger ones
-  // with wgmma and 2 (two steps' A fragments live through one commit/wait).
+  // Decode tiles multiply with mma.sync and split the STAGES K steps into two ring slots
+  // (fewer slots of more steps: fewer barriers, copies and waits per K step); larger
+  // tiles multiply with wgmma and take 2 steps per slot (two steps' A fragments live
+  // through one commit/wait).
   static constexpr bool kWarpMma = BN <= 16;
-  static constexpr int kSteps = kWarpMma ? 4 : 2;
+  static constexpr int kSteps = kWarpMma ? STAGES / 2 : 2;
   static constexpr int kSlots = STAGES / kSteps;
   static_assert(STAGES % kSteps == 0 && kSlots >= 2, "a ring of at least two slots");
   static constexpr int kB = BN * 128;  // one 64-wide K slice of BN token rows

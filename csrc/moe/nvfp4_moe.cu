@@ -150,22 +150,36 @@ struct GemmOccupancy {
   int classic1;                      // resident classic GEMM1 CTAs per SM
 };
 
-template <int BN, int STAGES>
+// K steps of shared-memory ring per token-tile width, for the classic grid and the
+// split-K grid. Decode tiles (mma.sync, two ring slots): the split-K grid's few CTAs run
+// long K loops and gain from 8-step slots; the classic grid, 8 CTAs per SM, from 4-step
+// slots that leave room for more CTAs (docs/perf.md, nvfp4_moe stop 16).
+template <int BN>
+struct RingStages {
+  static constexpr int kClassic = BN <= 16 ? 8 : 6;
+  static constexpr int kSplitK = BN <= 16 ? 16 : 6;
+};
+
+template <int BN>
 GemmOccupancy gemm_setup() {
+  constexpr int STAGES = RingStages<BN>::kClassic, SK_STAGES = RingStages<BN>::kSplitK;
   using S = moe::GemmSmem<BN, STAGES>;
+  using SK = moe::GemmSmem<BN, SK_STAGES>;
   static std::atomic<int> cached[64];  // gemm1 | gemm2 << 8 | classic1 << 16 per device, 0 = not yet
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   std::atomic<int>& slot = cached[dev & 63];
   int v = slot.load(std::memory_order_acquire);
   if (v == 0) {
-    auto k1 = moe::moe_gemm_splitk_kernel<BN, STAGES, true>;
-    auto k2 = moe::moe_gemm_splitk_kernel<BN, STAGES, false>;
-    for (auto k : {k1, k2, moe::moe_gemm_kernel<BN, STAGES, true>, moe::moe_gemm_kernel<BN, STAGES, false>})
+    auto k1 = moe::moe_gemm_splitk_kernel<BN, SK_STAGES, true>;
+    auto k2 = moe::moe_gemm_splitk_kernel<BN, SK_STAGES, false>;
+    for (auto k : {k1, k2})
+      C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, SK::kBytes));
+    for (auto k : {moe::moe_gemm_kernel<BN, STAGES, true>, moe::moe_gemm_kernel<BN, STAGES, false>})
       C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
     int o1 = 0, o2 = 0, oc = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o1, k1, moe::kThreads, S::kBytes));
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o2, k2, moe::kThreads, S::kBytes));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o1, k1, moe::kThreads, SK::kBytes));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o2, k2, moe::kThreads, SK::kBytes));
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&oc, moe::moe_gemm_kernel<BN, STAGES, true>,
                                                                  moe::kThreads, S::kBytes));
     TORCH_CHECK(o1 > 0 && o2 > 0 && oc > 0, "dsv4: nvfp4_moe GEMM kernels do not fit on this device");
@@ -177,9 +191,9 @@ GemmOccupancy gemm_setup() {
 
 GemmOccupancy gemm_setup_for(int block_n) {
   switch (block_n) {
-    case 8: return gemm_setup<8, 8>();
-    case 16: return gemm_setup<16, 8>();
-    default: return gemm_setup<64, 6>();
+    case 8: return gemm_setup<8>();
+    case 16: return gemm_setup<16>();
+    default: return gemm_setup<64>();
   }
 }
 
@@ -313,16 +327,18 @@ void launch_ws_gemms(const MoeParams& p, bool gemm2, cudaStream_t stream, int sm
   if (gemm2) launch(k2, grid, C::kThreads, C::kBytes, stream, true, p, cluster);
 }
 
-template <int BN, int STAGES>
+template <int BN>
 void launch_gemms(const MoeParams& p, bool gemm2, cudaStream_t stream, int sms, bool pdl) {
+  constexpr int STAGES = RingStages<BN>::kClassic, SK_STAGES = RingStages<BN>::kSplitK;
   using S = moe::GemmSmem<BN, STAGES>;
-  const GemmOccupancy occ = gemm_setup<BN, STAGES>();
+  using SK = moe::GemmSmem<BN, SK_STAGES>;
+  const GemmOccupancy occ = gemm_setup<BN>();
   if (p.splitk) {
-    launch(moe::moe_gemm_splitk_kernel<BN, STAGES, true>, dim3(unsigned(occ.gemm1 * sms)), moe::kThreads, S::kBytes,
-           stream, pdl, p);
+    launch(moe::moe_gemm_splitk_kernel<BN, SK_STAGES, true>, dim3(unsigned(occ.gemm1 * sms)), moe::kThreads,
+           SK::kBytes, stream, pdl, p);
     if (gemm2)
-      launch(moe::moe_gemm_splitk_kernel<BN, STAGES, false>, dim3(unsigned(occ.gemm2 * sms)), moe::kThreads, S::kBytes,
-             stream, pdl, p);
+      launch(moe::moe_gemm_splitk_kernel<BN, SK_STAGES, false>, dim3(unsigned(occ.gemm2 * sms)), moe::kThreads,
+             SK::kBytes, stream, pdl, p);
     return;
   }
   TORCH_CHECK(p.max_tiles <= 65535, "dsv4: nvfp4_moe's one-warpgroup GEMM grid takes at most 65535 token tiles, got ",
@@ -369,9 +385,9 @@ void run_moe(MoeParams& p, const Checked& c, int64_t cta_mode, const at::Tensor&
     launch_ws_gemms(p, full, stream, sms, pdl, ws_cluster(cta_mode));
   } else {
     switch (p.block_n) {
-      case 8: launch_gemms<8, 8>(p, full, stream, sms, pdl); break;
-      case 16: launch_gemms<16, 8>(p, full, stream, sms, pdl); break;
-      default: launch_gemms<64, 6>(p, full, stream, sms, pdl); break;
+      case 8: launch_gemms<8>(p, full, stream, sms, pdl); break;
+      case 16: launch_gemms<16>(p, full, stream, sms, pdl); break;
+      default: launch_gemms<64>(p, full, stream, sms, pdl); break;
     }
   }
   if (!full) return;
