@@ -14,9 +14,12 @@
 namespace dsv4 {
 namespace moe {
 
-// src_bytes 0 writes 16 zero bytes (src must still be a valid address).
-__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+// zero != 0 writes 16 zero bytes instead of reading src (which must still be a valid
+// address).
+__device__ __forceinline__ void cp_async16_or_zero(uint32_t dst, const void* src, uint32_t zero) {
+  asm volatile(
+      "{\n.reg .pred z;\nsetp.ne.b32 z, %2, 0;\ncp.async.cg.shared.global [%0], [%1], 16, z;\n}\n" ::"r"(dst),
+      "l"(src), "r"(zero));
 }
 __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   uint4 v;

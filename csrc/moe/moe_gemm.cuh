@@ -204,22 +204,23 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
   // same for every i).
   constexpr int kBIters = BN / 8;
   const int r0 = tid >> 4, q0 = (tid >> 3) & 1, c0 = tid & 7;
-  const uint32_t sB_dst = smem_u32(sB) + q0 * S::kB + r0 * 128 + ((c0 ^ r0) << 4);
+  uint32_t sB_dst = smem_u32(sB) + q0 * S::kB + r0 * 128 + ((c0 ^ r0) << 4);
+  asm("" : "+r"(sB_dst));  // opaque: kept in a register, not recomputed from tid per slot
   const __nv_bfloat16* b_src[kBIters];
-  uint32_t b_bytes[kBIters];
+  uint32_t b_zero[kBIters];
 #pragma unroll
   for (int i = 0; i < kBIters; ++i) {
     b_src[i] = (kGemm1 ? p.xg : p.h) + size_t(row0 + r0 + 8 * i) * kdim;
-    b_bytes[i] = 16;
+    b_zero[i] = 0;
   }
   // Decode tiles in bf16 mode read the token rows straight from x (no gather kernel,
-  // one launch less); padding rows are zero-filled by the copy itself (src size 0).
+  // one launch less); padding rows are zero-filled by the copy itself.
   if constexpr (kGemm1 && kBIters <= 2) {
     if (p.direct_x) {
 #pragma unroll
       for (int i = 0; i < kBIters; ++i) {
         const int slot = p.row_slot[row0 + r0 + 8 * i];
-        b_bytes[i] = slot >= 0 ? 16 : 0;
+        b_zero[i] = slot < 0;
         b_src[i] = p.x + size_t(slot >= 0 ? slot / p.topk : 0) * kdim;
       }
     }
@@ -242,14 +243,20 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
   auto load_tokens = [&](int si, int slot) {
     if (si < nslots) {
       const int steps = min(kSteps, nk - kSteps * si);
+      const uint32_t dst = sB_dst + slot * (kSteps * S::kB);
+      const size_t k0 = size_t(kSteps * si) * kTileK;
+      auto copy_step = [&](int q) {
 #pragma unroll
-      for (int q = 0; q < kSteps; q += 2) {
-        if (q0 + q < steps) {
+        for (int i = 0; i < kBIters; ++i)
+          cp_async16_or_zero(dst + q * S::kB + i * 8 * 128, b_src[i] + k0 + q * kTileK, b_zero[i]);
+      };
+      if (steps == kSteps) {  // every slot but a segment's last: no per-step checks
 #pragma unroll
-          for (int i = 0; i < kBIters; ++i)
-            cp_async16_zfill(sB_dst + (slot * kSteps + q) * S::kB + i * 8 * 128,
-                             b_src[i] + size_t(kSteps * si + q) * kTileK, b_bytes[i]);
-        }
+        for (int q = 0; q < kSteps; q += 2) copy_step(q);
+      } else {
+#pragma unroll
+        for (int q = 0; q < kSteps; q += 2)
+          if (q0 + q < steps) copy_step(q);
       }
     }
     cp_async_commit();
