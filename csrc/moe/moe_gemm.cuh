@@ -40,6 +40,7 @@ struct GemmSmem {
   static constexpr int kSteps = kWarpMma ? STAGES / 2 : 2;
   static constexpr int kSlots = STAGES / kSteps;
   static_assert(STAGES % kSteps == 0 && kSlots >= 2, "a ring of at least two slots");
+  static_assert(kSteps % 2 == 0, "the token copies take every other step of a slot (gemm_segment)");
   static constexpr int kB = BN * 128;  // one 64-wide K slice of BN token rows
   static constexpr int kPipe = STAGES * (kB + kCodeTileBytes + kScaleTileBytes);
   static constexpr int kStaging = BN * 128;
