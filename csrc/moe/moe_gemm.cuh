@@ -6,7 +6,7 @@
 //
 // One warpgroup per CTA; a STAGES-deep cp.async ring feeds weight codes, scales and
 // the token tile of each 64-wide K step. Decode tiles (block_n 8 or 16) multiply with
-// warp-level mma.sync, larger ones with wgmma (see mma_tile). Grids (classic and
+// warp-level mma.sync, larger ones with wgmma (see mma_step). Grids (classic and
 // split-K): see moe_gemm_kernel at the end.
 //
 // GEMM1 (kGemm1): rows of w13 (interleaved gate/up, see moe_params.cuh), K = hidden;
@@ -175,8 +175,8 @@ constexpr int kSplitMinSteps = 8;
 // the routing, 128-byte swizzled) goes by cp.async, one 16-byte chunk per thread per
 // BN/8 rows and every other step. At decode sizes the kernel is issue-bound (ncu: issue
 // slots 65-78 % busy), and per-thread cp.async of the weights was as many instructions
-// as the dequant; the per-slot bookkeeping (barrier, copies, waits, addresses) is what
-// decode tiles amortize over 4 steps instead of 2.
+// as the dequant; decode tiles amortize the per-slot bookkeeping (barrier, copies,
+// waits, addresses) over 4 or 8 steps instead of 2.
 template <int BN, int STAGES, bool kGemm1, typename BeforeTokens>
 __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, uint64_t* full, int& ring,
                                              uint32_t& phase, int tile, int rt, int kb, int ke, int item, int splits,
@@ -349,7 +349,7 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
         mma_step(st + q, a);
       }
     } else {
-      static_assert(S::kWarpMma || kSteps == 2, "wgmma slots hold two steps' A fragments");
+      static_assert(kSteps == 2, "wgmma slots hold two steps' A fragments");
       uint32_t a0[4][4], a1[4][4];
       dequant_step(st, a0);
       dequant_step(st + 1, a1);
