@@ -413,9 +413,10 @@ def test_gpu_cuda_graph_replay(activation):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("M", [5, 200])
+@pytest.mark.parametrize("M", [5, 20, 200])
 def test_gpu_odd_k_steps(activation, M):
-    """K/64 and N/64 odd (the single-step tail of the K loop), every token tile size."""
+    """K/64 and N/64 odd (the K loop's last, partial ring slot), every token tile size
+    (M=5: 8 tokens, 20: 16, 200: 64)."""
     w = _weights(3, 192, 320, seed=21, device="cuda")
     p = prepare_nvfp4_moe_weights(*(w[k] for k in KEYS))
     gen = torch.Generator().manual_seed(M)
@@ -430,15 +431,16 @@ def test_gpu_odd_k_steps(activation, M):
 
 # Split-K (persistent grid, items cut into K chunks, the last-arriving chunk's CTA adds
 # the partials in chunk order) against the classic grid, forced either way with
-# DSV4_MOE_SPLITK for every token tile: decode tiles (the default when the classic grid
-# would not fill one wave), the prefill tiles (64 and the cta_mode=2 128: one chunk per
-# item, persistent), items split 6-8 ways (M=1, 2: chunks of odd length at M=2) and
-# odd K-step counts. The determinism check in test_gpu_vs_reference matters here:
+# DSV4_MOE_SPLITK for every token tile: decode tiles of 8 and 16 tokens (the default
+# when the classic grid would not fill one wave; M=512 gives 16-token tiles), the
+# prefill tiles (64 and the cta_mode=2 128: one chunk per item, persistent), items split
+# 6-8 ways (M=1, 2: chunks of odd length at M=2) and odd K-step counts. The determinism check in test_gpu_vs_reference matters here:
 # routing places rows in tiles in atomics order, and a row's sums must not depend on it.
 SPLITK_CASES = [
     (FLASH, 1, "uniform", True, 10.0, "bf16", "auto"),
     (FLASH, 2, "uniform", True, 10.0, "nvfp4", "auto"),
     (FLASH, 64, "uniform", True, 10.0, "nvfp4", "auto"),
+    (FLASH, 512, "uniform", True, 10.0, "bf16", "auto"),
     (FLASH, 3, "skewed", False, None, "bf16", "auto"),
     (FLASH, 2048, "uniform", False, 10.0, "nvfp4", 1),
     (FLASH, 4096, "uniform", False, 10.0, "bf16", 2),
@@ -458,7 +460,7 @@ def test_gpu_splitk_forced(monkeypatch, splitk, shape, M, routing, use_map, limi
 @pytest.mark.parametrize("activation", ["bf16", "nvfp4"])
 def test_gpu_splitk_odd_k_steps(monkeypatch, activation):
     monkeypatch.setenv("DSV4_MOE_SPLITK", "1")
-    for M in (5, 200):
+    for M in (5, 20, 200):
         test_gpu_odd_k_steps(activation, M)
 
 
