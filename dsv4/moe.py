@@ -15,11 +15,12 @@ scales per 16 along K, fp32 global scale per expert). Two activation modes:
 CUDA (sm_90a): routing prep, a gather (NVFP4-quantizing in nvfp4 mode; in bf16 mode
 at decode sizes GEMM1 reads x itself), grouped GEMM1 with the clamped-SwiGLU (+ NVFP4)
 epilogue, grouped GEMM2, and a deterministic weighted combine; weights are the 64-row
-wgmma A operand, dequantized e2m1 -> bf16 in registers; tokens are the N operand. When
-the GEMM grid would not fill the GPU once (few tokens), the GEMMs run split-K on a
-persistent grid (deterministic fixup). Prefill sizes run a warp-specialized persistent
-kernel (a bulk-copy producer, two dequantizing consumer warpgroups sharing each token
-tile, optionally 2-CTA clusters multicasting it). No host sync, no value-dependent
+MMA A operand, dequantized e2m1 -> bf16 in registers (warp-level mma.sync for decode tiles
+of 8 or 16 tokens, wgmma for larger ones); tokens are the N operand. When the GEMM grid
+would not fill the GPU once (few tokens), the GEMMs run split-K on a persistent grid
+(deterministic fixup). Prefill sizes run a warp-specialized persistent kernel (a
+bulk-copy producer, three dequantizing consumer warpgroups sharing each token tile,
+optionally 2-CTA clusters multicasting it). No host sync, no value-dependent
 allocation: CUDA-graph capturable. Switches for A/B runs and tests (read per call):
 DSV4_MOE_SPLITK, DSV4_MOE_PDL, DSV4_MOE_DIRECT_X, DSV4_MOE_WS = 0/1 (docs/perf.md,
 nvfp4_moe v4b and v5). CPU: the float32 reference
