@@ -371,7 +371,8 @@ def test_gpu_empty_and_all_remote():
     assert nvfp4_moe(x, ids, ids.float(), p).shape == (0, 4096)
     x, ids, tw, _ = _case(FLASH, 5, "uniform", True, seed=5)
     emap = torch.full((256,), -1, dtype=torch.int32, device="cuda")
-    got = nvfp4_moe(x, ids, tw, p, expert_map=emap)
+    out = torch.full_like(x, float("nan"))  # poisoned: rows without a local slot must be written (zeros)
+    got = nvfp4_moe(x, ids, tw, p, expert_map=emap, out=out)
     assert torch.equal(got, torch.zeros_like(got))
 
 
