@@ -135,10 +135,12 @@ __device__ __forceinline__ TokenTiles token_tiles(const SparseMqaParams& p, int 
   // Splits take whole pairs of tiles (one round each); only the last pair may be half empty.
   const int n = tt.ntile[0] + tt.ntile[1];
   const int pairs = (n + 1) / 2;
-  // 32-bit: pairs * num_splits < 2^25 * 64 (two int32 lists of 64-key tiles), and a 64-bit
-  // division is a subroutine call, a far jump that a cold instruction cache pays for.
-  const int p0 = static_cast<int>(static_cast<uint32_t>(pairs * split) / static_cast<uint32_t>(p.num_splits));
-  const int p1 = static_cast<int>(static_cast<uint32_t>(pairs * (split + 1)) / static_cast<uint32_t>(p.num_splits));
+  // Unsigned 32-bit: pairs <= 2^25 (two int32 lists of 64-key tiles) and num_splits <= 64,
+  // so the products stay below 2^32; a 64-bit division is a subroutine call, a far jump that
+  // a cold instruction cache pays for.
+  const uint32_t up = static_cast<uint32_t>(pairs), ns = static_cast<uint32_t>(p.num_splits);
+  const int p0 = static_cast<int>(up * static_cast<uint32_t>(split) / ns);
+  const int p1 = static_cast<int>(up * static_cast<uint32_t>(split + 1) / ns);
   tt.t0 = 2 * p0;
   tt.t1 = 2 * p1 < n ? 2 * p1 : n;
   return tt;
