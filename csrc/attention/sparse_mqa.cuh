@@ -232,40 +232,44 @@ __device__ __forceinline__ void row_offsets(const PagedSource& s, int slot, int6
 // the warp covers all 32 banks (4 wavefronts, the minimum).
 // wait_free() runs once the loads are in flight and before the first write to the half: the
 // loads need no free buffer, so their latency overlaps the wait.
-template <int kHalf, typename WaitFree>
+template <typename WaitFree>
 __device__ __forceinline__ void load_half_fp8(uint8_t* buf_smem, const uint8_t* base, int64_t data_off, uint2 scales,
-                                              uint64_t* ready, WaitFree&& wait_free) {
-  constexpr int kChunks = kHalf ? 3 : 4;
+                                              int half, uint64_t* ready, WaitFree&& wait_free) {
+  // One body for both halves (the right half's fourth chunk predicated off): with a cold
+  // instruction cache, a second body is fetched from DRAM on a small batch's critical path.
   const int warp = (threadIdx.x >> 5) & 3;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, q = lane & 3;
   // tile_offset(16 warp + 2g + rb, 16 (q + 4m) + 8 s) = lane_off + m * 8192 + rb * 128 + 16 (s ^ rb)
-  const uint32_t lane_off = smem_u32(buf_smem) + kHalf * 4 * 8192 + (2 * warp + (g >> 2)) * 1024 + (g & 3) * 256 +
+  const uint32_t lane_off = smem_u32(buf_smem) + half * 4 * 8192 + (2 * warp + (g >> 2)) * 1024 + (g & 3) * 256 +
                             ((q ^ g) & 3) * 32;
-  const uint32_t sw = kHalf ? scales.y : scales.x;
-  const uint8_t* src0 = base + kHalf * 256 + 16 * q;
+  const uint32_t sw = half ? scales.y : scales.x;
+  const uint8_t* src0 = base + half * 256 + 16 * q;
+  const bool four = half == 0;  // left half: scale blocks 0..3; right: 4..6 and the rope
   // Both rows' loads (8 or 6 per lane) before either row's dequant: ptxas keeps 4 ahead and
   // issues the rest as the first row's chunks free their registers.
   int64_t d[2];
   uint32_t e4[2];
-  uint4 v[2][kChunks];
+  uint4 v[2][4];
 #pragma unroll
   for (int bt = 0; bt < 2; ++bt) {
     const int row = 2 * g + (bt ^ (g & 1));
     d[bt] = __shfl_sync(0xffffffffu, data_off, row);
     e4[bt] = __shfl_sync(0xffffffffu, sw, row);
 #pragma unroll
-    for (int m = 0; m < kChunks; ++m) {
-      v[bt][m] = d[bt] >= 0 ? ldg_nc_v4(src0 + d[bt] + 64 * m) : make_uint4(0, 0, 0, 0);
+    for (int m = 0; m < 4; ++m) {
+      v[bt][m] = d[bt] >= 0 && (m < 3 || four) ? ldg_nc_v4(src0 + d[bt] + 64 * m) : make_uint4(0, 0, 0, 0);
     }
   }
   wait_free();
+  // Per row: its rope copies, then its dequant, so a row's offset dies before the next
+  // row's dequant (in two loops, the one-body loader spilled at 88 registers).
 #pragma unroll
   for (int bt = 0; bt < 2; ++bt) {
     const int rb = bt ^ (g & 1);
-    if (kHalf) {
-      // Rope (bf16, bytes [448, 576) = d 448..511, column block 7): chunks q and q + 4, straight
-      // to smem.
+    if (half) {
+      // Rope (bf16, bytes [448, 576) = d 448..511, column block 7): chunks q and q + 4,
+      // straight to smem.
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
         const int rc = q + 4 * n;
@@ -273,17 +277,13 @@ __device__ __forceinline__ void load_half_fp8(uint8_t* buf_smem, const uint8_t* 
                     d[bt] >= 0 ? base + d[bt] + 448 + 16 * rc : base, d[bt] >= 0);
       }
     }
-  }
-#pragma unroll
-  for (int bt = 0; bt < 2; ++bt) {
-    const int rb = bt ^ (g & 1);
     const uint32_t lo = lane_off + rb * 144, hi = lane_off + rb * 112 + 16;
 #pragma unroll
-    for (int m = 0; m < kChunks; ++m) {
-      dequant_store_fp8x16(lo + m * 8192, hi + m * 8192, v[bt][m], (e4[bt] >> (8 * m)) & 0xFFu);
+    for (int m = 0; m < 4; ++m) {
+      if (m < 3 || four) dequant_store_fp8x16(lo + m * 8192, hi + m * 8192, v[bt][m], (e4[bt] >> (8 * m)) & 0xFFu);
     }
   }
-  if (kHalf) cp_async_wait_all();
+  if (half) cp_async_wait_all();
   fence_proxy_async_smem();
   mbar_arrive(ready);
 }
@@ -387,11 +387,7 @@ __device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, cons
       uint8_t* dst = smem + kOffKV + buf * kBufBytes;
       const int64_t off = buf ? data_off[1] : data_off[0];
       const uint2 sc = buf ? scales[1] : scales[0];
-      if (half) {
-        load_half_fp8<1>(dst, base, off, sc, &ready[hb], wait_free);
-      } else {
-        load_half_fp8<0>(dst, base, off, sc, &ready[hb], wait_free);
-      }
+      load_half_fp8(dst, base, off, sc, half, &ready[hb], wait_free);
     }
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
