@@ -245,7 +245,7 @@ __device__ __forceinline__ void load_half_fp8(uint8_t* buf_smem, const uint8_t* 
                             ((q ^ g) & 3) * 32;
   const uint32_t sw = half ? scales.y : scales.x;
   const uint8_t* src0 = base + half * 256 + 16 * q;
-  const bool four = half == 0;  // left half: scale blocks 0..3; right: 4..6 and the rope
+  const bool left = half == 0;  // scale blocks 0..3; the right half: 4..6 and the rope
   // Both rows' loads (8 or 6 per lane) before either row's dequant: ptxas keeps 4 ahead and
   // issues the rest as the first row's chunks free their registers.
   int64_t d[2];
@@ -258,7 +258,7 @@ __device__ __forceinline__ void load_half_fp8(uint8_t* buf_smem, const uint8_t* 
     e4[bt] = __shfl_sync(0xffffffffu, sw, row);
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
-      v[bt][m] = d[bt] >= 0 && (m < 3 || four) ? ldg_nc_v4(src0 + d[bt] + 64 * m) : make_uint4(0, 0, 0, 0);
+      v[bt][m] = d[bt] >= 0 && (m < 3 || left) ? ldg_nc_v4(src0 + d[bt] + 64 * m) : make_uint4(0, 0, 0, 0);
     }
   }
   wait_free();
@@ -280,7 +280,7 @@ __device__ __forceinline__ void load_half_fp8(uint8_t* buf_smem, const uint8_t* 
     const uint32_t lo = lane_off + rb * 144, hi = lane_off + rb * 112 + 16;
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
-      if (m < 3 || four) dequant_store_fp8x16(lo + m * 8192, hi + m * 8192, v[bt][m], (e4[bt] >> (8 * m)) & 0xFFu);
+      if (m < 3 || left) dequant_store_fp8x16(lo + m * 8192, hi + m * 8192, v[bt][m], (e4[bt] >> (8 * m)) & 0xFFu);
     }
   }
   if (half) cp_async_wait_all();
