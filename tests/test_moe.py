@@ -435,8 +435,9 @@ def test_gpu_odd_k_steps(activation, M):
 # DSV4_MOE_SPLITK for every token tile: decode tiles of 8 and 16 tokens (the default
 # when the classic grid would not fill one wave; M=512 gives 16-token tiles), the
 # prefill tiles (64 and the cta_mode=2 128: one chunk per item, persistent), items split
-# 6-8 ways (M=1, 2: chunks of odd length at M=2) and odd K-step counts. The determinism check in test_gpu_vs_reference matters here:
-# routing places rows in tiles in atomics order, and a row's sums must not depend on it.
+# 6-8 ways (M=1, 2: chunks of odd length at M=2) and odd K-step counts. The determinism
+# check in test_gpu_vs_reference matters here: routing places rows in tiles in atomics
+# order, and a row's sums must not depend on it.
 SPLITK_CASES = [
     (FLASH, 1, "uniform", True, 10.0, "bf16", "auto"),
     (FLASH, 2, "uniform", True, 10.0, "nvfp4", "auto"),
