@@ -133,7 +133,11 @@ __device__ __forceinline__ void dequant_tile(const uint4 codes, const uint2 sc, 
   dequant_kstep(codes.w, scale_pair_bf16x2<2>(sc.y), a[3]);
 }
 
-__device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
+// The fast division (2 ulp) instead of the IEEE one, whose refinement steps and range
+// check cost 8 % of GEMM1's time in the prefill kernel: its three consumer warpgroups
+// run the epilogue at once while the tensor cores idle (docs/perf.md, stop 18). A
+// denominator past 2^126 (v below about -87) gives 0, the limit of silu there.
+__device__ __forceinline__ float silu(float v) { return __fdividef(v, 1.0f + __expf(-v)); }
 
 // Value of the e2m1 code in the low nibble of `code` (higher bits ignored).
 __device__ __forceinline__ float e2m1_value(uint32_t code) {
