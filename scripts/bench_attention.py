@@ -164,7 +164,18 @@ def main():
     ap.add_argument("--fmha-dims", type=str, default="512,128,256", help="head dims of the dsv4.fmha rows")
     ap.add_argument("--eager", action="store_true",
                     help="time eager calls (includes host/dispatcher overhead) instead of CUDA-graph replays")
+    ap.add_argument("--vs", choices=["vllm"], default=None,
+                    help="side by side with FlashMLA's SM90 kernels (python -m dsv4.bench.compare; "
+                         "--anchors / DSV4_ANCHORS find them)")
+    ap.add_argument("--anchors", default=None, help="with --vs vllm: anchor folders (see scripts/fetch_anchors.py)")
     args = ap.parse_args()
+    if args.vs:
+        from dsv4.bench import compare
+
+        only = [k for k, skip in (("decode", args.skip_decode), ("prefill", args.skip_prefill)) if not skip]
+        argv = ["--only", ",".join(only), "--iters", str(args.iters)] + (["--json", args.json] if args.json else [])
+        argv += ["--batch", "1,32,128"] if args.quick else []
+        return compare.main(argv + (["--anchors", args.anchors] if args.anchors else []))
     iters = max(30, args.iters)
     global time_us
     time_us = median_us if args.eager else graph_median_us
@@ -210,4 +221,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

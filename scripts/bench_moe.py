@@ -138,7 +138,17 @@ def main():
     ap.add_argument("--prefill", help="comma-separated prefill M (default 2048,8192,16384; --quick 8192); '' = none")
     ap.add_argument("--variants", default="", help="';'-separated sets of k=v switches, e.g. 'sk=0,pdl=0;sk=1,pdl=1'")
     ap.add_argument("--profile", action="store_true", help="per-kernel device times at decode sizes")
+    ap.add_argument("--vs", choices=["vllm"], default=None,
+                    help="side by side with Humming W4A16 (python -m dsv4.bench.compare; --anchors / DSV4_ANCHORS)")
+    ap.add_argument("--anchors", default=None, help="with --vs vllm: anchor folders (see scripts/fetch_anchors.py)")
     args = ap.parse_args()
+    if args.vs:
+        from dsv4.bench import compare
+
+        Ms = (args.decode or "1,8,32,64,128,512") + "," + (args.prefill or "2048,8192,16384")
+        argv = ["--only", "moe", "--moe-models", args.models, "--moe-m", Ms.strip(","), "--iters", str(args.iters)]
+        argv += (["--json", args.json] if args.json else []) + (["--anchors", args.anchors] if args.anchors else [])
+        return compare.main(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_moe.py needs a CUDA device")
     acts = ["bf16", "nvfp4"] if args.activation == "both" else [args.activation]
@@ -244,4 +254,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Inputs of both sides of every comparison, shaped as vLLM 0.33.0 builds them for
+DeepSeek V4 (``vllm/v1/attention/backends/mla/sparse_swa.py``,
+``vllm/models/deepseek_v4/sparse_mla.py``, ``vllm/models/deepseek_v4/nvidia/flashmla.py``).
+
+Decode attention, one layer, ``s_q = 1`` (what vLLM passes):
+
+* caches: ``fp8_ds_mla`` paged pools (584 bytes per token view, block stride padded to a
+  multiple of 576 bytes): the SWA cache in blocks of 64 tokens; the compressed cache of a
+  ratio-4 (CSA / C4A) layer in blocks of 64 entries, of a ratio-128 (HCA / C128A) layer in
+  blocks of 2 entries (vLLM's 256-token KV block divided by the ratio);
+* index rows: SWA ``[T, 1, 128]`` (the window, -1 where the context is shorter); C4A the
+  indexer's top-k (``[T, 1, topk]``, a random subset of the visible compressed entries, -1
+  padded); C128A every visible compressed entry in a row of width
+  ``max(next_pow2(context // 128), 128)`` (vLLM's ``active_topk_width``), -1 padded;
+  int32 lengths per token.
+
+Sequences draw their slots from one shared pool per cache (a random run of consecutive
+slots each, as its pages would be), so batch 256 at 128K needs no private caches.
+
+Prefill attention: q ``[T, H, 512]`` over vLLM's gathered bf16 workspace rows
+``[rows, 512]`` with ``window + topk`` indices per token (1152 for V4-Pro, 640 for
+V4-Flash; vLLM's ``combined_topk``), int32 lengths.
+
+MoE: ModelOpt NVFP4 experts in vLLM's stacked layout (``dsv4.formats``), random top-6
+routing over the global experts and the expert map of EP rank 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .. import formats
+
+__all__ = ["AttnModel", "ATTN_MODELS", "MoeModel", "MOE_MODELS", "SWA_BLOCK", "C4A_BLOCK", "C128A_BLOCK",
+           "WINDOW", "c128a_width", "DecodePools", "decode_case", "prefill_case", "moe_experts", "moe_routing"]
+
+HEAD_DIM = 512
+WINDOW = 128
+SWA_BLOCK = 64
+C4A_BLOCK = 64  # vLLM's 256-token block / ratio 4
+C128A_BLOCK = 2  # vLLM's 256-token block / ratio 128
+C128A_ALIGN = 128  # vllm/models/deepseek_v4/sparse_mla.py: _C128A_TOPK_ALIGNMENT
+RATIO = {"csa": 4, "hca": 128}
+
+
+@dataclass(frozen=True)
+class AttnModel:
+    name: str
+    heads: int  # query heads per GPU as the kernel sees them (64 or 128)
+    index_topk: int  # C4A entries per token
+
+
+ATTN_MODELS = {
+    "flash": AttnModel("V4-Flash", 64, 512),
+    "pro": AttnModel("V4-Pro", 128, 1024),
+}
+
+
+@dataclass(frozen=True)
+class MoeModel:
+    name: str
+    K: int  # hidden
+    N: int  # intermediate per gate/up half
+    E_global: int
+    E_local: int  # experts of one EP rank
+    topk: int = 6
+    swiglu_limit: float = 10.0
+
+
+MOE_MODELS = {
+    "flash": MoeModel("V4-Flash local-32", 4096, 2048, 256, 32),
+    "pro": MoeModel("V4-Pro local-48", 7168, 3072, 384, 48),
+    "v41flash": MoeModel("V4.1-Flash local-48", 5120, 2304, 384, 48),
+}
+
+
+def c128a_width(context: int, max_compressed: Optional[int] = None) -> int:
+    """Row width of vLLM's C128A index rows: the next power of two of the visible entries,
+    at least 128, at most the model's maximum (when given)."""
+    n = max(context // 128, 1)
+    w = max(1 << (n - 1).bit_length(), C128A_ALIGN)
+    return min(w, max_compressed) if max_compressed else w
+
+
+def _random_fp8_pool(num_slots: int, block: int, device, gen: torch.Generator) -> torch.Tensor:
+    nb = -(-num_slots // block)
+    cache = formats.new_fp8_ds_mla_cache(nb, block, device=device)
+    n = nb * block
+    chunk = 1 << 16  # bounds the float32 temporaries of the quantizer
+    for s in range(0, n, chunk):
+        slots = torch.arange(s, min(s + chunk, n), device=device)
+        formats.write_fp8_ds_mla(cache, slots, torch.randn(len(slots), HEAD_DIM, device=device, generator=gen))
+    return cache
+
+
+@dataclass
+class DecodePools:
+    """One shared fp8_ds_mla pool per cache type: window (block 64), C4A (block 64) and
+    C128A (block 2)."""
+
+    swa: torch.Tensor
+    c4a: torch.Tensor
+    c128a: torch.Tensor
+
+    @staticmethod
+    def build(n_swa: int, n_c4a: int, n_c128a: int, device, seed: int = 0) -> "DecodePools":
+        gen = torch.Generator(device=device).manual_seed(seed)
+        return DecodePools(_random_fp8_pool(n_swa, SWA_BLOCK, device, gen),
+                           _random_fp8_pool(n_c4a, C4A_BLOCK, device, gen),
+                           _random_fp8_pool(n_c128a, C128A_BLOCK, device, gen))
+
+    def slots(self, kind: str) -> int:
+        c = {"swa": self.swa, "csa": self.c4a, "hca": self.c128a}[kind]
+        return c.shape[0] * c.shape[1]
+
+
+def decode_case(kind: str, model: AttnModel, batch: int, context: int, pools: DecodePools,
+                gen: torch.Generator) -> dict:
+    """Inputs of one decode call of a layer of ``kind`` ("swa", "csa", "hca") for
+    ``batch`` sequences of ``context`` tokens each (the new token at position
+    ``context - 1``).
+
+    Returns dict: ``q`` bf16 [B, 1, H, 512], ``sink`` fp32 [H], ``swa_cache``,
+    ``swa_idx`` int32 [B, 1, 128], ``swa_len`` int32 [B], and for csa/hca
+    ``extra_cache``, ``extra_idx`` int32 [B, 1, W], ``extra_len`` int32 [B] (None for
+    swa); ``keys`` = visible keys per token (for FLOP and byte counts).
+    """
+    device = pools.swa.device
+    if kind not in ("swa", "csa", "hca"):
+        raise ValueError(f"dsv4: kind must be 'swa', 'csa' or 'hca', got {kind!r}")
+    if batch < 0 or context < 1:
+        raise ValueError(f"dsv4: need batch >= 0 and context >= 1, got batch={batch}, context={context}")
+
+    def run(pool_slots: int, span: int, width: int, pick: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if span > pool_slots:
+            raise ValueError(f"dsv4: the pool has {pool_slots} slots, a sequence needs {span}")
+        start = torch.randint(0, pool_slots - span + 1, (batch, 1), generator=gen, device=device)
+        if pick is None or pick >= span:
+            offs = torch.arange(span, device=device).expand(batch, span)
+        else:  # a random subset, in random order, like the indexer's top-k output
+            offs = torch.rand(batch, span, generator=gen, device=device).topk(pick, dim=1).indices
+        n = offs.shape[1]
+        idx = torch.full((batch, width), -1, dtype=torch.int32, device=device)
+        idx[:, :n] = (start + offs).to(torch.int32)
+        return idx.view(batch, 1, width), torch.full((batch,), n, dtype=torch.int32, device=device)
+
+    swa_idx, swa_len = run(pools.slots("swa"), min(WINDOW, context), WINDOW)
+    case = dict(q=torch.randn(batch, 1, model.heads, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16),
+                sink=torch.randn(model.heads, generator=gen, device=device), swa_cache=pools.swa,
+                swa_idx=swa_idx, swa_len=swa_len, extra_cache=None, extra_idx=None, extra_len=None,
+                keys=min(WINDOW, context))
+    if kind == "csa":
+        span = context // RATIO["csa"]
+        case["extra_idx"], case["extra_len"] = run(pools.slots("csa"), span, model.index_topk, model.index_topk)
+        case["extra_cache"] = pools.c4a
+        case["keys"] += min(span, model.index_topk)
+    elif kind == "hca":
+        span = context // RATIO["hca"]
+        case["extra_idx"], case["extra_len"] = run(pools.slots("hca"), span, c128a_width(context))
+        case["extra_cache"] = pools.c128a
+        case["keys"] += span
+    return case
+
+
+def prefill_case(model: AttnModel, tokens: int, kv_rows: int, gen: torch.Generator, device,
+                 kv: Optional[torch.Tensor] = None) -> dict:
+    """Inputs of one sparse prefill call: ``q`` bf16 [T, H, 512], ``kv`` bf16 [rows, 512]
+    (vLLM's gathered workspace; pass one to share it between cases), ``idx`` int32
+    [T, window + topk] of distinct valid rows, ``lens`` int32 [T] (all full)."""
+    topk = WINDOW + model.index_topk
+    if kv is None:
+        kv = torch.randn(kv_rows, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
+    idx = torch.rand(tokens, kv.shape[0], generator=gen, device=device).topk(topk, dim=1).indices.to(torch.int32) \
+        if kv.shape[0] <= 8192 else torch.randint(0, kv.shape[0], (tokens, topk), generator=gen, device=device,
+                                                  dtype=torch.int32)
+    return dict(q=torch.randn(tokens, model.heads, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16),
+                kv=kv, idx=idx, lens=torch.full((tokens,), topk, dtype=torch.int32, device=device),
+                sink=torch.randn(model.heads, generator=gen, device=device), topk=topk)
+
+
+def moe_experts(m: MoeModel, device, seed: int = 1) -> dict:
+    """Random ModelOpt NVFP4 experts of one EP rank in vLLM's stacked layout, drawn
+    directly as codes and e4m3 block scales (values O(0.02), like real weights; timing
+    does not depend on them). Equal gate/up global scales."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    E, N, K = m.E_local, m.N, m.K
+
+    def codes(*shape):
+        return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen, device=device)
+
+    def scales(*shape):  # e4m3 block scales in [16, 64)
+        return (16 + 48 * torch.rand(shape, generator=gen, device=device)).to(torch.float8_e4m3fn)
+
+    g = torch.full((E,), 2e-4, dtype=torch.float32, device=device)
+    return dict(w13=codes(E, 2 * N, K // 2), w13_scale=scales(E, 2 * N, K // 16), w13_scale_2=g,
+                w2=codes(E, K, N // 2), w2_scale=scales(E, K, N // 16), w2_scale_2=g.clone())
+
+
+def moe_routing(m: MoeModel, M: int, device, seed: int) -> dict:
+    """``x`` bf16 [M, K], random distinct top-k ``ids`` int32 [M, k] over the global
+    experts with normalised ``tw`` fp32 [M, k], and ``emap`` int32 [E_global] of EP rank
+    0 (experts [0, E_local) local, the rest -1). ``n_local`` = local (token, expert)
+    pairs, ``touched`` = distinct local experts used."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(M, m.K, generator=gen, device=device).to(torch.bfloat16)
+    tw, ids = torch.rand(M, m.E_global, generator=gen, device=device).topk(m.topk, dim=1)
+    emap = torch.full((m.E_global,), -1, dtype=torch.int32, device=device)
+    emap[: m.E_local] = torch.arange(m.E_local, dtype=torch.int32, device=device)
+    local = ids[ids < m.E_local]
+    return dict(x=x, ids=ids.to(torch.int32), tw=(tw / tw.sum(1, keepdim=True)).float(), emap=emap,
+                n_local=int(local.numel()), touched=int(torch.unique(local).numel()))
