@@ -5,7 +5,7 @@ V4-Pro decode (H=128, 1024 + 128), batch 1..256; prefill H=128 with 1152 indices
 token at T = 4096 and 16384 (bf16 gathered kv).
 
 Method: each input set's call is captured in a CUDA graph (as vLLM runs decode); median
-of >= 30 CUDA-event-timed graph replays after warm-up, rotating through several input sets (different q / indices over caches much larger than L2) so caches do
+of >= 30 CUDA-event-timed graph replays after warm-up, L2 evicted before each (dsv4.bench.timing), rotating through several input sets (different q / indices over caches much larger than L2) so caches do
 not flatter. Useful FLOPs = 2 * H * (512 + 512) per valid key per token. Bytes = q + out
 + lse + each token's gathered KV rows once (fp8: 576 data + 8 scale bytes per key; bf16:
 1024). Ceilings measured in the same run: bf16 torch.matmul 8192^3 and a device copy
@@ -25,20 +25,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from dsv4 import formats
 from dsv4.attention import sparse_mqa_decode, sparse_mqa_prefill
 from dsv4.fmha import fmha, visible_rows
-from dsv4.benchmarking import bf16_gemm_tflops, copy_bandwidth_tbps, graph_median_us, median_us
+from dsv4.bench.timing import bf16_gemm_tflops, copy_bandwidth_tbps
+from dsv4.bench.timing import time_us as _time_us
 
 SCALE = 512**-0.5
-time_us = graph_median_us  # --eager switches to median_us (host overhead included)
+EAGER = False  # --eager: time eager calls (host overhead included) instead of CUDA-graph replays
+
+
+def time_us(run, *, n_inputs, iters):
+    """The one timer (dsv4.bench.timing): cold L2, rotating input sets."""
+    return _time_us({"dsv4": [lambda k=k: run(k) for k in range(n_inputs)]}, iters=iters,
+                    cuda_graph=not EAGER)["dsv4"].us
 
 
 def random_fp8_cache(num_blocks, block_size, seed):
@@ -177,8 +182,8 @@ def main():
         argv += ["--batch", "1,32,128"] if args.quick else []
         return compare.main(argv + (["--anchors", args.anchors] if args.anchors else []))
     iters = max(30, args.iters)
-    global time_us
-    time_us = median_us if args.eager else graph_median_us
+    global EAGER
+    EAGER = args.eager
     torch.backends.cuda.matmul.allow_tf32 = False
 
     gemm = bf16_gemm_tflops()

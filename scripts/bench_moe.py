@@ -9,7 +9,7 @@ local, as on one EP8 rank). Decode M in {1, 8, 32, 64, 128}; prefill M in
 Baseline in the same run: bf16 torch._grouped_mm over the dequantized local
 weights + torch clamped SwiGLU (routing sort/gather and the weighted combine in
 torch too). Reported per case: median us over >= 30 event-timed calls after
-warm-up with 4 rotating input sets; effective weight bandwidth = bytes of the
+warm-up with 4 rotating input sets, L2 evicted before each call (dsv4.bench.timing); effective weight bandwidth = bytes of the
 distinct local experts touched (NVFP4 codes + scales for dsv4; bf16 for the
 baseline) / time; useful TFLOP/s = 6*K*N flops per local slot / time; % of the copy
 bandwidth and of the dense bf16 GEMM rate measured in this process; speedup over
@@ -37,7 +37,7 @@ import sys
 import torch
 
 from dsv4 import formats
-from dsv4.benchmarking import bf16_gemm_tflops, copy_bandwidth_tbps, graph_median_us, interleaved_median_us, median_us
+from dsv4.bench.timing import bf16_gemm_tflops, copy_bandwidth_tbps, time_us
 from dsv4.latency import moe_bf16_baseline
 from dsv4.moe import nvfp4_moe, prepare_nvfp4_moe_weights
 
@@ -177,7 +177,8 @@ def main():
             n_local = sum(s["n_local"] for s in sets) / 4
             flops = n_local * 6 * K * N
             try:
-                base_us = median_us(lambda i: baseline(sets[i], w13, w2, E, N), n_inputs=4, iters=args.iters)
+                base_us = time_us({"b": [lambda i=i: baseline(sets[i], w13, w2, E, N) for i in range(4)]},
+                                  iters=args.iters, cuda_graph=False)["b"].us
             except Exception as ex:  # keep the dsv4 numbers if the baseline cannot run
                 print(f"baseline failed at M={M}: {ex}", flush=True)
                 base_us = float("nan")
@@ -194,8 +195,9 @@ def main():
                               out=outs[i], **kw)
 
                 # The modes round-robin, so the 2-CTA / 1-CTA ratio is not skewed by drift.
-                res = interleaved_median_us({cta: (lambda i, cta=cta: run(i, cta)) for cta in modes}, n_inputs=4,
-                                            iters=args.iters)
+                res = {cta: t.us for cta, t in time_us({cta: [lambda i=i, cta=cta: run(i, cta) for i in range(4)]
+                                                          for cta in modes}, iters=args.iters,
+                                                         cuda_graph=False).items()}
                 graph_us = None
                 if M in decode:  # decode runs under CUDA graphs in vLLM: time the replay too
                     def run_auto(i):
@@ -203,7 +205,8 @@ def main():
                         nvfp4_moe(s["x"], s["ids"], s["tw"], prepared, expert_map=s["emap"], out=outs[i], **kw)
 
                     try:
-                        graph_us = graph_median_us(run_auto, n_inputs=4, iters=args.iters)
+                        graph_us = time_us({"g": [lambda i=i: run_auto(i) for i in range(4)]},
+                                           iters=args.iters)["g"].us
                     except Exception as ex:
                         print(f"graph timing failed at M={M}: {ex}", flush=True)
                 for cta, us in res.items():

@@ -612,7 +612,7 @@ def run(args) -> int:
 
     copy_tbps = None
     if not sweep.cpu:
-        from dsv4.benchmarking import copy_bandwidth_tbps
+        from dsv4.bench.timing import copy_bandwidth_tbps
 
         torch.backends.cuda.matmul.allow_tf32 = False
         copy_tbps = copy_bandwidth_tbps()

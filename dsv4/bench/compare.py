@@ -251,6 +251,56 @@ def render(rows: list[dict], anchors_line: str, ceilings: Optional[dict] = None)
     return console.export_text()
 
 
+def markdown(rows: list[dict], ceilings: Optional[dict] = None) -> str:
+    """Markdown tables of compared rows, one per op (docs/perf.md's side-by-side tables)."""
+    out = []
+    if ceilings:
+        out.append("Ceilings measured in the same process: " + ", ".join(f"{k} {v:.2f}" for k, v in ceilings.items())
+                   + ".\n")
+    for op, title in (("decode", "Decode attention (s_q = 1), dsv4 vs FlashMLA SM90"),
+                      ("prefill", "Sparse prefill, dsv4 vs FlashMLA SM90"),
+                      ("moe", "Routed-expert MoE (NVFP4 W4A16), dsv4 vs Humming W4A16")):
+        sel = [r for r in rows if r["op"] == op]
+        if not sel:
+            continue
+        out.append(f"#### {title}\n")
+        if op == "decode":
+            out.append("| model | layer | context | B | dsv4 us | FlashMLA us | ratio | dsv4 TFLOP/s | % bf16 peak |")
+            out.append("|---|---|---|---:|---:|---:|---:|---:|---:|")
+            for r in sel:
+                ctx = f"{r['context'] // 1024}K" if r.get("context") else "any"
+                out.append(f"| {r['model']} | {r['kind'].upper()} | {ctx} | {r['batch']} | {r['dsv4_us']:.1f} | "
+                           f"{r.get('incumbent_us', float('nan')):.1f} | {_ratio(r)} | {r['tflops']:.0f} | "
+                           f"{r.get('pct_gemm', float('nan')):.0f} |")
+        elif op == "prefill":
+            out.append("| model | indices | T | dsv4 us | FlashMLA us | ratio | ratio incl. gather (est.) | "
+                       "dsv4 TFLOP/s | % bf16 peak |")
+            out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+            for r in sel:
+                rg = f"{r['ratio_with_gather']:.2f}x" if "ratio_with_gather" in r else "-"
+                out.append(f"| {r['model']} | {r['keys']} | {r['batch']} | {r['dsv4_us']:.1f} | "
+                           f"{r.get('incumbent_us', float('nan')):.1f} | {_ratio(r)} | {rg} | {r['tflops']:.0f} | "
+                           f"{r.get('pct_gemm', float('nan')):.0f} |")
+        else:
+            out.append("| experts | M | dsv4 us | Humming us | ratio | dsv4 TFLOP/s | % bf16 peak | dsv4 TB/s "
+                       "(weights) | % copy | rel. L2 vs Humming |")
+            out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+            for r in sel:
+                l2 = f"{r['rel_l2']:.1e}" if "rel_l2" in r else "-"
+                out.append(f"| {r['model']} | {r['batch']} | {r['dsv4_us']:.1f} | "
+                           f"{r.get('incumbent_us', float('nan')):.1f} | {_ratio(r)} | {r['tflops']:.0f} | "
+                           f"{r.get('pct_gemm', float('nan')):.0f} | {r['tbps']:.2f} | "
+                           f"{r.get('pct_copy', float('nan')):.0f} | {l2} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _ratio(r: dict) -> str:
+    if "ratio" not in r:
+        return "-"
+    return f"**{r['ratio']:.2f}x**" if r["ratio"] < 1.0 else f"{r['ratio']:.2f}x"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m dsv4.bench.compare", description=__doc__.splitlines()[0])
     ap.add_argument("--anchors", default=None, help="anchor folders (os.pathsep-separated); else $DSV4_ANCHORS")
@@ -264,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--moe-m", type=_list, default=DEFAULT_MOE_M)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default=None, help="write rows, ceilings and the incumbents line here")
+    ap.add_argument("--markdown", default=None, help="also write the tables as markdown here")
+    ap.add_argument("--from-json", default=None, help="render the tables of an earlier --json run; time nothing")
     ap.add_argument("--dry-run", action="store_true", help="list the cases and the incumbents; time nothing")
     return ap
 
@@ -278,6 +330,14 @@ def main(argv=None) -> int:
         if bad:
             print(f"dsv4.bench.compare: {name} takes {', '.join(allowed)}; got {', '.join(bad)}", file=sys.stderr)
             return 2
+    if args.from_json:
+        with open(args.from_json) as f:
+            d = json.load(f)
+        print(render(d["rows"], d["anchors"], d["ceilings"]))
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(markdown(d["rows"], d["ceilings"]))
+        return 0
     gpu = torch.cuda.is_available()
     anchors = find_anchors(args.anchors.split(":") if args.anchors else None, load=gpu and not args.dry_run)
     line = anchors.summary()
@@ -323,6 +383,9 @@ def main(argv=None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(anchors=line, ceilings=ceilings, rows=rows), f, indent=1)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(markdown(rows, ceilings))
 
     if "decode" in args.only:
         rows += decode_rows(anchors, args.models, args.kinds, args.batch, args.context, iters)
