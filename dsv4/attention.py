@@ -6,10 +6,13 @@ that only adds to the denominator. Conventions (DESIGN.md section 1, dsv4.refere
 
 * entry ``e`` of a token's list is used iff ``e < topk_length[b]`` (all ``topk`` entries
   when ``topk_length`` is None) and ``0 <= index < number of slots``; ``-1`` padding and
-  out-of-range ids are skipped; duplicate ids count twice;
+  out-of-range ids are skipped; duplicate ids count twice; a skipped entry's bytes never
+  reach the math (the CUDA kernels load a zero row in its place, the CPU kernel selects
+  zeros), so NaN or inf in slots that no used entry names cannot reach the output;
 * ``out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sink[h] - m))`` with
   ``s_j = softmax_scale * <q, k_j>``; ``attn_sink = None`` or ``-inf`` = no sink,
-  ``+inf`` = zero output;
+  ``+inf`` = zero output (sink values are not checked: a NaN logit makes the head's
+  output NaN where the token sees a key);
 * ``lse`` = natural-log sum of exp(s_j) WITHOUT the sink; a token with no visible key
   gets a zero output and ``lse = -inf`` (never NaN).
 
@@ -113,8 +116,8 @@ def _check_common(q4: torch.Tensor, out4: torch.Tensor, attn_sink, softmax_scale
     if tuple(out4.shape) != tuple(q4.shape):
         raise _err(f"out must have the shape of q {list(q4.shape)}, got {list(out4.shape)}")
     _check_same_device(out4, "out", q4)
-    if not math.isfinite(softmax_scale):
-        raise _err(f"softmax_scale must be finite, got {softmax_scale}")
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise _err(f"softmax_scale must be finite and > 0, got {softmax_scale}")
     if attn_sink is not None:
         _check_same_device(attn_sink, "attn_sink", q4)
         if attn_sink.dtype != torch.float32:
@@ -208,15 +211,16 @@ def _run_reference(q4, rows, idx3, lengths_b, attn_sink, softmax_scale, rows2=No
     def per_token(x):
         return None if x is None else x.repeat_interleave(s_q)
 
+    # (explicit topk: reshape(t, -1) is ambiguous for an empty batch)
     o, lse = reference.sparse_mqa(
         q4.reshape(t, h, d),
         rows,
-        idx3.reshape(t, -1),
+        idx3.reshape(t, idx3.shape[-1]),
         per_token(lengths_b),
         attn_sink,
         softmax_scale,
         extra_kv=rows2,
-        extra_indices=None if idx3_2 is None else idx3_2.reshape(t, -1),
+        extra_indices=None if idx3_2 is None else idx3_2.reshape(t, idx3_2.shape[-1]),
         extra_lengths=per_token(lengths2_b),
     )
     return o.reshape(b, s_q, h, d), lse.reshape(b, s_q, h)
@@ -275,7 +279,7 @@ def sparse_mqa_decode(
         topk_length: int32 ``[B]`` or None: only the first ``topk_length[b]`` entries of
             batch b's lists are used (shared by its s_q tokens).
         attn_sink: fp32 ``[H]`` sink logits or None.
-        softmax_scale: defaults to 512 ** -0.5.
+        softmax_scale: defaults to 512 ** -0.5; finite and > 0.
         extra_kv_cache, extra_indices ``[B, s_q, topk2]``, extra_topk_length ``[B]``: a
             second cache and index list (same layout as ``kv_cache``) in the same softmax.
         out: optional bf16 ``[B, s_q, H, 512]`` output buffer (written in place).
@@ -314,7 +318,8 @@ def sparse_mqa_prefill(
             out-of-range ids are skipped.
         topk_length: int32 ``[T]`` or None: token t uses its first ``topk_length[t]``
             entries.
-        attn_sink: fp32 ``[H]`` or None. softmax_scale: defaults to 512 ** -0.5.
+        attn_sink: fp32 ``[H]`` or None. softmax_scale: defaults to 512 ** -0.5; finite
+            and > 0.
         out: optional bf16 ``[T, H, 512]`` output buffer.
 
     Returns:

@@ -20,10 +20,18 @@ CUDA: two kernels behind one call.
   which has the wgmma pipeline for that shape.
 
 Anything else raises a clear error on CUDA (the CPU path runs every shape).
+
+Rows a query does not see (DESIGN section 1: their bytes must never reach the math): the
+head-dim-512 path and the CPU path never let them into that query's result, whatever
+they hold. The dense kernel reads whole 64-row tiles of the union of the visible ranges
+of 64 queries: rows that none of those queries sees are never read, but a NaN or inf in
+a row that one of them sees reaches the others as 0 * NaN inside the tile's P V product
+(as in any tiled attention kernel; valid rows are expected to be finite).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Union
 
 import torch
@@ -37,15 +45,23 @@ __all__ = ["fmha", "index_width", "visible_rows"]
 DENSE_HEAD_DIMS = (64, 128, 256)
 
 
+def _check_softmax_scale(softmax_scale: float) -> None:
+    # same rule and wording as csrc/fmha/dense_fmha.cu
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"dsv4: softmax_scale must be finite and > 0, got {softmax_scale}")
+
+
 @torch.library.register_fake("dsv4::dense_fmha")
 def _(q, k, v, cu_seqlens_q, cu_seqlens_kv, n_comp, seq_start_pos, attn_sink, softmax_scale, window, causal,
       ratio, max_seqlen_q, max_seqlen_kv, num_splits, out):
+    _check_softmax_scale(softmax_scale)
     return q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
 
 
 @torch.library.impl("dsv4::dense_fmha", "CPU")
 def _(q, k, v, cu_seqlens_q, cu_seqlens_kv, n_comp, seq_start_pos, attn_sink, softmax_scale, window, causal,
       ratio, max_seqlen_q, max_seqlen_kv, num_splits, out):
+    _check_softmax_scale(softmax_scale)
     o, lse = reference.dense_fmha(q, k, v, cu_seqlens_q, cu_seqlens_kv, n_comp, window=window, causal=causal,
                                   ratio=ratio, seq_start_pos=seq_start_pos, sink=attn_sink, scale=softmax_scale)
     out.copy_(o)
@@ -151,7 +167,8 @@ def fmha(
         window: sliding window (<= 0: unlimited). causal: apply the position masks.
         ratio: compression ratio of the compressed entries. seq_start_pos: int ``[S]``
             absolute position of each sequence's first window entry (default 0).
-        attn_sink: fp32 ``[Hq]`` or None. softmax_scale: default ``D ** -0.5``.
+        attn_sink: fp32 ``[Hq]`` or None. softmax_scale: default ``D ** -0.5``; finite and
+            > 0, checked on the host.
         out: optional output buffer ``[Tq, Hq, Dv]`` of q's dtype.
         max_seqlen_q: host int >= every sequence's query count (sizes the dense kernel's
             grid; default Tq, always safe). A smaller value leaves rows unwritten.
@@ -177,6 +194,7 @@ def fmha(
         raise ValueError(f"dsv4: num_splits must be an int in [0, 64] (0 = choose), got {num_splits!r}")
     k, v = kv if isinstance(kv, tuple) else (kv, kv)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    _check_softmax_scale(scale)
     if q.device.type != "cuda":
         o, lse = reference.dense_fmha(
             q, k, v, cu_seqlens_q, cu_seqlens_kv, n_comp, window=window, causal=causal, ratio=ratio,

@@ -29,6 +29,7 @@ nvfp4_moe v4b and v5). CPU: the float32 reference
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import NamedTuple, Optional, Union
 
@@ -318,8 +319,8 @@ def _check_call(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_s
         if expert_map.dtype != torch.int32 or expert_map.dim() != 1 or expert_map.numel() == 0:
             raise ValueError(f"dsv4: expert_map must be a non-empty 1-D torch.int32 tensor [E_global], got "
                              f"{expert_map.dtype} {tuple(expert_map.shape)}")
-    if swiglu_limit is not None and not swiglu_limit > 0:
-        raise ValueError(f"dsv4: swiglu_limit must be positive, got {swiglu_limit}")
+    if swiglu_limit is not None and not (math.isfinite(swiglu_limit) and swiglu_limit > 0):
+        raise ValueError(f"dsv4: swiglu_limit must be positive and finite, got {swiglu_limit}")
     if cta_mode not in (0, 1, 2):
         raise ValueError(f"dsv4: cta_mode must be 0 (auto), 1 or 2, got {cta_mode}")
     return M, K, N, E, k
@@ -428,6 +429,11 @@ def nvfp4_moe(
         a13_scale, a2_scale: NVFP4 activation global (dequant) scales of GEMM1's input
             and GEMM2's input (the checkpoint's ``input_scale``): a float, or an fp32
             tensor with 1 element or [E] (per local expert). Required for "nvfp4".
+            Finite and > 0: a float is checked on the host, a tensor's values only on
+            CPU (a check on CUDA would need a device sync); there 0, a negative value,
+            inf or NaN give block scales that do not encode the activations
+            (saturated, zero, negative or NaN; see ``dsv4.quantize_nvfp4``), so the
+            output is meaningless, never an error.
         expert_map: int [E_global] global -> local expert id, -1 = not on this rank
             (those slots contribute nothing).
         cta_mode: "auto" (0), 1 or 2: the prefill GEMM kernel. Above 24 expected
@@ -470,6 +476,9 @@ def nvfp4_moe(
     if nvfp4 and (a13_scale is None or a2_scale is None):
         raise ValueError(f'dsv4: {"a13_scale" if a13_scale is None else "a2_scale"} is required when '
                          'activation="nvfp4"')
+    for name, s in (("a13_scale", a13_scale), ("a2_scale", a2_scale)):
+        if nvfp4 and not isinstance(s, torch.Tensor) and not (math.isfinite(float(s)) and float(s) > 0):
+            raise ValueError(f"dsv4: {name} must be finite and > 0, got {s}")
     a13 = _scale_tensor(a13_scale, x.device) if nvfp4 else None
     a2 = _scale_tensor(a2_scale, x.device) if nvfp4 else None
     if out is None:

@@ -11,6 +11,8 @@ NaN inputs give unspecified codes and scales.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import formats
@@ -54,11 +56,17 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | float) -> tuple
         x: bf16 [M, K], K a multiple of 16; unit stride along K (rows may be strided,
             16-byte aligned on CUDA).
         global_scale: fp32 tensor with one element on x's device (or a Python float),
-            the dequant multiplier g (a checkpoint's ``input_scale``). Must be > 0.
+            the dequant multiplier g (a checkpoint's ``input_scale``). Must be finite and
+            > 0: a Python float is checked here; a tensor's value is not (that would
+            need a device sync), and 0, a negative value, inf or NaN give codes and
+            scales that do not encode x (saturated, zero, negative or NaN block scales).
 
     Returns:
         (codes uint8 [M, K/2], scales float8_e4m3fn [M, K/16]); see the module docstring.
     """
     if not isinstance(global_scale, torch.Tensor):
-        global_scale = torch.tensor([float(global_scale)], dtype=torch.float32, device=x.device)
+        g = float(global_scale)
+        if not (math.isfinite(g) and g > 0):
+            raise ValueError(f"dsv4: global_scale must be finite and > 0, got {g}")
+        global_scale = torch.tensor([g], dtype=torch.float32, device=x.device)
     return op("quantize_nvfp4")(x, global_scale)

@@ -36,45 +36,45 @@ _NEG_INF = float("-inf")
 
 def _check_tensor(name: str, t, ndim: Optional[int] = None) -> None:
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise ValueError(f"dsv4: {name} must be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+        raise ValueError(f"dsv4: {name} must be {ndim}-D, got shape {tuple(t.shape)}")
 
 
 def _check_float(name: str, t, ndim: Optional[int] = None) -> None:
     _check_tensor(name, t, ndim)
     if not t.is_floating_point():
-        raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        raise ValueError(f"dsv4: {name} must be a floating-point tensor, got {t.dtype}")
 
 
 def _check_int(name: str, t, ndim: Optional[int] = None) -> None:
     _check_tensor(name, t, ndim)
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+        raise ValueError(f"dsv4: {name} must be an integer tensor, got {t.dtype}")
 
 
 def _check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
     if tuple(t.shape) != tuple(shape):
         raise ValueError(
-            f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}"
+            f"dsv4: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}"
         )
 
 
 def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
     if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device}")
+        raise ValueError(f"dsv4: {name} is on {t.device}, expected {device}")
 
 
 def _check_scale(name: str, scale) -> float:
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1:
-            raise ValueError(f"{name} must be a scalar, got shape {tuple(scale.shape)}")
+            raise ValueError(f"dsv4: {name} must be a scalar, got shape {tuple(scale.shape)}")
         scale = scale.item()
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise ValueError(f"{name} must be a real number, got {type(scale).__name__}")
+        raise ValueError(f"dsv4: {name} must be a real number, got {type(scale).__name__}")
     scale = float(scale)
     if not math.isfinite(scale):
-        raise ValueError(f"{name} must be finite, got {scale}")
+        raise ValueError(f"dsv4: {name} must be finite, got {scale}")
     return scale
 
 
@@ -107,12 +107,15 @@ def _softmax_with_sink(
     """
     lse = torch.logsumexp(s, dim=-1)  # -inf for an all-masked (or K=0) row
     total = lse if sink is None else torch.logaddexp(lse, sink)
-    # Subtract the full log-denominator only where it is finite: -inf means
-    # every s is -inf (weights are exp(-inf) = 0 either way), +inf means an
-    # infinite sink that takes all the mass (weights forced to 0 below).
-    shift = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
+    # Subtract the full log-denominator unless it is infinite: -inf means every
+    # s is -inf (weights are exp(-inf) = 0 either way), +inf means an infinite
+    # sink that takes all the mass (weights forced to 0 below). A NaN (NaN sink
+    # logit) stays: rows with a visible key become NaN, empty rows stay zero, as
+    # on CUDA.
+    shift = torch.where(torch.isinf(total), torch.zeros_like(total), total)
     p = torch.exp(s - shift.unsqueeze(-1))
-    p = torch.where(torch.isposinf(total).unsqueeze(-1), torch.zeros_like(p), p)
+    zero = torch.isposinf(total) | torch.isneginf(lse)
+    p = torch.where(zero.unsqueeze(-1), torch.zeros_like(p), p)
     return p, lse
 
 
@@ -129,7 +132,8 @@ def _gather_scores(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Scores and values for one (cache, index list) pair.
 
-    Returns (s [T, H, topk] with -inf at unused slots, values [T, topk, D]).
+    Returns (s [T, H, topk] with -inf at unused slots, values [T, topk, D], zero at
+    unused slots).
     """
     T, topk = indices.shape
     N = kv.shape[0]
@@ -141,7 +145,9 @@ def _gather_scores(
         vals = kv.new_zeros(T, topk, kv.shape[1], dtype=torch.float32)
     else:
         safe = torch.where(valid, indices, torch.zeros_like(indices)).long()
-        vals = kv[safe].float()  # [T, topk, D]; row 0 stands in for masked slots
+        # Row 0 stands in for skipped entries; selecting zeros (not weighting by 0) keeps
+        # its bytes out of the math when it holds NaN or inf (0 * NaN is NaN).
+        vals = torch.where(valid.unsqueeze(-1), kv[safe].float(), 0.0)  # [T, topk, D]
     s = torch.einsum("thd,tkd->thk", q, vals)
     s = s.masked_fill(~valid.unsqueeze(1), _NEG_INF)
     return s, vals
@@ -188,11 +194,11 @@ def sparse_mqa(
     device = q.device
     _check_float("kv", kv, 2)
     if kv.shape[1] != D:
-        raise ValueError(f"kv must have shape [N, {D}] to match q, got {tuple(kv.shape)}")
+        raise ValueError(f"dsv4: kv must have shape [N, {D}] to match q, got {tuple(kv.shape)}")
     _check_device("kv", kv, device)
     _check_int("indices", indices, 2)
     if indices.shape[0] != T:
-        raise ValueError(f"indices must have shape [{T}, topk], got {tuple(indices.shape)}")
+        raise ValueError(f"dsv4: indices must have shape [{T}, topk], got {tuple(indices.shape)}")
     _check_device("indices", indices, device)
     if lengths is not None:
         _check_int("lengths", lengths, 1)
@@ -202,20 +208,20 @@ def sparse_mqa(
     scale = _check_scale("scale", scale)
 
     if (extra_kv is None) != (extra_indices is None):
-        raise ValueError("extra_kv and extra_indices must be given together")
+        raise ValueError("dsv4: extra_kv and extra_indices must be given together")
     if extra_kv is None and extra_lengths is not None:
-        raise ValueError("extra_lengths given without extra_kv / extra_indices")
+        raise ValueError("dsv4: extra_lengths given without extra_kv / extra_indices")
     if extra_kv is not None:
         _check_float("extra_kv", extra_kv, 2)
         if extra_kv.shape[1] != D:
             raise ValueError(
-                f"extra_kv must have shape [N2, {D}] to match q, got {tuple(extra_kv.shape)}"
+                f"dsv4: extra_kv must have shape [N2, {D}] to match q, got {tuple(extra_kv.shape)}"
             )
         _check_device("extra_kv", extra_kv, device)
         _check_int("extra_indices", extra_indices, 2)
         if extra_indices.shape[0] != T:
             raise ValueError(
-                f"extra_indices must have shape [{T}, topk2], got {tuple(extra_indices.shape)}"
+                f"dsv4: extra_indices must have shape [{T}, topk2], got {tuple(extra_indices.shape)}"
             )
         _check_device("extra_indices", extra_indices, device)
         if extra_lengths is not None:
@@ -321,14 +327,14 @@ def dense_fmha(
     _check_float("v", v, 3)
     Nkv, Hkv, Dk = k.shape
     if Dk != D:
-        raise ValueError(f"k head dim {Dk} does not match q head dim {D}")
+        raise ValueError(f"dsv4: k head dim {Dk} does not match q head dim {D}")
     if v.shape[0] != Nkv or v.shape[1] != Hkv:
         raise ValueError(
-            f"v must have shape [{Nkv}, {Hkv}, Dv] to match k, got {tuple(v.shape)}"
+            f"dsv4: v must have shape [{Nkv}, {Hkv}, Dv] to match k, got {tuple(v.shape)}"
         )
     Dv = v.shape[2]
     if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"q heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+        raise ValueError(f"dsv4: q heads ({Hq}) must be a multiple of kv heads ({Hkv})")
     for name, t in (("k", k), ("v", v)):
         _check_device(name, t, device)
 
@@ -336,7 +342,7 @@ def dense_fmha(
     _check_int("cu_seqlens_kv", cu_seqlens_kv, 1)
     S = cu_seqlens_q.shape[0] - 1
     if S < 0:
-        raise ValueError("cu_seqlens_q must have at least one element")
+        raise ValueError("dsv4: cu_seqlens_q must have at least one element")
     _check_shape("cu_seqlens_kv", cu_seqlens_kv, (S + 1,))
     _check_int("n_comp", n_comp, 1)
     _check_shape("n_comp", n_comp, (S,))
@@ -346,9 +352,9 @@ def dense_fmha(
     sink = _check_sink(sink, Hq, device)
     scale = _check_scale("scale", scale)
     if isinstance(window, bool) or not isinstance(window, int):
-        raise ValueError(f"window must be an int, got {type(window).__name__}")
+        raise ValueError(f"dsv4: window must be an int, got {type(window).__name__}")
     if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1:
-        raise ValueError(f"ratio must be an int >= 1, got {ratio!r}")
+        raise ValueError(f"dsv4: ratio must be an int >= 1, got {ratio!r}")
 
     # Host copies of the small per-sequence metadata drive the Python loop.
     cq = cu_seqlens_q.tolist()
@@ -357,14 +363,14 @@ def dense_fmha(
     starts = seq_start_pos.tolist() if seq_start_pos is not None else [0] * S
     for name, cu, total in (("cu_seqlens_q", cq, Tq), ("cu_seqlens_kv", ckv, Nkv)):
         if cu[0] != 0 or cu[-1] != total:
-            raise ValueError(f"{name} must start at 0 and end at {total}, got {cu}")
+            raise ValueError(f"dsv4: {name} must start at 0 and end at {total}, got {cu}")
         if any(b < a for a, b in zip(cu[:-1], cu[1:])):
-            raise ValueError(f"{name} must be non-decreasing, got {cu}")
+            raise ValueError(f"dsv4: {name} must be non-decreasing, got {cu}")
     for s in range(S):
         kv_len = ckv[s + 1] - ckv[s]
         if not 0 <= nc[s] <= kv_len:
             raise ValueError(
-                f"n_comp[{s}] = {nc[s]} must lie in [0, kv length {kv_len}]"
+                f"dsv4: n_comp[{s}] = {nc[s]} must lie in [0, kv length {kv_len}]"
             )
 
     group = Hq // Hkv
@@ -384,9 +390,28 @@ def dense_fmha(
         scores = torch.einsum("thd,lhd->thl", qs, ks)
         scores = scores.masked_fill(~mask.unsqueeze(1), _NEG_INF)
         p, seq_lse = _softmax_with_sink(scores, sink)
-        out[q0:q1] = torch.einsum("thl,lhd->thd", p, vs)
+        out[q0:q1] = _visible_pv(p, vs, mask)
         lse[q0:q1] = seq_lse
     return out, lse
+
+
+def _visible_pv(p: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``sum_l p[t, h, l] v[l, h]`` over the rows query t sees (``mask[t, l]``) only.
+
+    A row a query does not see has p = 0, but 0 * NaN is NaN: rows holding a non-finite
+    value are left out of the product and added back, by a select, for the queries that
+    see them. Rows with finite values go through one einsum as they are (0 * finite is 0),
+    so a query's result does not depend on the bytes of rows it does not see.
+    """
+    bad = ~torch.isfinite(v).flatten(1).all(dim=1)  # [L]
+    if not bad.any():
+        return torch.einsum("thl,lhd->thd", p, v)
+    out = torch.einsum("thl,lhd->thd", p, v.masked_fill(bad[:, None, None], 0.0))
+    for row in bad.nonzero().flatten().tolist():
+        seen = mask[:, row, None, None]  # [tq, 1, 1]
+        if seen.any():
+            out += torch.where(seen, p[:, :, row, None] * v[row], 0.0)
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -408,13 +433,13 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: Optional[float] = None) -> t
     _check_float("g", g)
     _check_float("u", u)
     if g.shape != u.shape:
-        raise ValueError(f"g and u must have the same shape, got {tuple(g.shape)} and {tuple(u.shape)}")
+        raise ValueError(f"dsv4: g and u must have the same shape, got {tuple(g.shape)} and {tuple(u.shape)}")
     g = g.float()
     u = u.float()
     if limit is not None:
         limit = _check_scale("limit", limit)
         if limit <= 0:
-            raise ValueError(f"limit must be positive, got {limit}")
+            raise ValueError(f"dsv4: limit must be positive, got {limit}")
         g = g.clamp(max=limit)
         u = u.clamp(min=-limit, max=limit)
     return F.silu(g) * u
@@ -431,20 +456,20 @@ def _expert_global_scale(scale, e: int):
 
 def _check_act_scale(name: str, scale, num_experts: int) -> None:
     if scale is None:
-        raise ValueError(f'{name} is required when activation="nvfp4"')
+        raise ValueError(f'dsv4: {name} is required when activation="nvfp4"')
     if isinstance(scale, torch.Tensor):
         if not scale.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {scale.dtype}")
+            raise ValueError(f"dsv4: {name} must be a floating-point tensor, got {scale.dtype}")
         if scale.numel() != 1 and tuple(scale.shape) != (num_experts,):
             raise ValueError(
-                f"{name} must be a scalar, a 1-element tensor or shape [{num_experts}], "
+                f"dsv4: {name} must be a scalar, a 1-element tensor or shape [{num_experts}], "
                 f"got {tuple(scale.shape)}"
             )
         values = scale.float()
     else:
         values = torch.tensor(_check_scale(name, scale))
     if not (torch.isfinite(values).all() and (values > 0).all()):
-        raise ValueError(f"{name} must be finite and positive")
+        raise ValueError(f"dsv4: {name} must be finite and positive")
 
 
 def _qdq_nvfp4(x: torch.Tensor, global_scale) -> torch.Tensor:

@@ -37,3 +37,26 @@ def poison_allocator():
         del junk  # back to the cache, still holding 0xFF
 
     return poison
+
+
+@pytest.fixture
+def poison_smem():
+    """Fill the shared memory of every SM (test-only kernel dsv4_testing::poison_shared_memory,
+    csrc/testing/poison_smem.cu) on the current stream, so the kernel launched next starts on
+    that garbage wherever it reads shared memory it did not write. poison(value): value NaN
+    fills 0xFF bytes (NaN in fp32, bf16 and e4m3, every validity bit set), +-inf fills bf16
+    +-inf pairs, 0 zeros."""
+    try:
+        op = torch.ops.dsv4_testing.poison_shared_memory
+    except (AttributeError, RuntimeError):
+        pytest.fail("dsv4_testing::poison_shared_memory is missing: rebuild the dsv4 CUDA extension")
+
+    def poison(value: float) -> None:
+        if value != value:
+            pattern = 0xFFFFFFFF
+        else:
+            half = int(torch.tensor(value, dtype=torch.bfloat16).view(torch.int16)) & 0xFFFF
+            pattern = half * 0x10001
+        op(pattern)
+
+    return poison

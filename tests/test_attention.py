@@ -185,6 +185,169 @@ def test_empty_and_infinite_sink_cpu():
 
 
 # ----------------------------------------------------------------------------------------
+# skipped entries never reach the math: slots that no used entry names are poisoned
+# ----------------------------------------------------------------------------------------
+
+POISONS = [math.nan, math.inf, -math.inf]
+
+
+def poison_slots(cache, kind, slots, value):
+    """Overwrites the given slots of a cache, in place, with bytes that read as `value` (NaN,
+    +inf or -inf) in every dim. fp8_ds_mla: e4m3 0x7F (NaN) or +-448 with the scale byte
+    0xFF (e8m0 NaN; dequantized as 2^128, so 448 * 2^128 = inf), the bf16 rope part = value."""
+    c3 = cache[:, :, 0] if cache.dim() == 4 else cache
+    bs = c3.shape[1]
+    blk, off = slots // bs, slots % bs
+    if kind == "bf16":
+        c3[blk, off] = value
+        return
+    data, scales = formats._fp8_ds_mla_regions(c3)
+    code = 0x7F if math.isnan(value) else (0x7E if value > 0 else 0xFE)
+    data[blk, off, :448] = code
+    data[blk, off, 448:] = torch.full((64,), value, dtype=torch.bfloat16).view(torch.uint8).to(cache.device)
+    scales[blk, off] = 0xFF
+
+
+def poisoned_copy(cache, kind, used_slots, value):
+    """A copy of `cache` with every slot outside `used_slots` poisoned (slot 0 included)."""
+    num_slots = cache.shape[0] * cache.shape[1]
+    keep = torch.zeros(num_slots, dtype=torch.bool, device=cache.device)
+    keep[used_slots.long()] = True
+    bad = (~keep).nonzero().flatten()
+    assert not keep[0] and bad.numel() > 0
+    # a copy of the whole storage keeps the real block stride (and the bytes between blocks)
+    storage = torch.empty(0, dtype=cache.dtype, device=cache.device).set_(cache.untyped_storage())
+    out = storage.clone().as_strided(cache.shape, cache.stride(), cache.storage_offset())
+    poison_slots(out, kind, bad, value)
+    rows = formats.dequantize_fp8_ds_mla_cache(out) if kind == "fp8" else out.reshape(num_slots, 512)
+    assert not torch.isfinite(rows[bad]).any(), "the poison must read as NaN / inf"
+    return out
+
+
+def skip_indices(b, s_q, topk, num_slots, lens, g):
+    """Index lists whose used entries (before the length, in range) name slots in
+    [1, num_slots / 2); entries past the length name the upper half; -1 and out-of-range ids
+    are sprinkled in, and runs of them open tiles (64 entries) and fill one tile."""
+    half = num_slots // 2
+    idx = torch.randint(1, half, (b, s_q, topk), generator=g, dtype=torch.int32)
+    pos = torch.arange(topk)
+    if lens is not None:
+        past = pos[None, None, :] >= lens.long()[:, None, None]
+        idx[past.expand_as(idx)] = torch.randint(half, num_slots, (int(past.expand_as(idx).sum()),), generator=g,
+                                                 dtype=torch.int32)
+    r = torch.rand(b, s_q, topk, generator=g)
+    idx[r < 0.1] = -1
+    idx[(r >= 0.1) & (r < 0.15)] = num_slots + 3
+    idx[(r >= 0.15) & (r < 0.17)] = 2**31 - 1
+    for t0 in range(0, topk, 64):  # the first rows of every tile skipped
+        idx[..., t0 : t0 + 5] = -1
+    if topk >= 192:
+        idx[..., 64:128] = -1  # a whole tile skipped
+    return idx
+
+
+def used_slots(idx, lens, num_slots):
+    pos = torch.arange(idx.shape[-1], device=idx.device)
+    ok = (idx >= 0) & (idx < num_slots)
+    if lens is not None:
+        ok &= pos < lens.long()[:, None, None]
+    return idx[ok].unique()
+
+
+def skip_lengths(b, topk, g):
+    lens = torch.randint(1, topk + 1, (b,), generator=g, dtype=torch.int32)
+    lens[0] = 0  # nothing visible: zero output, lse -inf
+    lens[1] = topk + 9  # longer than the list: clamped
+    lens[2] = topk // 3  # shorter than the list
+    return lens
+
+
+def assert_bitwise(out, lse, ref_out, ref_lse):
+    assert torch.equal(out.view(torch.int16), ref_out.view(torch.int16)), "out differs from the clean run"
+    assert torch.equal(lse, ref_lse), "lse differs from the clean run"
+
+
+def _skip_decode_case(kind, extra, value, device, b=4, s_q=2, topk=150, topk2=70, seed=40):
+    g = _gen(seed)
+    cache, _ = make_cache(kind, 6, 32, device, seed + 1)  # 192 slots
+    lens = skip_lengths(b, topk, g)
+    idx = skip_indices(b, s_q, topk, 192, lens, g)
+    caches = [cache, poisoned_copy(cache, kind, used_slots(idx.to(device), lens.to(device), 192), value)]
+    q = (torch.randn(b, s_q, 64, 512, generator=g) * 2).bfloat16().to(device)
+    sink = make_sink("finite", 64, g).to(device)
+    extras = [None, None]
+    idx2 = lens2 = None
+    if extra:
+        cache2, _ = make_cache(kind, 2, 64, device, seed + 2)  # 128 slots
+        lens2 = skip_lengths(b, topk2, g)
+        idx2 = skip_indices(b, s_q, topk2, 128, lens2, g)
+        extras = [cache2, poisoned_copy(cache2, kind, used_slots(idx2.to(device), lens2.to(device), 128), value)]
+        idx2, lens2 = idx2.to(device), lens2.to(device)
+    args = (q, idx.to(device), lens.to(device), sink, idx2, lens2)
+    return caches, extras, args
+
+
+@pytest.mark.parametrize("value", POISONS, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("extra", [False, True])
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_decode_skipped_entries_never_reach_the_math_cpu(kind, extra, value):
+    caches, extras, (q, idx, lens, sink, idx2, lens2) = _skip_decode_case(kind, extra, value, "cpu")
+    runs = [sparse_mqa_decode(q, c, idx, lens, sink, SCALE, e, idx2, lens2) for c, e in zip(caches, extras)]
+    (clean_o, clean_l), (o, lse) = runs
+    assert torch.isfinite(clean_o.float()).all()
+    assert_bitwise(o, lse, clean_o, clean_l)
+    assert (o[0] == 0).all() and torch.isneginf(lse[0]).all()  # lengths 0
+
+
+@pytest.mark.parametrize("value", POISONS, ids=["nan", "inf", "-inf"])
+def test_prefill_skipped_rows_never_reach_the_math_cpu(value):
+    g = _gen(50)
+    t, n, topk = 6, 256, 150
+    q = torch.randn(t, 128, 512, generator=g).bfloat16()
+    kv = torch.randn(n, 512, generator=g).bfloat16()
+    lens = skip_lengths(t, topk, g)
+    idx = skip_indices(t, 1, topk, n, lens, g)[:, 0]
+    bad = kv.clone()
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[used_slots(idx.unsqueeze(1), lens, n).long()] = True
+    bad[~keep] = value
+    clean_o, clean_l = sparse_mqa_prefill(q, kv, idx, lens, None, SCALE)
+    o, lse = sparse_mqa_prefill(q, bad, idx, lens, None, SCALE)
+    assert_bitwise(o, lse, clean_o, clean_l)
+    assert (o[0] == 0).all() and torch.isneginf(lse[0]).all()
+
+
+def test_nan_sink_gives_nan_rows_where_a_key_is_seen_cpu():
+    g = _gen(51)
+    cache, _ = make_cache("bf16", 2, 64, "cpu", 52)
+    q = torch.randn(2, 1, 64, 512, generator=g).bfloat16()
+    idx = make_indices(2, 1, 8, 128, g, invalid=False)
+    sink = torch.zeros(64)
+    sink[5] = math.nan
+    out, lse = sparse_mqa_decode(q, cache, idx, torch.tensor([8, 0], dtype=torch.int32), sink)
+    assert torch.isnan(out[0, 0, 5]).all() and torch.isfinite(out[0, 0, :5].float()).all()
+    assert (out[1] == 0).all() and torch.isfinite(lse[0]).all()
+
+
+@pytest.mark.parametrize("shape", [(0, 1, 16), (0, 2, 0), (3, 0, 16), (2, 1, 0)])
+def test_decode_empty_batch_cpu(shape):
+    b, s_q, topk = shape
+    cache, _ = make_cache("fp8", 2, 64, "cpu", 53)
+    q = torch.randn(b, s_q, 64, 512).bfloat16()
+    idx = torch.zeros(b, s_q, topk, dtype=torch.int32)
+    out, lse = sparse_mqa_decode(q, cache, idx, torch.zeros(b, dtype=torch.int32), extra_kv_cache=cache,
+                                 extra_indices=idx)
+    assert out.shape == (b, s_q, 64, 512) and lse.shape == (b, s_q, 64)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_prefill_empty_cpu():
+    out, lse = sparse_mqa_prefill(torch.randn(0, 64, 512).bfloat16(), torch.randn(5, 512).bfloat16(),
+                                  torch.zeros(0, 7, dtype=torch.int32))
+    assert out.shape == (0, 64, 512) and lse.shape == (0, 64)
+
+
+# ----------------------------------------------------------------------------------------
 # bad inputs: same messages from the CPU/fake checks and the CUDA launcher
 # ----------------------------------------------------------------------------------------
 
@@ -237,7 +400,10 @@ DECODE_BAD = [
     ("len_shape", _set(topk_length=lambda a: a["topk_length"][:1]), r"topk_length must be \[2\]"),
     ("sink_dtype", _set(attn_sink=lambda a: a["attn_sink"].double()), r"attn_sink must have dtype (torch.float32|Float)"),
     ("sink_shape", _set(attn_sink=lambda a: a["attn_sink"][:8]), r"attn_sink must be \[64\]"),
-    ("scale", _set(softmax_scale=math.inf), r"softmax_scale must be finite"),
+    ("scale", _set(softmax_scale=math.inf), r"softmax_scale must be finite and > 0, got inf"),
+    ("scale_nan", _set(softmax_scale=math.nan), r"softmax_scale must be finite and > 0, got nan"),
+    ("scale_zero", _set(softmax_scale=0.0), r"softmax_scale must be finite and > 0, got 0"),
+    ("scale_negative", _set(softmax_scale=-SCALE), r"softmax_scale must be finite and > 0, got -0.04"),
     ("extra_alone", _set(extra_kv_cache=lambda a: a["kv_cache"]), r"extra_kv_cache and extra_indices must be given together"),
     ("extra_len_alone", _set(extra_topk_length=lambda a: a["topk_length"]), r"extra_topk_length given without"),
     ("extra_layout", _set(extra_kv_cache=lambda a: torch.zeros(2, 64, 512, dtype=torch.bfloat16, device=a["q"].device),
@@ -250,7 +416,7 @@ DECODE_BAD = [
 def _check_bad(device, mutate, pattern):
     a = _decode_args(device)
     mutate(a)
-    with pytest.raises((ValueError, RuntimeError), match=pattern):
+    with pytest.raises((ValueError, RuntimeError), match=r"^dsv4: .*" + pattern):
         _call_decode(a)
 
 
@@ -286,13 +452,14 @@ PREFILL_BAD = [
     ("heads", _set(q=lambda a: a["q"][:, :32].contiguous(), out=lambda a: a["out"][:, :32].contiguous()),
      r"64 or 128 heads"),
     ("out_shape", _set(out=lambda a: a["out"][:1]), r"out must have the shape of q"),
+    ("scale_zero", _set(softmax_scale=0.0), r"softmax_scale must be finite and > 0, got 0"),
 ]
 
 
 def _check_bad_prefill(device, mutate, pattern):
     a = _prefill_args(device)
     mutate(a)
-    with pytest.raises((ValueError, RuntimeError), match=pattern):
+    with pytest.raises((ValueError, RuntimeError), match=r"^dsv4: .*" + pattern):
         dsv4._ops.op("sparse_mqa_prefill")(a["q"], a["kv"], a["indices"], a["topk_length"], a["attn_sink"],
                                            a["softmax_scale"], a["out"])
 
@@ -533,3 +700,82 @@ def test_prefill_cuda_graph():
     torch.cuda.synchronize()
     eo, el = sparse_mqa_prefill(q, kv, idx, lens, sink, SCALE)
     assert torch.equal(out, eo) and torch.equal(lse_g, el)
+
+
+# ----------------------------------------------------------------------------------------
+# GPU: skipped entries over poisoned caches and poisoned shared memory
+# ----------------------------------------------------------------------------------------
+
+
+def _cache_f32(cache, kind):
+    if kind == "fp8":
+        return formats.dequantize_fp8_ds_mla_cache(cache).float()
+    return cache.reshape(-1, 512).float()
+
+
+@pytest.mark.parametrize("value", POISONS, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+@pytest.mark.parametrize("extra", [False, True])
+@pytest.mark.parametrize("b", [4, 200])  # split-KV + combine (8 tokens), one split (400 tokens)
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
+def test_decode_skipped_entries_gpu(poison_smem, b, extra, kind, value):
+    """Slots that no used entry names (slot 0 included) hold NaN / inf and every SM's shared
+    memory holds NaN / inf bytes when the kernel starts: the output is bitwise that of a clean
+    cache on zeroed shared memory, and tiles whose first rows are skipped see no stale bytes."""
+    caches, extras, (q, idx, lens, sink, idx2, lens2) = _skip_decode_case(kind, extra, value, "cuda", b=b, seed=60 + b)
+    runs = []
+    for cache, extra_cache, smem in zip(caches, extras, (0.0, value)):
+        out = torch.full(q.shape, math.nan, dtype=torch.bfloat16, device="cuda")
+        poison_smem(smem)
+        runs.append(sparse_mqa_decode(q, cache, idx, lens, sink, SCALE, extra_cache, idx2, lens2, out=out))
+    (clean_o, clean_l), (o, lse) = runs
+    rows2 = None if extras[0] is None else _cache_f32(extras[0], kind)
+    ro, rl = ref_decode(q, _cache_f32(caches[0], kind), idx, lens, sink, SCALE, rows2, idx2, lens2)
+    assert_close(clean_o, clean_l, ro, rl)
+    assert_bitwise(o, lse, clean_o, clean_l)
+
+
+@pytest.mark.parametrize("value", POISONS, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("t", [3, 300])  # split-KV + combine, one split
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
+def test_prefill_skipped_rows_gpu(poison_smem, t, value):
+    """The bf16 workspace rows that no used entry names hold NaN / inf, and so does shared
+    memory: bitwise the clean run."""
+    g = _gen(70 + t)
+    n, topk = 1024, 600
+    q = torch.randn(t, 128, 512, generator=g).bfloat16().cuda()
+    kv = torch.randn(n, 512, generator=g).bfloat16().cuda()
+    lens = skip_lengths(t, topk, g).cuda()
+    idx = skip_indices(t, 1, topk, n, lens.cpu(), g)[:, 0].cuda()
+    keep = torch.zeros(n, dtype=torch.bool, device="cuda")
+    keep[used_slots(idx.unsqueeze(1), lens, n).long()] = True
+    bad = kv.clone()
+    bad[~keep] = value
+    runs = []
+    for rows, smem in ((kv, 0.0), (bad, value)):
+        out = torch.full(q.shape, math.nan, dtype=torch.bfloat16, device="cuda")
+        poison_smem(smem)
+        runs.append(sparse_mqa_prefill(q, rows, idx, lens, None, SCALE, out=out))
+    (clean_o, clean_l), (o, lse) = runs
+    ro, rl = ref_decode(q.unsqueeze(1), kv.float(), idx.unsqueeze(1), lens, None, SCALE, chunk=64)
+    assert_close(clean_o, clean_l, ro.squeeze(1), rl.squeeze(1))
+    assert_bitwise(o, lse, clean_o, clean_l)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
+def test_empty_batches_gpu():
+    """B = 0, s_q = 0 and T = 0 return empty outputs without launching a kernel."""
+    cache, _ = make_cache("fp8", 2, 64, "cuda", 80)
+    for b, s_q in ((0, 1), (3, 0)):
+        q = torch.randn(b, s_q, 64, 512, device="cuda").bfloat16()
+        idx = torch.zeros(b, s_q, 16, dtype=torch.int32, device="cuda")
+        out, lse = sparse_mqa_decode(q, cache, idx, torch.zeros(b, dtype=torch.int32, device="cuda"))
+        assert out.shape == (b, s_q, 64, 512) and lse.shape == (b, s_q, 64)
+    out, lse = sparse_mqa_prefill(torch.randn(0, 128, 512, device="cuda").bfloat16(),
+                                  torch.randn(5, 512, device="cuda").bfloat16(),
+                                  torch.zeros(0, 9, dtype=torch.int32, device="cuda"))
+    assert out.shape == (0, 128, 512) and lse.shape == (0, 128)
+    torch.cuda.synchronize()

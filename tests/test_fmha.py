@@ -131,6 +131,83 @@ def test_visible_rows_compiles():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+# ------------------------------------------------- rows a query does not see ---------
+
+# a sequence without queries (its rows are never seen), windows that leave early rows unseen
+SKIP_CASE = ([9, 0, 70], [60, 30, 200], [12, 6, 40], 8, True, 4, [0, 0, 33])
+POISONS = [float("nan"), float("inf"), float("-inf")]
+
+
+def _visibility(cu_q, cu_kv, nc, window, causal, ratio, start):
+    """[Tq, Nkv] bool: kv row j is visible to query row t (reference._visible_mask per sequence)."""
+    vis = torch.zeros(int(cu_q[-1]), int(cu_kv[-1]), dtype=torch.bool)
+    for s in range(nc.shape[0]):
+        q0, q1, k0, k1 = int(cu_q[s]), int(cu_q[s + 1]), int(cu_kv[s]), int(cu_kv[s + 1])
+        if q1 > q0:
+            st = int(start[s]) if start is not None else 0
+            vis[q0:q1, k0:k1] = reference._visible_mask(q1 - q0, int(nc[s]), k1 - k0 - int(nc[s]), st, window,
+                                                        causal, ratio, torch.device("cpu"))
+    return vis
+
+
+def _early_queries(cu_q):
+    """The first half of every sequence's queries."""
+    a = torch.zeros(int(cu_q[-1]), dtype=torch.bool)
+    for s in range(cu_q.shape[0] - 1):
+        q0, q1 = int(cu_q[s]), int(cu_q[s + 1])
+        a[q0 : q0 + (q1 - q0) // 2] = True
+    return a
+
+
+def _poisoned(t, rows, value):
+    bad = t.clone()
+    bad[rows] = value
+    return bad
+
+
+@pytest.mark.parametrize("value", POISONS, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("d, hq, hkv", [(512, 64, 1), (64, 8, 2)])
+def test_cpu_rows_a_query_does_not_see_never_reach_it(d, hq, hkv, value):
+    """Rows that the early half of each sequence's queries do not see hold NaN / inf: those
+    queries' outputs are bitwise the clean run's (the late queries see some of them)."""
+    q, k, v, cu_q, cu_kv, nc, window, causal, ratio, start, sink = _dense_inputs(SKIP_CASE, d, hq, hkv, 90, d != 512)
+    early = _early_queries(cu_q)
+    vis = _visibility(cu_q, cu_kv, nc, window, causal, ratio, start)
+    rows = ~vis[early].any(0)
+    sees = (vis & rows).any(1)
+    assert sees.any() and not sees[early].any()
+    kw = dict(max_seqlen_kv=200, window=window, causal=causal, ratio=ratio, seq_start_pos=start, attn_sink=sink)
+    kv_clean = k if d == 512 else (k, v)
+    kv_bad = _poisoned(k, rows, value) if d == 512 else (_poisoned(k, rows, value), _poisoned(v, rows, value))
+    clean_o, clean_l = fmha(q, kv_clean, cu_q, cu_kv, nc, **kw)
+    o, lse = fmha(q, kv_bad, cu_q, cu_kv, nc, **kw)
+    assert torch.isfinite(clean_o.float()).all()
+    assert torch.equal(o[early].view(torch.int16), clean_o[early].view(torch.int16))
+    assert torch.equal(lse[early], clean_l[early])
+    assert not torch.isfinite(o[sees].float()).all()  # the poison is live where a query sees it
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.125, float("nan"), float("inf")])
+def test_softmax_scale_must_be_finite_and_positive(bad):
+    q, kv, cu_q, cu_kv, nc, *_ = _inputs(CASES[1])
+    with pytest.raises(ValueError, match=r"^dsv4: softmax_scale must be finite and > 0"):
+        fmha(q, kv, cu_q, cu_kv, nc, max_seqlen_kv=20, softmax_scale=bad)
+    with pytest.raises(ValueError, match=r"^dsv4: softmax_scale must be finite and > 0"):  # the op's CPU kernel
+        torch.ops.dsv4.dense_fmha(q, kv, kv, cu_q.int(), cu_kv.int(), nc, None, None, bad, 4, True, 1, 7, 20, 0,
+                                  torch.empty_like(q))
+
+
+@pytest.mark.parametrize("tq, hq", [(0, 64), (0, 8), (5, 0)])
+def test_cpu_empty(tq, hq):
+    d = 512 if hq == 64 else 64
+    cu_q = torch.tensor([0, tq], dtype=torch.int32)
+    cu_kv = torch.tensor([0, 10], dtype=torch.int32)
+    kv = torch.randn(10, max(1, hq // 8), d).bfloat16()
+    out, lse = fmha(torch.randn(tq, hq, d).bfloat16(), kv, cu_q, cu_kv, torch.tensor([2], dtype=torch.int32),
+                    max_seqlen_kv=10, window=4, ratio=2)
+    assert out.shape == (tq, hq, d) and lse.shape == (tq, hq)
+
+
 # ---------------------------------------------------------------- GPU ---------
 
 
@@ -288,3 +365,77 @@ def test_gpu_dense_split_kv(splits, d):
     err = (got.float().cpu() - ref_out).norm() / ref_out.norm()
     assert err <= 3e-3, err
     torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-3, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("value", POISONS, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("heads", [64, 128])
+def test_gpu_rows_a_query_does_not_see_never_reach_it(poison_smem, heads, value):
+    """Head dim 512 (index lists + the sparse prefill kernel): rows that the early half of each
+    sequence's queries do not see hold NaN / inf, and so does every SM's shared memory: those
+    queries' outputs are bitwise the clean run's."""
+    q, k, _, cu_q, cu_kv, nc, window, causal, ratio, start, sink = _dense_inputs(SKIP_CASE, 512, heads, 1, 91, False)
+    early = _early_queries(cu_q)
+    vis = _visibility(cu_q, cu_kv, nc, window, causal, ratio, start)
+    rows = ~vis[early].any(0)
+    qd, cqd, ckd, ncd, sd, sinkd = (t.cuda() for t in (q, cu_q, cu_kv, nc, start, sink))
+    kw = dict(max_seqlen_kv=200, window=window, causal=causal, ratio=ratio, seq_start_pos=sd, attn_sink=sinkd)
+    runs = []
+    for kv, smem in ((k, 0.0), (_poisoned(k, rows, value), value)):
+        out = torch.full_like(qd, float("nan"))
+        kvd = kv.cuda()
+        poison_smem(smem)
+        runs.append(fmha(qd, kvd, cqd, ckd, ncd, out=out, **kw))
+    (clean_o, clean_l), (o, lse) = runs
+    ref_out, ref_lse = reference.dense_fmha(q, k, k, cu_q, cu_kv, nc, window=window, causal=causal, ratio=ratio,
+                                            seq_start_pos=start, sink=sink, scale=512**-0.5)
+    assert (clean_o.float().cpu() - ref_out).norm() / ref_out.norm() <= 3e-3
+    e = early.cuda()
+    assert torch.equal(o[e].view(torch.int16), clean_o[e].view(torch.int16))
+    assert torch.equal(lse[e], clean_l[e])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("value", POISONS, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("splits", [0, 3])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_dense_rows_no_query_sees_are_never_read(poison_smem, d, splits, value):
+    """Dense kernel: rows that no query of their sequence sees (all rows of a sequence without
+    queries) hold NaN / inf in k and v, and so does shared memory: bitwise the clean run. (Rows
+    that another query of the same 64-query tile sees do reach a query as 0 * value: see the
+    dsv4.fmha docstring.)"""
+    q, k, v, cu_q, cu_kv, nc, window, causal, ratio, start, sink = _dense_inputs(SKIP_CASE, d, 8, 2, 92 + d, True)
+    rows = ~_visibility(cu_q, cu_kv, nc, window, causal, ratio, start).any(0)
+    assert rows.any()
+    qd, cqd, ckd, ncd, sd, sinkd = (t.cuda() for t in (q, cu_q, cu_kv, nc, start, sink))
+    kw = dict(max_seqlen_kv=200, window=window, causal=causal, ratio=ratio, seq_start_pos=sd, attn_sink=sinkd,
+              num_splits=splits)
+    runs = []
+    for kk, vv, smem in ((k, v, 0.0), (_poisoned(k, rows, value), _poisoned(v, rows, value), value)):
+        out = torch.full_like(qd, float("nan"))
+        kd, vd = kk.cuda(), vv.cuda()
+        poison_smem(smem)
+        runs.append(fmha(qd, (kd, vd), cqd, ckd, ncd, out=out, **kw))
+    (clean_o, clean_l), (o, lse) = runs
+    ref_out, _ = reference.dense_fmha(q, k, v, cu_q, cu_kv, nc, window=window, causal=causal, ratio=ratio,
+                                      seq_start_pos=start, sink=sink, scale=d**-0.5)
+    assert (clean_o.float().cpu() - ref_out).norm() / ref_out.norm() <= 3e-3
+    assert torch.equal(o.view(torch.int16), clean_o.view(torch.int16))
+    assert torch.equal(lse, clean_l)
+
+
+@pytest.mark.gpu
+def test_gpu_empty_and_bad_scale():
+    """No tokens or no heads: empty outputs and no 0-size grid; softmax_scale checked like on CPU."""
+    for tq, hq, d in ((0, 64, 512), (0, 8, 64), (5, 0, 64)):
+        cu_q = torch.tensor([0, tq], dtype=torch.int32, device="cuda")
+        cu_kv = torch.tensor([0, 10], dtype=torch.int32, device="cuda")
+        kv = torch.randn(10, 1, d, device="cuda").bfloat16()
+        out, lse = fmha(torch.randn(tq, hq, d, device="cuda").bfloat16(), kv, cu_q, cu_kv,
+                        torch.tensor([2], dtype=torch.int32, device="cuda"), max_seqlen_kv=10, window=4, ratio=2)
+        assert out.shape == (tq, hq, d) and lse.shape == (tq, hq)
+    torch.cuda.synchronize()
+    q, k, v, cu_q, cu_kv, nc, *_ = _dense_inputs(CASES[0], 64, 4, 2, 3, True)
+    args = [t.cuda() for t in (q, k, v, cu_q, cu_kv, nc)]
+    with pytest.raises(RuntimeError, match=r"^dsv4: softmax_scale must be finite and > 0"):
+        torch.ops.dsv4.dense_fmha(*args, None, None, 0.0, 4, True, 1, 9, 40, 0, torch.empty_like(args[0]))

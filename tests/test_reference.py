@@ -187,26 +187,87 @@ def test_sparse_mqa_errors():
     q = _randn(gen, 2, 4, 64)
     kv = _randn(gen, 10, 64)
     idx = torch.zeros(2, 3, dtype=torch.int64)
-    with pytest.raises(ValueError, match="q"):
+    with pytest.raises(ValueError, match=r"^dsv4: .*q"):
         sparse_mqa(q[0], kv, idx, None, None, 1.0)
-    with pytest.raises(ValueError, match="kv"):
+    with pytest.raises(ValueError, match=r"^dsv4: .*kv"):
         sparse_mqa(q, kv[:, :32], idx, None, None, 1.0)
-    with pytest.raises(ValueError, match="indices"):
+    with pytest.raises(ValueError, match=r"^dsv4: .*indices"):
         sparse_mqa(q, kv, idx.float(), None, None, 1.0)
-    with pytest.raises(ValueError, match="indices"):
+    with pytest.raises(ValueError, match=r"^dsv4: .*indices"):
         sparse_mqa(q, kv, idx[:1], None, None, 1.0)
-    with pytest.raises(ValueError, match="lengths"):
+    with pytest.raises(ValueError, match=r"^dsv4: .*lengths"):
         sparse_mqa(q, kv, idx, torch.zeros(3, dtype=torch.int64), None, 1.0)
-    with pytest.raises(ValueError, match="sink"):
+    with pytest.raises(ValueError, match=r"^dsv4: .*sink"):
         sparse_mqa(q, kv, idx, None, torch.zeros(3), 1.0)
-    with pytest.raises(ValueError, match="scale"):
+    with pytest.raises(ValueError, match=r"^dsv4: .*scale"):
         sparse_mqa(q, kv, idx, None, None, "x")
-    with pytest.raises(ValueError, match="extra_kv"):
+    with pytest.raises(ValueError, match=r"^dsv4: .*extra_kv"):
         sparse_mqa(q, kv, idx, None, None, 1.0, extra_kv=kv)
-    with pytest.raises(ValueError, match="extra_indices"):
+    with pytest.raises(ValueError, match=r"^dsv4: .*extra_indices"):
         sparse_mqa(q, kv, idx, None, None, 1.0, extra_kv=kv, extra_indices=idx[:1])
-    with pytest.raises(ValueError, match="extra_lengths"):
+    with pytest.raises(ValueError, match=r"^dsv4: .*extra_lengths"):
         sparse_mqa(q, kv, idx, None, None, 1.0, kv, idx, torch.zeros(5, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("value", [float("nan"), INF, -INF])
+def test_sparse_mqa_skipped_rows_are_not_read(value):
+    """Rows that no used entry names (row 0, rows named only past a list's length or by
+    nothing) hold NaN / inf: the result is bitwise that of finite rows there."""
+    gen = _gen(23)
+    T, H, D, N, topk = 5, 4, 64, 40, 12
+    q = _randn(gen, T, H, D)
+    kv, ekv = _randn(gen, N, D), _randn(gen, 20, D)
+    idx = _rand_indices(gen, T, topk, N)
+    idx[(idx == 0)] = 1
+    lengths = torch.tensor([topk, 0, 5, topk + 3, 7])
+    idx[:, 7:] = torch.randint(30, N, (T, topk - 7), generator=gen)  # past length 7: unused for t = 2, 4
+    eidx = torch.randint(1, 10, (T, 6), generator=gen)
+    eidx[:, 0] = -1
+    sink = _randn(gen, H)
+    used = torch.zeros(N, dtype=torch.bool)
+    pos = torch.arange(topk)
+    ok = (idx >= 0) & (idx < N) & (pos < lengths[:, None])
+    used[idx[ok].long()] = True
+    bad, ebad = kv.clone(), ekv.clone()
+    bad[~used] = value
+    ebad[0] = value
+    ebad[10:] = value
+    assert not used[0] and (~used).sum() > 10
+    clean = sparse_mqa(q, kv, idx, lengths, sink, 0.3, ekv, eidx)
+    got = sparse_mqa(q, bad, idx, lengths, sink, 0.3, ebad, eidx)
+    for a, b in zip(got, clean):
+        assert torch.equal(a, b)
+    assert torch.isfinite(clean[0]).all()
+
+
+@pytest.mark.parametrize("value", [float("nan"), INF, -INF])
+def test_dense_fmha_rows_a_query_does_not_see_are_not_read(value):
+    """Per query, not per sequence: rows that query 0..2 of a sequence do not see hold NaN /
+    inf (later queries see some of them); those queries' results are bitwise the clean ones."""
+    gen = _gen(301)
+    q_lens, kv_lens, n_comp, window, ratio = [6, 0], [20, 5], [4, 2], 3, 2
+    q, k, v, cu_q, cu_kv = _make_batch(gen, q_lens, kv_lens, 4, 2, 64, 32)
+    seen_early = set()
+    for i in range(3):
+        seen_early.update(_visible_rows(6, i, 4, 16, 0, window, True, ratio))
+    rows = torch.tensor([r not in seen_early for r in range(25)])
+    kb, vb = k.clone(), v.clone()
+    kb[rows], vb[rows] = value, value
+    args = (torch.tensor(cu_q), torch.tensor(cu_kv), torch.tensor(n_comp))
+    kw = dict(window=window, causal=True, ratio=ratio, sink=_randn(gen, 4), scale=0.2)
+    clean_o, clean_l = dense_fmha(q, k, v, *args, **kw)
+    o, lse = dense_fmha(q, kb, vb, *args, **kw)
+    assert torch.equal(o[:3], clean_o[:3]) and torch.equal(lse[:3], clean_l[:3])
+    assert not torch.isfinite(o[3:]).all()  # later queries see poisoned rows
+
+
+def test_nan_sink_gives_nan_where_a_key_is_seen():
+    gen = _gen(24)
+    q, kv = _randn(gen, 2, 4, 64), _randn(gen, 10, 64)
+    idx = torch.tensor([[1, 2, 3], [-1, -1, -1]])
+    out, lse = sparse_mqa(q, kv, idx, None, torch.tensor([0.0, float("nan"), 1.0, -INF]), 0.1)
+    assert torch.isnan(out[0, 1]).all() and torch.isfinite(out[0, [0, 2, 3]]).all()
+    assert torch.equal(out[1], torch.zeros(4, 64)) and torch.isfinite(lse[0]).all()
 
 
 # ---------------------------------------------------------------------------
@@ -345,27 +406,27 @@ def test_dense_fmha_errors():
     cq, ckv, nc = torch.tensor(cu_q), torch.tensor(cu_kv), torch.tensor([1, 0])
     kw = dict(window=2, causal=True, scale=1.0)
     dense_fmha(q, k, v, cq, ckv, nc, **kw)  # the valid baseline
-    with pytest.raises(ValueError, match="kv heads"):
+    with pytest.raises(ValueError, match=r"^dsv4: .*kv heads"):
         dense_fmha(q[:, :3], k, v, cq, ckv, nc, **kw)
-    with pytest.raises(ValueError, match="v must"):
+    with pytest.raises(ValueError, match=r"^dsv4: .*v must"):
         dense_fmha(q, k, v[:-1], cq, ckv, nc, **kw)
-    with pytest.raises(ValueError, match="k head dim"):
+    with pytest.raises(ValueError, match=r"^dsv4: .*k head dim"):
         dense_fmha(q, k[..., :32], v, cq, ckv, nc, **kw)
-    with pytest.raises(ValueError, match="cu_seqlens_q"):
+    with pytest.raises(ValueError, match=r"^dsv4: .*cu_seqlens_q"):
         dense_fmha(q, k, v, torch.tensor([0, 3, 4]), ckv, nc, **kw)
-    with pytest.raises(ValueError, match="cu_seqlens_kv"):
+    with pytest.raises(ValueError, match=r"^dsv4: .*cu_seqlens_kv"):
         dense_fmha(q, k, v, cq, torch.tensor([0, 4]), nc, **kw)
-    with pytest.raises(ValueError, match="cu_seqlens_kv"):
+    with pytest.raises(ValueError, match=r"^dsv4: .*cu_seqlens_kv"):
         dense_fmha(q, k, v, cq, torch.tensor([0, 10, 9]), nc, **kw)
-    with pytest.raises(ValueError, match="n_comp"):
+    with pytest.raises(ValueError, match=r"^dsv4: .*n_comp"):
         dense_fmha(q, k, v, cq, ckv, torch.tensor([5, 0]), **kw)
-    with pytest.raises(ValueError, match="n_comp"):
+    with pytest.raises(ValueError, match=r"^dsv4: .*n_comp"):
         dense_fmha(q, k, v, cq, ckv, torch.tensor([1.0, 0.0]), **kw)
-    with pytest.raises(ValueError, match="ratio"):
+    with pytest.raises(ValueError, match=r"^dsv4: .*ratio"):
         dense_fmha(q, k, v, cq, ckv, nc, ratio=0, **kw)
-    with pytest.raises(ValueError, match="seq_start_pos"):
+    with pytest.raises(ValueError, match=r"^dsv4: .*seq_start_pos"):
         dense_fmha(q, k, v, cq, ckv, nc, seq_start_pos=torch.tensor([0]), **kw)
-    with pytest.raises(ValueError, match="sink"):
+    with pytest.raises(ValueError, match=r"^dsv4: .*sink"):
         dense_fmha(q, k, v, cq, ckv, nc, sink=torch.zeros(2), **kw)
 
 

@@ -154,7 +154,8 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
               H);
   TORCH_CHECK(out4.sizes() == q4.sizes(), "dsv4: out must have the shape of q ", q4.sizes(), ", got ", out4.sizes());
   check_same_device(out4, q4, "out", "q");
-  TORCH_CHECK(std::isfinite(softmax_scale), "dsv4: softmax_scale must be finite, got ", softmax_scale);
+  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "dsv4: softmax_scale must be finite and > 0, got ",
+              softmax_scale);
   p.sink = nullptr;
   if (attn_sink.has_value()) {
     const at::Tensor& s = *attn_sink;

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "common/checks.h"
 #include "fmha/dense_fmha.cuh"
@@ -87,6 +88,8 @@ at::Tensor dense_fmha(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                 "], got ", attn_sink->sizes());
     check_contiguous(*attn_sink, "attn_sink");
   }
+  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "dsv4: softmax_scale must be finite and > 0, got ",
+              softmax_scale);
   TORCH_CHECK(ratio >= 1, "dsv4: ratio must be >= 1, got ", ratio);
   TORCH_CHECK(max_seqlen_q >= 0, "dsv4: max_seqlen_q must be >= 0, got ", max_seqlen_q);
   TORCH_CHECK(max_seqlen_kv >= 0, "dsv4: max_seqlen_kv must be >= 0, got ", max_seqlen_kv);
@@ -105,7 +108,7 @@ at::Tensor dense_fmha(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
   const at::cuda::OptionalCUDAGuard guard(q.device());
   at::Tensor lse = at::empty({Tq, Hq}, q.options().dtype(at::kFloat));
-  if (Tq == 0 || S == 0 || max_seqlen_q == 0) {
+  if (Tq == 0 || Hq == 0 || S == 0 || max_seqlen_q == 0) {  // (no 0-size grid: Hq is grid.z)
     // rows of sequences that max_seqlen_q says are empty: nothing visible
     out.zero_();
     lse.fill_(-INFINITY);

@@ -507,8 +507,8 @@ void nvfp4_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor
                std::optional<double> swiglu_limit, c10::string_view activation, int64_t cta_mode, at::Tensor& out) {
   const Checked c = check_inputs(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
                                  a13_scale, a2_scale, expert_map, activation, cta_mode, true);
-  TORCH_CHECK(!swiglu_limit.has_value() || *swiglu_limit > 0, "dsv4: swiglu_limit must be positive, got ",
-              swiglu_limit.value_or(0.0));
+  TORCH_CHECK(!swiglu_limit.has_value() || (std::isfinite(*swiglu_limit) && *swiglu_limit > 0),
+              "dsv4: swiglu_limit must be positive and finite, got ", swiglu_limit.value_or(0.0));
   check_same_device(out, x, "out", "x");
   check_dtype(out, at::kBFloat16, "out");
   check_contiguous(out, "out");
