@@ -6,24 +6,41 @@ torch.compile), one module per family:
 - ``dsv4.quantize``: ``quantize_nvfp4``
 - ``dsv4.attention``: ``sparse_mqa_decode``, ``sparse_mqa_prefill``
 - ``dsv4.fmha``: ``fmha`` (dense masked attention over [compressed | window] KV)
-- ``dsv4.moe``: ``prepare_nvfp4_moe_weights``, ``nvfp4_moe``
+- ``dsv4.moe``: ``prepare_nvfp4_moe_weights``, ``nvfp4_moe``; for NVFP4 and MXFP4
+  (DeepSeek V4's native) weights alike: ``prepare_moe_weights``, ``routed_moe``
 
-``dsv4.formats`` holds the byte layouts, ``dsv4.reference`` the float32 references.
+``dsv4.formats`` and ``dsv4.mxfp4`` hold the byte layouts, ``dsv4.reference`` the float32
+references.
 """
 
 from ._ops import HAS_CUDA_EXTENSION
 from .attention import sparse_mqa_decode, sparse_mqa_prefill
 from .fmha import fmha
-from .moe import Nvfp4MoeWeights, nvfp4_moe, prepare_nvfp4_moe_weights, unprepare_nvfp4_moe_weights
+from .moe import (
+    MoeWeights,
+    Mxfp4MoeWeights,
+    Nvfp4MoeWeights,
+    nvfp4_moe,
+    prepare_moe_weights,
+    prepare_mxfp4_moe_weights,
+    prepare_nvfp4_moe_weights,
+    routed_moe,
+    unprepare_nvfp4_moe_weights,
+)
 from .quantize import quantize_nvfp4
 
 __all__ = [
     "HAS_CUDA_EXTENSION",
     "fmha",
+    "MoeWeights",
+    "Mxfp4MoeWeights",
     "Nvfp4MoeWeights",
     "nvfp4_moe",
+    "prepare_moe_weights",
+    "prepare_mxfp4_moe_weights",
     "prepare_nvfp4_moe_weights",
     "quantize_nvfp4",
+    "routed_moe",
     "sparse_mqa_decode",
     "sparse_mqa_prefill",
     "unprepare_nvfp4_moe_weights",

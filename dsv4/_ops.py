@@ -26,6 +26,11 @@ SCHEMAS = {
         "Tensor w13_scale_2, Tensor? a13_scale, Tensor? a2_scale, Tensor? expert_map, "
         "float? swiglu_limit, str activation, int cta_mode) -> (Tensor, Tensor, Tensor, Tensor)"
     ),
+    "mxfp4_moe": (
+        "(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w13_scale, Tensor w2, "
+        "Tensor w2_scale, Tensor? expert_map, float? swiglu_limit, str activation, bool ue8m0, "
+        "Tensor(a!) out) -> ()"
+    ),
     "sparse_mqa_decode": (
         "(Tensor q, Tensor kv_cache, Tensor indices, Tensor? topk_length, Tensor? attn_sink, "
         "float softmax_scale, Tensor? extra_kv_cache, Tensor? extra_indices, "

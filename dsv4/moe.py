@@ -38,7 +38,10 @@ import torch
 from . import formats
 from ._ops import op
 
-__all__ = ["Nvfp4MoeWeights", "prepare_nvfp4_moe_weights", "unprepare_nvfp4_moe_weights", "nvfp4_moe"]
+__all__ = [
+    "Nvfp4MoeWeights", "prepare_nvfp4_moe_weights", "unprepare_nvfp4_moe_weights", "nvfp4_moe",
+    "Mxfp4MoeWeights", "MoeWeights", "prepare_mxfp4_moe_weights", "prepare_moe_weights", "routed_moe",
+]
 
 _TILE = 64  # weight rows and K elements per prepared tile
 
@@ -504,3 +507,288 @@ def _gemm1_debug(x, topk_ids, weights: Nvfp4MoeWeights, *, swiglu_limit=None, ac
         _scale_tensor(a13_scale, x.device) if nvfp4 else None, _scale_tensor(a2_scale, x.device) if nvfp4 else None,
         None if expert_map is None else expert_map.to(torch.int32),
         None if swiglu_limit is None else float(swiglu_limit), activation, modes[cta_mode])
+
+
+# --------------------------------------------------------------------------------------
+# Format-generic interface: NVFP4 and MXFP4 (DeepSeek V4's native checkpoints)
+# --------------------------------------------------------------------------------------
+#
+# MXFP4 W4A16 ("bf16") runs on the bf16 kernels above: prepare folds each block's e8m0
+# exponent into NVFP4 e4m3 block scales relative to a per-(expert, gate/up/down) fp32
+# global scale (dsv4.mxfp4.mxfp4_to_nvfp4; exact for every block within 17 binades of
+# its matrix's largest) and calls dsv4::nvfp4_moe. MXFP4 W4A8 ("fp8", vLLM 0.33.0's
+# Hopper numerics) is dsv4::mxfp4_moe: its CPU kernel is the float32 reference; its
+# sm_90a kernel is not written yet (issue 26 item 4), so CUDA tensors are refused.
+
+_MOE_FORMATS = ("nvfp4", "mxfp4")
+_FORMAT_ACTIVATIONS = {"nvfp4": ("bf16", "nvfp4"), "mxfp4": ("bf16", "fp8")}
+
+
+class Mxfp4MoeWeights(NamedTuple):
+    """MXFP4 expert weights as dsv4::mxfp4_moe (W4A8) reads them: vLLM's stacked layout
+    with N padded to a multiple of 64 (zero rows / columns) and every block fitted to the
+    W4A8 kernels' exact FP8 operand rule (dsv4.mxfp4.fit_fp8_operand).
+
+    w13 uint8 [E, 2N, K/2], w13_scale uint8 e8m0 [E, 2N, K/32], w2 uint8 [E, K, N/2],
+    w2_scale uint8 [E, K, N/32].
+    """
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+
+
+class MoeWeights(NamedTuple):
+    """Routed-expert weights prepared by :func:`prepare_moe_weights`.
+
+    format: "nvfp4" or "mxfp4" (the checkpoint's). activation: the activation mode these
+    tensors serve ("bf16" or "nvfp4" for NVFP4 (the same tensors serve both), "bf16" or
+    "fp8" for MXFP4). tensors: :class:`Nvfp4MoeWeights` (NVFP4, and MXFP4 for "bf16") or
+    :class:`Mxfp4MoeWeights` (MXFP4 for "fp8"). report: what prepare did (dict: shapes,
+    padding, blocks that could not be folded exactly and were re-rounded).
+    """
+
+    format: str
+    activation: str
+    tensors: tuple
+    report: dict
+
+
+def _detect_format(w13_scale, format) -> str:
+    if format is not None:
+        if format not in _MOE_FORMATS:
+            raise ValueError(f'dsv4: format must be "nvfp4", "mxfp4" or None (detect), got {format!r}')
+        return format
+    if isinstance(w13_scale, torch.Tensor):
+        if w13_scale.dtype == torch.float8_e4m3fn:
+            return "nvfp4"
+        if w13_scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
+            return "mxfp4"
+    got = w13_scale.dtype if isinstance(w13_scale, torch.Tensor) else type(w13_scale).__name__
+    raise ValueError("dsv4: cannot tell the weight format from w13_scale: float8_e4m3fn block scales are NVFP4, "
+                     f"uint8 / float8_e8m0fnu ones MXFP4; got {got} (or pass format=)")
+
+
+def _mxfp4_report(E, N, Np, K, activation, total, inexact13, inexact2) -> dict:
+    return {"format": "mxfp4", "activation": activation, "E": E, "N": N, "N_padded": Np, "K": K,
+            "blocks": total, "inexact_blocks": inexact13 + inexact2, "w13_inexact_blocks": inexact13,
+            "w2_inexact_blocks": inexact2}
+
+
+def _warn_inexact(report: dict, what: str) -> None:
+    if report["inexact_blocks"]:
+        warnings.warn(f"dsv4: {report['inexact_blocks']} of {report['blocks']} MXFP4 blocks lie too far below "
+                      f"their {what} to be folded exactly and were re-rounded (prepare report: "
+                      f"w13 {report['w13_inexact_blocks']}, w2 {report['w2_inexact_blocks']})", stacklevel=3)
+
+
+def prepare_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, *, activation: str = "fp8") -> MoeWeights:
+    """One-time conversion of vLLM's stacked MXFP4 expert weights (DeepSeek V4's native
+    checkpoints) for the dsv4 MoE.
+
+    Args (vLLM layout, dsv4.mxfp4 module doc; K and N multiples of 32, K of 64):
+        w13: uint8 [E, 2N, K/2] (gate rows, then up rows; low nibble = even element).
+        w13_scale: e8m0 scales [E, 2N, K/32], torch.uint8 or torch.float8_e8m0fnu.
+        w2: uint8 [E, K, N/2]; w2_scale: e8m0 [E, K, N/32].
+        activation: "fp8" (W4A8, vLLM's Hopper numerics; CPU only for now) or "bf16"
+            (W4A16).
+
+    N is padded to a multiple of 64 (the kernels' tile) with zero rows and columns, which
+    add exactly nothing (V4.1-Flash at TP 8: 288 -> 320, as vLLM's Humming path pads it).
+    "bf16": the NVFP4 layout of the same values (dsv4.mxfp4.mxfp4_to_nvfp4), prepared for
+    the bf16 kernels. "fp8": the vLLM layout with every block fitted to the FP8 operand
+    rule (dsv4.mxfp4.fit_fp8_operand). Blocks too far below their matrix's (bf16) or
+    their 128 elements' (fp8) largest block to be folded exactly are re-rounded, counted
+    in ``report`` and warned about once (none in real checkpoints' nonzero blocks so far).
+
+    Returns:
+        :class:`MoeWeights` (format "mxfp4"). Scale bytes 255 (NaN) raise.
+    """
+    from . import mxfp4
+
+    E, N, K = mxfp4.check_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale)
+    if activation not in _FORMAT_ACTIVATIONS["mxfp4"]:
+        raise ValueError(f'dsv4: activation must be "bf16" (W4A16) or "fp8" (W4A8) for MXFP4 weights, got '
+                         f'{activation!r}')
+    if K % _TILE:
+        raise ValueError(f"dsv4: the hidden size K = {K} must be a multiple of {_TILE} (the MoE kernels' K tile)")
+    p = mxfp4.pad_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, multiple=_TILE)
+    Np = p["w2"].shape[2] * 2
+    total = (2 * Np * K + K * Np) // mxfp4.MXFP4_BLOCK * E
+    if activation == "bf16":
+        c13, s13, g13, n13 = mxfp4.mxfp4_to_nvfp4(p["w13"], p["w13_scale"], halves=2, name="w13")
+        c2, s2, g2, n2 = mxfp4.mxfp4_to_nvfp4(p["w2"], p["w2_scale"], halves=1, name="w2")
+        report = _mxfp4_report(E, N, Np, K, activation, total, n13, n2)
+        _warn_inexact(report, "expert matrix's largest block (17 binades)")
+        return MoeWeights("mxfp4", "bf16", prepare_nvfp4_moe_weights(c13, s13, g13, c2, s2, g2), report)
+    c13, s13, n13 = mxfp4.fit_fp8_operand(p["w13"], p["w13_scale"], name="w13")
+    c2, s2, n2 = mxfp4.fit_fp8_operand(p["w2"], p["w2_scale"], name="w2")
+    report = _mxfp4_report(E, N, Np, K, activation, total, n13, n2)
+    _warn_inexact(report, "128 elements' largest block (14 binades)")
+    return MoeWeights("mxfp4", "fp8", Mxfp4MoeWeights(*(t.contiguous() for t in (c13, s13, c2, s2))), report)
+
+
+def prepare_moe_weights(w13, w13_scale, w2, w2_scale, *, w13_scale_2=None, w2_scale_2=None,
+                        format: Optional[str] = None, activation: Optional[str] = None) -> MoeWeights:
+    """One prepare step for routed-expert weights of any supported format (vLLM's
+    stacked layout), to be called once at load time; the result goes to :func:`routed_moe`.
+
+    Args:
+        w13, w13_scale, w2, w2_scale: the stacked tensors of either format (NVFP4:
+            float8_e4m3fn block scales per 16; MXFP4: e8m0 ones per 32, uint8 or
+            float8_e8m0fnu).
+        w13_scale_2, w2_scale_2: NVFP4 global scales ([E] or [E, 2]; [E]); must be None
+            for MXFP4.
+        format: "nvfp4", "mxfp4", or None to tell from w13_scale's dtype.
+        activation: the mode the weights will run in. NVFP4: "bf16" or "nvfp4" (one
+            layout serves both; default "bf16"). MXFP4: "fp8" (default, W4A8) or "bf16".
+
+    Returns:
+        :class:`MoeWeights`. See :func:`prepare_nvfp4_moe_weights` and
+        :func:`prepare_mxfp4_moe_weights` for what each does.
+    """
+    fmt = _detect_format(w13_scale, format)
+    if fmt == "nvfp4":
+        if w13_scale_2 is None or w2_scale_2 is None:
+            raise ValueError("dsv4: NVFP4 weights need w13_scale_2 and w2_scale_2 (the global scales)")
+        activation = "bf16" if activation is None else activation
+        if activation not in _FORMAT_ACTIVATIONS["nvfp4"]:
+            raise ValueError(f'dsv4: activation must be "bf16" (W4A16) or "nvfp4" (W4A4) for NVFP4 weights, got '
+                             f'{activation!r}')
+        w = prepare_nvfp4_moe_weights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
+        E, N, K = _check_prepared(w)
+        return MoeWeights("nvfp4", activation, w, {"format": "nvfp4", "activation": activation, "E": E, "N": N,
+                                                   "N_padded": N, "K": K, "inexact_blocks": 0})
+    if w13_scale_2 is not None or w2_scale_2 is not None:
+        raise ValueError("dsv4: MXFP4 weights have no global scales: w13_scale_2 and w2_scale_2 must be None")
+    return prepare_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, activation="fp8" if activation is None
+                                     else activation)
+
+
+def _check_mxfp4_call(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map, swiglu_limit,
+                      activation):
+    """Shape/dtype rules of dsv4::mxfp4_moe, for CPU and fake calls."""
+    from . import mxfp4
+
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"dsv4: x must have dtype torch.bfloat16, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"dsv4: x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    M, K = x.shape
+    if topk_ids.dtype != torch.int32:
+        raise ValueError(f"dsv4: topk_ids must have dtype torch.int32, got {topk_ids.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != M or topk_ids.shape[1] < 1:
+        raise ValueError(f"dsv4: topk_ids must have shape [M={M}, k], got {tuple(topk_ids.shape)}")
+    k = topk_ids.shape[1]
+    if topk_weights.dtype != torch.float32:
+        raise ValueError(f"dsv4: topk_weights must have dtype torch.float32, got {topk_weights.dtype}")
+    if tuple(topk_weights.shape) != (M, k):
+        raise ValueError(f"dsv4: topk_weights must have shape [M={M}, k={k}] like topk_ids, got "
+                         f"{tuple(topk_weights.shape)}")
+    for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        if t.dtype != torch.uint8:
+            raise ValueError(f"dsv4: {name} must have dtype torch.uint8 (e8m0 bytes){_MX_HINT}, got {t.dtype}")
+    E, N, Kw = mxfp4.check_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale)
+    if Kw != K:
+        raise ValueError(f"dsv4: w13 has K = {Kw} but x has K = {K}")
+    if N % _TILE or K % _TILE:
+        raise ValueError(f"dsv4: the prepared MXFP4 weights must have N and K multiples of {_TILE}, got N = {N}, "
+                         f"K = {K}{_MX_HINT}")
+    if activation != "fp8":
+        raise ValueError(f'dsv4: dsv4::mxfp4_moe runs activation "fp8" (W4A8), got "{activation}" (MXFP4 W4A16 runs '
+                         'on dsv4::nvfp4_moe: prepare with activation="bf16")')
+    if expert_map is not None:
+        if expert_map.dtype != torch.int32 or expert_map.dim() != 1 or expert_map.numel() == 0:
+            raise ValueError(f"dsv4: expert_map must be a non-empty 1-D torch.int32 tensor [E_global], got "
+                             f"{expert_map.dtype} {tuple(expert_map.shape)}")
+    if swiglu_limit is not None and not swiglu_limit > 0:
+        raise ValueError(f"dsv4: swiglu_limit must be positive, got {swiglu_limit}")
+    return M, K, N, E, k
+
+
+_MX_HINT = " (pass the output of dsv4.prepare_moe_weights(..., activation='fp8'))"
+
+
+@torch.library.register_fake("dsv4::mxfp4_moe")
+def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map, swiglu_limit, activation, ue8m0, out):
+    M, K, _, _, _ = _check_mxfp4_call(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map,
+                                      swiglu_limit, activation)
+    _check_out(out, M, K)
+    return None
+
+
+@torch.library.impl("dsv4::mxfp4_moe", "CPU")
+def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map, swiglu_limit, activation, ue8m0, out):
+    from . import reference
+
+    M, K, _, _, _ = _check_mxfp4_call(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map,
+                                      swiglu_limit, activation)
+    _check_out(out, M, K)
+    y = reference.mxfp4_moe(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, swiglu_limit=swiglu_limit,
+                            activation="fp8", ue8m0=ue8m0, expert_map=expert_map)
+    out.copy_(y.to(torch.bfloat16))
+
+
+def routed_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: MoeWeights,
+    *,
+    swiglu_limit: Optional[float] = None,
+    ue8m0: bool = True,
+    a13_scale: Union[float, torch.Tensor, None] = None,
+    a2_scale: Union[float, torch.Tensor, None] = None,
+    expert_map: Optional[torch.Tensor] = None,
+    cta_mode: Union[str, int] = "auto",
+    out: Optional[torch.Tensor] = None,
+    check_ids: bool = True,
+) -> torch.Tensor:
+    """Routed-expert MoE for weights of any format, in the activation mode they were
+    prepared for (``weights.activation``); no routed_scaling_factor, no shared expert.
+
+    Args:
+        x, topk_ids, topk_weights, swiglu_limit, expert_map, out, check_ids: as
+            :func:`nvfp4_moe`.
+        weights: :class:`MoeWeights` from :func:`prepare_moe_weights`.
+        ue8m0: MXFP4 "fp8" mode: GEMM1's per-128 activation scales rounded up to powers
+            of two (vLLM's default on Hopper, DeepSeek's reference) or plain fp32.
+        a13_scale, a2_scale: NVFP4 "nvfp4" mode only (see :func:`nvfp4_moe`).
+        cta_mode: the bf16 / nvfp4 kernels' prefill mode (see :func:`nvfp4_moe`).
+
+    Returns:
+        bf16 [M, K]: ``sum_j topk_weights[m, j] * expert_{topk_ids[m, j]}(x[m])``.
+    """
+    if not isinstance(weights, MoeWeights):
+        raise ValueError("dsv4: weights must be the MoeWeights that dsv4.prepare_moe_weights returns, got "
+                         f"{type(weights).__name__} (dsv4.nvfp4_moe takes Nvfp4MoeWeights)")
+    fmt, activation = weights.format, weights.activation
+    if fmt not in _MOE_FORMATS or activation not in _FORMAT_ACTIVATIONS[fmt]:
+        raise ValueError(f"dsv4: weights prepared as format {fmt!r}, activation {activation!r}: not a supported pair")
+    if activation != "nvfp4" and (a13_scale is not None or a2_scale is not None):
+        raise ValueError(f'dsv4: a13_scale / a2_scale are the NVFP4 activation scales of activation "nvfp4"; these '
+                         f'weights run "{activation}"')
+    if activation != "fp8":
+        return nvfp4_moe(x, topk_ids, topk_weights, weights.tensors, swiglu_limit=swiglu_limit,
+                         activation=activation, a13_scale=a13_scale, a2_scale=a2_scale, expert_map=expert_map,
+                         cta_mode=cta_mode, out=out, check_ids=check_ids)
+    if x.is_cuda:
+        raise NotImplementedError(
+            "dsv4: the MXFP4 W4A8 (activation 'fp8') CUDA kernel is not built yet (issue 26); prepare the weights "
+            "with activation='bf16' to run MXFP4 W4A16 on the GPU")
+    w = weights.tensors
+    if topk_ids.dtype != torch.int32:
+        topk_ids = topk_ids.to(torch.int32)
+    if topk_weights.dtype != torch.float32:
+        topk_weights = topk_weights.float()
+    if expert_map is not None and expert_map.dtype != torch.int32:
+        expert_map = expert_map.to(torch.int32)
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    if check_ids and _may_sync(x):
+        _check_ids(topk_ids, expert_map, w.w13.shape[0])
+    limit = None if swiglu_limit is None else float(swiglu_limit)
+    op("mxfp4_moe")(x, topk_ids.contiguous(), topk_weights.contiguous(), *w, expert_map, limit, "fp8", bool(ue8m0),
+                    out)
+    return out

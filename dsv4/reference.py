@@ -24,7 +24,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-__all__ = ["sparse_mqa", "dense_fmha", "swiglu", "nvfp4_moe"]
+__all__ = ["sparse_mqa", "dense_fmha", "swiglu", "nvfp4_moe", "mxfp4_moe"]
 
 _NEG_INF = float("-inf")
 
@@ -573,6 +573,38 @@ def nvfp4_moe(
         _check_act_scale("a13_scale", a13_scale, E)
         _check_act_scale("a2_scale", a2_scale, E)
 
+    def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
+        # Dequantize one expert at a time so full-size models fit in memory.
+        sl = slice(e, e + 1)
+        w13_e = formats.dequantize_experts(w13[sl], w13_scale[sl], w13_scale_2[sl])[0]
+        w2_e = formats.dequantize_experts(w2[sl], w2_scale[sl], w2_scale_2[sl])[0]
+        if activation == "nvfp4":
+            xe = _qdq_nvfp4(xe, _expert_global_scale(a13_scale, e))
+        h = swiglu(xe @ w13_e[:N].T, xe @ w13_e[N:].T, swiglu_limit)
+        if activation == "nvfp4":
+            h = _qdq_nvfp4(h, _expert_global_scale(a2_scale, e))
+        return h @ w2_e.T
+
+    return _routed_moe(x, topk_ids, topk_weights, E, expert_map, expert)
+
+
+# ---------------------------------------------------------------------------
+# routing and combine (shared by the NVFP4 and MXFP4 references)
+# ---------------------------------------------------------------------------
+
+
+def _routed_moe(x, topk_ids, topk_weights, E: int, expert_map, expert) -> torch.Tensor:
+    """``out[m] = sum_j topk_weights[m, j] * expert(e, x[m])`` over the slots whose local
+    expert e = (expert_map[id] or id) is >= 0.
+
+    ``expert(e, xe)`` maps the float32 rows ``xe`` [n, K] of the tokens routed to local
+    expert e to their float32 outputs [n, K]; it is called once per expert with tokens.
+    Validates topk_ids (in [0, E) without a map, in [0, E_global) with one) and
+    expert_map (values in [-1, E)); returns float32 [M, K].
+    """
+    M, K = x.shape
+    device = x.device
+    topk = topk_ids.shape[1]
     ids = topk_ids.long()
     if expert_map is not None:
         _check_int("expert_map", expert_map, 1)
@@ -598,19 +630,90 @@ def nvfp4_moe(
         if pairs.numel() == 0:
             continue
         tokens = flat_token[pairs]
-        # Dequantize one expert at a time so full-size models fit in memory.
-        sl = slice(e, e + 1)
-        w13_e = formats.dequantize_experts(w13[sl], w13_scale[sl], w13_scale_2[sl])[0]
-        w2_e = formats.dequantize_experts(w2[sl], w2_scale[sl], w2_scale_2[sl])[0]
-
-        xe = xf[tokens]
-        if activation == "nvfp4":
-            xe = _qdq_nvfp4(xe, _expert_global_scale(a13_scale, e))
-        g = xe @ w13_e[:N].T
-        u = xe @ w13_e[N:].T
-        h = swiglu(g, u, swiglu_limit)
-        if activation == "nvfp4":
-            h = _qdq_nvfp4(h, _expert_global_scale(a2_scale, e))
-        y = h @ w2_e.T
+        y = expert(e, xf[tokens])
         out.index_add_(0, tokens, y * flat_weight[pairs].unsqueeze(1))
     return out
+
+
+# ---------------------------------------------------------------------------
+# MXFP4 MoE
+# ---------------------------------------------------------------------------
+
+
+def mxfp4_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    *,
+    swiglu_limit: Optional[float] = None,
+    activation: str = "fp8",
+    ue8m0: bool = True,
+    expert_map: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Routed SwiGLU MoE with MXFP4 expert weights (vLLM stacked layout, DeepSeek V4's
+    native checkpoints), routing and combine as :func:`nvfp4_moe`.
+
+    Args:
+        x: [M, K] bf16/float token activations (K a multiple of 32).
+        topk_ids, topk_weights: [M, k] expert ids (local, or global with expert_map)
+            and routing weights.
+        w13: [E, 2N, K/2] uint8 packed e2m1 (gate rows, then up rows).
+        w13_scale: [E, 2N, K/32] e8m0 block scales (uint8 or float8_e8m0fnu).
+        w2: [E, K, N/2] uint8; w2_scale: [E, K, N/32] e8m0.
+        swiglu_limit: clamp limit of :func:`swiglu`, or None.
+        activation: "bf16" (W4A16: x used as given in float32, h kept in float32) or
+            "fp8" (W4A8, vLLM 0.33.0's Hopper numerics: x quantized per token and per
+            128 with :func:`dsv4.mxfp4.quantize_fp8_gemm1`, the SwiGLU output h with
+            :func:`dsv4.mxfp4.quantize_fp8_gemm2`, each dequantized before its GEMM).
+        ue8m0: fp8 mode: power-of-two (UE8M0) GEMM1 input scales (vLLM's default on
+            Hopper, DeepSeek's reference) or plain fp32 ones.
+        expert_map: [E_global] integer or None, global -> local id, -1 = not local.
+
+    The weights are dequantized exactly (``code * 2^(e - 127)``); GEMMs and SwiGLU are
+    float32. (vLLM's Humming kernels also round GEMM1's output and each expert's GEMM2
+    output to bf16; the dsv4 kernels keep GEMM1's fp32 accumulators for the epilogue.)
+
+    Returns:
+        float32 [M, K].
+    """
+    from dsv4 import mxfp4
+
+    _check_float("x", x, 2)
+    M, K = x.shape
+    device = x.device
+    _check_int("topk_ids", topk_ids, 2)
+    if topk_ids.shape[0] != M:
+        raise ValueError(f"topk_ids must have shape [{M}, k], got {tuple(topk_ids.shape)}")
+    _check_float("topk_weights", topk_weights, 2)
+    _check_shape("topk_weights", topk_weights, (M, topk_ids.shape[1]))
+    E, N, Kw = mxfp4.check_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale)
+    if Kw != K:
+        raise ValueError(f"w13 must have shape [E, 2N, {K // 2}] to match x [M, {K}], got {tuple(w13.shape)}")
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", w13)):
+        _check_device(name, t, device)
+    if activation not in ("bf16", "fp8"):
+        raise ValueError(f'activation must be "bf16" or "fp8" for MXFP4 weights, got {activation!r}')
+
+    def qdq(t: torch.Tensor, gemm: int) -> torch.Tensor:
+        if gemm == 1:
+            q, s = mxfp4.quantize_fp8_gemm1(t, ue8m0=ue8m0)
+        else:
+            q, s = mxfp4.quantize_fp8_gemm2(t)
+        return mxfp4.dequantize_fp8_groups(q, s)
+
+    def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
+        sl = slice(e, e + 1)
+        w13_e = mxfp4.dequantize_mxfp4_experts(w13[sl], w13_scale[sl])[0]
+        w2_e = mxfp4.dequantize_mxfp4_experts(w2[sl], w2_scale[sl])[0]
+        if activation == "fp8":
+            xe = qdq(xe, 1)
+        h = swiglu(xe @ w13_e[:N].T, xe @ w13_e[N:].T, swiglu_limit)
+        if activation == "fp8":
+            h = qdq(h, 2)
+        return h @ w2_e.T
+
+    return _routed_moe(x, topk_ids, topk_weights, E, expert_map, expert)

@@ -1,0 +1,508 @@
+"""MXFP4 routed-expert weights (DeepSeek V4 / V4.1 native checkpoints) and the FP8
+activation quantizers of the W4A8 MoE, as plain float32 torch code (CPU or GPU).
+
+This is the ground truth the MXFP4 MoE kernels are tested against (DESIGN.md section 2);
+the arithmetic order is spelled out and must not be "simplified".
+
+MXFP4 weights
+-------------
+* e2m1 codes as NVFP4 (``dsv4.formats``): 4 bits, bit 3 = sign, two per uint8 byte along
+  K, the LOW nibble holding the even element (the OCP MX convention; vLLM's loaders copy
+  the checkpoint bytes unchanged, and torch's ``float4_e2m1fn_x2`` reads them the same way).
+* One e8m0 scale byte ``e`` per 32 consecutive elements along K: the block's values are
+  ``E2M1_VALUES[code] * 2^(e - 127)``. No global scale. ``e = 0`` is 2^-127 (an fp32
+  subnormal, exact); from ``e = 253`` on, codes 4 and 6 overflow fp32 (real weights sit
+  near e = 120). ``e = 255`` is NaN in e8m0 (OCP MX, torch ``float8_e8m0fnu``):
+  :func:`dequantize_mxfp4` gives NaN for such a block, and the MoE prepare step rejects it
+  (a checkpoint never holds it; a NaN weight would only poison every token routed there).
+  vLLM's fp32 upcast (``fp8_utils._upcast_e8m0_to_fp32``) and Humming read byte 0 as 0.0
+  instead of 2^-127: the two differ by at most 6 * 2^-127 per element.
+* Scales are stored as uint8 bytes (vLLM's parameter dtype; the checkpoints hold
+  ``float8_e8m0fnu``, which vLLM views as uint8 before loading). Both dtypes are accepted.
+* vLLM 0.33.0 stacked MoE layout (``Mxfp4MoEMethod.create_weights``): ``w13`` uint8
+  ``[E, 2N, K/2]`` (rows ``0..N-1`` gate = w1, rows ``N..2N-1`` up = w3), ``w13_scale``
+  uint8 ``[E, 2N, K/32]``, ``w2`` uint8 ``[E, K, N/2]``, ``w2_scale`` uint8 ``[E, K, N/32]``.
+  N is the per-rank intermediate size. vLLM rounds N up for the backend
+  (``mxfp4_round_up_hidden_size_and_intermediate_size``: 64 for Humming, its SM90 path) and
+  zero-fills the parameters before loading, so padded rows/columns hold code 0, scale 0:
+  value 0. V4.1-Flash at TP 8: N = 2304 / 8 = 288, padded to 320.
+
+Every element value is exact in bf16 (e2m1 has 2 significant bits) and exact in FP8 e4m3
+relative to a base carried in fp32 when the block exponent fits e4m3's range: see
+:func:`mxfp4_to_nvfp4` (the W4A16 kernels' operand) and :func:`fit_fp8_operand` (the
+W4A8 rule).
+
+FP8 activations (W4A8), per token and per group of 128 along K
+-------------------------------------------------------------
+* GEMM1's input, as vLLM 0.33.0 quantizes it on an H200 (``fused_moe/utils.py``
+  ``_fp8_quantize`` -> ``fp8_utils.per_token_group_quant_fp8``, group 128, eps 1e-10, its
+  CUDA kernel): ``s = max(amax, 1e-10) / 448``; with UE8M0 scales (vLLM's default on Hopper,
+  ``VLLM_USE_DEEP_GEMM_E8M0=1``, and DeepSeek's reference) ``s = 2^ceil(log2 s)``;
+  ``q = e4m3_rne(clamp(x / s, -448, 448))``. See :func:`quantize_fp8_gemm1`.
+* GEMM2's input, the clamped SwiGLU output in fp32 (not rounded to bf16), as Humming's
+  input processing quantizes it (``process_input/quantization.cuh`` ``quant_group``,
+  Float32 group scales, IEEE arithmetic): ``s = max(amax / 448, 1e-30)``,
+  ``q = cvt.rn.satfinite.e4m3(a * (1 / s))``. See :func:`quantize_fp8_gemm2`.
+* A last group shorter than 128 (GEMM2's K = N = 288 of V4.1-Flash at TP 8) is a group of
+  its own, as if zero-padded to 128 (vLLM and Humming pad N with zeros).
+
+Divisions are always between two tensors on the same device (``tensor / python_scalar``
+on CUDA multiplies by a rounded reciprocal).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import formats
+
+__all__ = [
+    "MXFP4_BLOCK",
+    "FP8_GROUP",
+    "e8m0_to_float",
+    "quantize_mxfp4",
+    "dequantize_mxfp4",
+    "dequantize_mxfp4_experts",
+    "check_mxfp4_moe_weights",
+    "pad_mxfp4_moe_weights",
+    "random_mxfp4_moe_weights",
+    "quantize_fp8_gemm1",
+    "quantize_fp8_gemm2",
+    "dequantize_fp8_groups",
+    "mxfp4_to_nvfp4",
+    "fit_fp8_operand",
+]
+
+MXFP4_BLOCK = 32
+FP8_GROUP = 128
+E8M0_BIAS = 127
+E8M0_NAN = 255
+E4M3_MAX = 448.0
+GEMM1_EPS = 1e-10  # vLLM per_token_group_quant_fp8's eps (floor of the group amax)
+GEMM2_SCALE_FLOOR = 1e-30  # Humming quant_group's floor of the raw scale
+
+# e4m3 holds the powers of two 2^-9 (its smallest subnormal) .. 2^8 exactly.
+_E4M3_POW2_MIN, _E4M3_POW2_MAX = -9, 8
+# An e2m1 value (0.5 .. 6, one significant bit after the leading one) times 2^d is an
+# e4m3 value for every code iff -8 <= d <= 6: 0.5 * 2^-8 = 2^-9 is the smallest
+# subnormal, 6 * 2^6 = 384 <= 448 < 6 * 2^7.
+FP8_OPERAND_SHIFT_MIN, FP8_OPERAND_SHIFT_MAX = -8, 6
+
+
+# --------------------------------------------------------------------------------------
+# scales and blocks
+# --------------------------------------------------------------------------------------
+
+
+def e8m0_bytes(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
+    """The uint8 view of an e8m0 scale tensor (uint8 or float8_e8m0fnu)."""
+    if not isinstance(scale, torch.Tensor):
+        raise ValueError(f"dsv4: {name} must be a torch.Tensor of e8m0 bytes, got {type(scale).__name__}")
+    if scale.dtype == torch.uint8:
+        return scale
+    if scale.dtype == torch.float8_e8m0fnu:
+        return scale.view(torch.uint8)
+    raise ValueError(f"dsv4: {name} must hold MXFP4 e8m0 scales as torch.uint8 (vLLM's parameter dtype) or "
+                     f"torch.float8_e8m0fnu (the checkpoint's), got {scale.dtype}")
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """e8m0 bytes -> float32 ``2^(e - 127)``, exact (byte 0: 2^-127; byte 255: NaN)."""
+    e = e8m0_bytes(scale).to(torch.int32)
+    v = formats._pow2(e - E8M0_BIAS)
+    return torch.where(e == E8M0_NAN, torch.full_like(v, float("nan")), v)
+
+
+def _exp_ceil_log2(v: torch.Tensor) -> torch.Tensor:
+    """int32 ``ceil(log2(v))`` for finite v > 0, exact (frexp: v = m * 2^x, m in [0.5, 1))."""
+    m, x = torch.frexp(v)
+    return torch.where(m == 0.5, x - 1, x).to(torch.int32)
+
+
+def _check_last_dim(t: torch.Tensor, name: str, multiple: int) -> None:
+    if t.dim() == 0 or t.shape[-1] % multiple:
+        raise ValueError(f"dsv4: {name} must have a last dim that is a multiple of {multiple}, got shape "
+                         f"{tuple(t.shape)}")
+
+
+def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantizes to MXFP4 along the last dim, for making test weights.
+
+    Per block of 32: ``e = ceil(log2(amax / 6))`` (the smallest power of two that maps the
+    block into e2m1's range, so nothing saturates; an all-zero block gets e = -127),
+    byte ``clamp(e + 127, 0, 254)``, codes ``round_to_e2m1(x / 2^e)`` (ties to even).
+    (Not a checkpoint specification: DeepSeek's checkpoints come quantized.)
+
+    Args:
+        x: float ``[..., K]``, K a multiple of 32.
+
+    Returns:
+        ``(packed uint8 [..., K/2], scales uint8 [..., K/32])``.
+    """
+    formats._require_float_tensor(x, "x")
+    _check_last_dim(x, "x", MXFP4_BLOCK)
+    K = x.shape[-1]
+    xb = x.float().reshape(*x.shape[:-1], K // MXFP4_BLOCK, MXFP4_BLOCK)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    six = torch.tensor(formats.E2M1_MAX, dtype=torch.float32, device=x.device)
+    ratio = amax / six
+    e = torch.where(amax > 0, _exp_ceil_log2(torch.where(amax > 0, ratio, torch.ones_like(ratio))),
+                    torch.full_like(amax, -E8M0_BIAS, dtype=torch.int32))
+    e = e.clamp(-E8M0_BIAS, 254 - E8M0_BIAS)
+    codes = formats.round_to_e2m1(xb * formats._pow2(-e)).reshape(x.shape)
+    return formats.pack_fp4(codes), (e + E8M0_BIAS).to(torch.uint8).squeeze(-1)
+
+
+def _check_packed_scales(packed: torch.Tensor, scales: torch.Tensor, pname: str, sname: str) -> torch.Tensor:
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
+        got = packed.dtype if isinstance(packed, torch.Tensor) else type(packed).__name__
+        raise ValueError(f"dsv4: {pname} must be a torch.uint8 tensor of packed e2m1 codes, got {got}")
+    sb = e8m0_bytes(scales, sname)
+    _check_last_dim(packed, pname, MXFP4_BLOCK // 2)
+    expect = (*packed.shape[:-1], packed.shape[-1] * 2 // MXFP4_BLOCK)
+    if tuple(sb.shape) != expect:
+        raise ValueError(f"dsv4: {sname} must have shape {list(expect)} (one e8m0 byte per 32 elements of "
+                         f"{pname} {list(packed.shape)}), got {list(sb.shape)}")
+    return sb
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``E2M1_VALUES[code] * 2^(e - 127)`` in float32 (exact), cast to ``dtype``.
+
+    Args:
+        packed: uint8 ``[..., K/2]`` (low nibble = even element).
+        scales: uint8 or float8_e8m0fnu ``[..., K/32]``.
+
+    Returns:
+        ``dtype`` ``[..., K]``; NaN in blocks whose scale byte is 255.
+    """
+    sb = _check_packed_scales(packed, scales, "packed", "scales")
+    codes = formats.unpack_fp4(packed)
+    K = codes.shape[-1]
+    vals = formats._e2m1_decode(codes).reshape(*codes.shape[:-1], K // MXFP4_BLOCK, MXFP4_BLOCK)
+    return (vals * e8m0_to_float(sb).unsqueeze(-1)).reshape(codes.shape).to(dtype)
+
+
+def dequantize_mxfp4_experts(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """Stacked MXFP4 expert weights (``[E, rows, Kd/2]``, ``[E, rows, Kd/32]``) -> float32
+    ``[E, rows, Kd]``."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 3:
+        raise ValueError(f"dsv4: w must be [E, rows, K/2], got {getattr(w, 'shape', type(w).__name__)}")
+    return dequantize_mxfp4(w, w_scale)
+
+
+# --------------------------------------------------------------------------------------
+# stacked MoE layout
+# --------------------------------------------------------------------------------------
+
+
+def check_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale) -> tuple[int, int, int]:
+    """Validates vLLM's stacked MXFP4 MoE tensors; returns (E, N, K).
+
+    w13 uint8 [E, 2N, K/2], w13_scale e8m0 [E, 2N, K/32], w2 uint8 [E, K, N/2],
+    w2_scale e8m0 [E, K, N/32]; K and N multiples of 32 (the MXFP4 block).
+    """
+    for name, t in (("w13", w13), ("w2", w2)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 3:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"dsv4: {name} must be a 3-D torch.uint8 tensor of packed e2m1 codes (vLLM stacked "
+                             f"MXFP4 layout), got {got}")
+    s13, s2 = e8m0_bytes(w13_scale, "w13_scale"), e8m0_bytes(w2_scale, "w2_scale")
+    E, two_n, half_k = w13.shape
+    N, K = two_n // 2, half_k * 2
+    if two_n % 2 or K % MXFP4_BLOCK or N % MXFP4_BLOCK or N == 0 or K == 0:
+        raise ValueError(f"dsv4: w13 [E, 2N, K/2] needs the hidden size K and the intermediate size N to be "
+                         f"positive multiples of {MXFP4_BLOCK} (the MXFP4 block), got shape {tuple(w13.shape)} "
+                         f"(K = {K}, 2N = {two_n})")
+    expect = {"w13_scale": (s13, (E, 2 * N, K // 32)), "w2": (w2, (E, K, N // 2)), "w2_scale": (s2, (E, K, N // 32))}
+    for name, (t, shape) in expect.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"dsv4: {name} must have shape {list(shape)} to match w13 {list(w13.shape)} "
+                             f"(E = {E}, N = {N}, K = {K}), got {list(t.shape)}")
+    for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale), ("w2", w2)):
+        if t.device != w13.device:
+            raise ValueError(f"dsv4: {name} is on {t.device}, w13 on {w13.device}")
+    return E, N, K
+
+
+def pad_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, multiple: int = 64) -> dict:
+    """Pads the intermediate size N up to a multiple of ``multiple`` the way vLLM's
+    padded parameters hold it: zero gate rows after row N-1 and zero up rows after row
+    2N-1 of w13, zero columns of w2 (codes 0, scale bytes 0: value 0). The padded
+    intermediate columns then compute ``swiglu(0, 0) = 0`` and contribute nothing.
+
+    Returns a dict w13, w13_scale, w2, w2_scale (uint8; the inputs themselves when N is
+    already a multiple).
+    """
+    E, N, K = check_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale)
+    s13, s2 = e8m0_bytes(w13_scale), e8m0_bytes(w2_scale)
+    Np = -(-N // multiple) * multiple
+    if Np == N:
+        return dict(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2)
+
+    def pad_rows(t):  # [E, 2N, c] -> [E, 2Np, c], each half padded at its end
+        halves = t.reshape(E, 2, N, t.shape[-1])
+        out = t.new_zeros(E, 2, Np, t.shape[-1])
+        out[:, :, :N] = halves
+        return out.reshape(E, 2 * Np, t.shape[-1])
+
+    def pad_cols(t, width):
+        out = t.new_zeros(*t.shape[:-1], width)
+        out[..., : t.shape[-1]] = t
+        return out
+
+    return dict(w13=pad_rows(w13), w13_scale=pad_rows(s13), w2=pad_cols(w2, Np // 2),
+                w2_scale=pad_cols(s2, Np // MXFP4_BLOCK))
+
+
+def random_mxfp4_moe_weights(E: int, N: int, K: int, *, generator: Optional[torch.Generator] = None,
+                             device="cpu", std: float = 0.02, spread: float = 2.0, quantize: bool = True) -> dict:
+    """Random MXFP4 MoE weights in vLLM's stacked layout (for tests and benchmarks).
+
+    quantize=True: ``N(0, std^2)`` samples, each row scaled by ``2^u`` with u uniform in
+    [-spread, spread] (block exponents then spread over several binades, as in real
+    checkpoints), quantized with :func:`quantize_mxfp4`. quantize=False: codes drawn as
+    uniform random bytes and scale bytes uniform in [118, 122] (values O(0.02); fast, for
+    timing only).
+
+    Returns:
+        dict ``w13`` uint8 [E, 2N, K/2], ``w13_scale`` uint8 [E, 2N, K/32], ``w2`` uint8
+        [E, K, N/2], ``w2_scale`` uint8 [E, K, N/32].
+    """
+    for name, value in (("E", E), ("N", N), ("K", K)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"dsv4: {name} must be a positive int, got {value!r}")
+        if name != "E" and value % MXFP4_BLOCK:
+            raise ValueError(f"dsv4: {name} must be a multiple of {MXFP4_BLOCK}, got {value}")
+    gen_device = generator.device if generator is not None else torch.device("cpu")
+    if not quantize:
+        def codes(*shape):
+            return torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator, device=gen_device).to(device)
+
+        def scales(*shape):
+            return torch.randint(118, 123, shape, dtype=torch.uint8, generator=generator, device=gen_device).to(device)
+
+        return dict(w13=codes(E, 2 * N, K // 2), w13_scale=scales(E, 2 * N, K // 32),
+                    w2=codes(E, K, N // 2), w2_scale=scales(E, K, N // 32))
+
+    def weight(rows, cols):
+        w = torch.randn(E, rows, cols, generator=generator, device=gen_device) * std
+        u = (torch.rand(E, rows, 1, generator=generator, device=gen_device) * 2 - 1) * spread
+        return quantize_mxfp4((w * torch.exp2(u)).to(device))
+
+    w13, s13 = weight(2 * N, K)
+    w2, s2 = weight(K, N)
+    return dict(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2)
+
+
+# --------------------------------------------------------------------------------------
+# FP8 activations (W4A8)
+# --------------------------------------------------------------------------------------
+
+
+def _groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """float32 [..., K] -> [..., ceil(K/group), group], the last group zero-padded."""
+    K = x.shape[-1]
+    G = -(-K // group)
+    xf = x.float()
+    if G * group != K:
+        xf = torch.nn.functional.pad(xf, (0, G * group - K))
+    return xf.reshape(*x.shape[:-1], G, group)
+
+
+def _to_e4m3_saturating(v: torch.Tensor) -> torch.Tensor:
+    """Round to nearest even e4m3, saturating at +-448 (``cvt.rn.satfinite``; clamping
+    first is the same: every value in (448, 464] rounds to 448 anyway)."""
+    return v.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _check_act(x: torch.Tensor, name: str, group: int) -> None:
+    formats._require_float_tensor(x, name)
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"dsv4: {name} must have a non-empty last dim, got shape {tuple(x.shape)}")
+    if isinstance(group, bool) or not isinstance(group, int) or group <= 0:
+        raise ValueError(f"dsv4: group must be a positive int, got {group!r}")
+
+
+def quantize_fp8_gemm1(x: torch.Tensor, *, ue8m0: bool = True, group: int = FP8_GROUP):
+    """GEMM1's input, as vLLM's ``per_token_group_quant_fp8`` (CUDA kernel, eps 1e-10).
+
+    Per group of ``group`` along the last dim, in float32::
+
+        amax = max(max|x|, 1e-10)
+        s    = amax / 448                     # IEEE division
+        s    = 2^ceil(log2(s))                # ue8m0=True (vLLM's Hopper default)
+        q    = e4m3_rne(clamp(x / s, -448, 448))
+
+    The power of two is the exact ceil (vLLM's kernel takes ``exp2f(ceilf(log2f(s)))``,
+    which agrees except possibly when s is within an ulp of a power of two).
+
+    Args:
+        x: float ``[..., K]`` (bf16 activations; any float dtype).
+        ue8m0: round the scales up to powers of two (UE8M0) or keep them fp32.
+        group: elements per scale (128).
+
+    Returns:
+        ``(q float8_e4m3fn [..., K], s float32 [..., ceil(K / group)])``.
+    """
+    _check_act(x, "x", group)
+    xb = _groups(x, group)
+    amax = xb.abs().amax(dim=-1, keepdim=True).clamp(min=GEMM1_EPS)
+    s = amax / torch.tensor(E4M3_MAX, dtype=torch.float32, device=x.device)
+    if ue8m0:
+        s = formats._pow2(_exp_ceil_log2(s))
+    q = _to_e4m3_saturating(xb / s)
+    K = x.shape[-1]
+    return q.reshape(*x.shape[:-1], -1)[..., :K], s.squeeze(-1)
+
+
+def quantize_fp8_gemm2(a: torch.Tensor, *, group: int = FP8_GROUP):
+    """GEMM2's input (the fp32 clamped SwiGLU output), as Humming's ``quant_group``
+    (dynamic group scales in float32, IEEE arithmetic).
+
+    Per group, in float32::
+
+        amax = max|a|
+        s    = max(amax / 448, 1e-30)
+        r    = 1 / s                          # IEEE reciprocal
+        q    = cvt.rn.satfinite.e4m3(a * r)
+
+    Returns:
+        ``(q float8_e4m3fn [..., K], s float32 [..., ceil(K / group)])``.
+    """
+    _check_act(a, "a", group)
+    ab = _groups(a, group)
+    amax = ab.abs().amax(dim=-1, keepdim=True)
+    s = (amax / torch.tensor(E4M3_MAX, dtype=torch.float32, device=a.device)).clamp(min=GEMM2_SCALE_FLOOR)
+    r = torch.ones_like(s) / s
+    q = _to_e4m3_saturating(ab * r)
+    K = a.shape[-1]
+    return q.reshape(*a.shape[:-1], -1)[..., :K], s.squeeze(-1)
+
+
+def dequantize_fp8_groups(q: torch.Tensor, s: torch.Tensor, *, group: int = FP8_GROUP) -> torch.Tensor:
+    """``float(q) * s`` per group (float32 [..., K]); the inverse view of the quantizers above."""
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"dsv4: q must be a torch.float8_e4m3fn tensor, got {getattr(q, 'dtype', type(q))}")
+    K = q.shape[-1]
+    G = -(-K // group)
+    if not isinstance(s, torch.Tensor) or tuple(s.shape) != (*q.shape[:-1], G):
+        raise ValueError(f"dsv4: s must have shape {[*q.shape[:-1], G]} (one scale per {group} of q), got "
+                         f"{list(getattr(s, 'shape', []))}")
+    scale = s.float().repeat_interleave(group, dim=-1)[..., :K]
+    return q.float() * scale
+
+
+# --------------------------------------------------------------------------------------
+# folding the block exponents into the kernels' operands
+# --------------------------------------------------------------------------------------
+
+
+def _nonzero_blocks(codes: torch.Tensor) -> torch.Tensor:
+    """[..., nb, 32] codes -> [..., nb] bool: some element is not +-0."""
+    return ((codes & 7) != 0).any(dim=-1)
+
+
+def _reject_nan(sb: torch.Tensor, name: str) -> None:
+    bad = int((sb == E8M0_NAN).sum())
+    if bad:
+        raise ValueError(f"dsv4: {name} holds {bad} block scale(s) with the e8m0 NaN byte 255; MXFP4 weights must "
+                         "have finite block scales")
+
+
+def mxfp4_to_nvfp4(w: torch.Tensor, w_scale: torch.Tensor, halves: int = 1, name: str = "w"):
+    """MXFP4 stacked weights -> NVFP4 stacked weights of the same values, for the bf16
+    (W4A16) kernels, which read NVFP4's e4m3 block scales and fp32 global scales.
+
+    Each expert matrix (or each of its ``halves`` row ranges: 2 for w13's gate and up)
+    gets the global scale ``g = 2^b`` with ``b = (largest exponent of its blocks that are
+    not all zero) - 8``, and each block of 32 becomes two NVFP4 blocks of 16 with the
+    e4m3 scale ``2^(e - 127 - b)``: exact for every block within 17 binades of the
+    largest (e4m3 holds 2^-9 .. 2^8 exactly). All-zero blocks get scale 0. A block further
+    below is re-expressed on the scale 2^-9 (relative to g) by round_to_e2m1 (ties to
+    even; exact when its codes allow); blocks whose values change are counted; each such
+    value moves by at most 2^-11 * g, i.e. 2^-19 times the matrix's largest block scale.
+
+    Args:
+        w: uint8 [E, R, Kd/2]; w_scale: e8m0 [E, R, Kd/32]; halves: row ranges with
+            their own global scale (1 or 2; R must be a multiple).
+
+    Returns:
+        ``(codes uint8 [E, R, Kd/2], scales float8_e4m3fn [E, R, Kd/16], global float32
+        [E] (halves=1) or [E, 2], inexact_blocks int)``. A scale byte 255 (NaN) raises.
+    """
+    sb = _check_packed_scales(w, w_scale, name, f"{name}_scale")
+    _reject_nan(sb, f"{name}_scale")
+    E, R, half_k = w.shape
+    nb = half_k * 2 // MXFP4_BLOCK
+    codes = formats.unpack_fp4(w).reshape(E, halves, R // halves, nb, MXFP4_BLOCK)
+    e = sb.to(torch.int32).reshape(E, halves, R // halves, nb) - E8M0_BIAS
+    live = _nonzero_blocks(codes)
+    floor = torch.full_like(e, -10_000)
+    emax = torch.where(live, e, floor).amax(dim=(2, 3))  # [E, halves]
+    base = torch.where(emax > -10_000, emax - _E4M3_POW2_MAX, torch.zeros_like(emax))
+    d = e - base[:, :, None, None]
+    fits = d >= _E4M3_POW2_MIN
+    low = live & ~fits
+    inexact = 0
+    if bool(low.any()):
+        # re-round onto the window's lowest scale: value = code * 2^d = (code * 2^(d + 9)) * 2^-9
+        vals = formats._e2m1_decode(codes) * formats._pow2(d - _E4M3_POW2_MIN).unsqueeze(-1)
+        new = formats.round_to_e2m1(vals)
+        inexact = int((low & (formats._e2m1_decode(new) != vals).any(dim=-1)).sum())
+        codes = torch.where(low.unsqueeze(-1), new, codes)
+        d = torch.where(low, torch.full_like(d, _E4M3_POW2_MIN), d)
+    scale = formats._pow2(d.clamp(_E4M3_POW2_MIN, _E4M3_POW2_MAX))
+    live = _nonzero_blocks(codes)  # re-rounding can zero a block
+    scale = torch.where(live, scale, torch.zeros_like(scale))
+    scale16 = scale.repeat_interleave(2, dim=-1).reshape(E, R, nb * 2).to(torch.float8_e4m3fn)
+    g = formats._pow2(base)
+    g = g[:, 0] if halves == 1 else g
+    return formats.pack_fp4(codes.reshape(E, R, nb * MXFP4_BLOCK)), scale16, g.contiguous(), inexact
+
+
+def fit_fp8_operand(w: torch.Tensor, w_scale: torch.Tensor, group: int = FP8_GROUP, name: str = "w"):
+    """MXFP4 weights made to fit the W4A8 kernel's exact FP8 operand rule.
+
+    Rule (one base per row and per ``group`` elements of K, carried in fp32 and applied to
+    the accumulator together with the activation's per-128 scale): ``b = (largest exponent
+    of the group's blocks that are not all zero) - 6``; a block of exponent e becomes the
+    e4m3 values ``code * 2^(e - b)``, exact iff ``e - b >= -8``, i.e. iff the block lies
+    within 14 binades of the largest block of its 128 elements of its row. (Humming's one
+    base per expert matrix re-rounds every block more than 11 binades below the matrix's
+    largest.) A block further below is re-expressed on the exponent ``b - 8``
+    (round_to_e2m1, ties to even: exact when its codes allow, e.g. 6 * 2^-1 = 3); blocks
+    whose values change are counted; each such value moves by at most 2^-16 times the
+    group's largest block scale.
+
+    Args:
+        w: uint8 [E, R, Kd/2]; w_scale: e8m0 [E, R, Kd/32].
+
+    Returns:
+        ``(codes uint8 [E, R, Kd/2], scales uint8 [E, R, Kd/32], inexact_blocks int)``: the
+        inputs themselves when every block fits. A scale byte 255 (NaN) raises.
+    """
+    sb = _check_packed_scales(w, w_scale, name, f"{name}_scale")
+    _reject_nan(sb, f"{name}_scale")
+    E, R, half_k = w.shape
+    nb = half_k * 2 // MXFP4_BLOCK
+    per = group // MXFP4_BLOCK
+    codes = formats.unpack_fp4(w).reshape(E, R, nb, MXFP4_BLOCK)
+    live = _nonzero_blocks(codes)
+    e = sb.to(torch.int32)
+    none = torch.full_like(e, -10_000)
+    ng = -(-nb // per)
+    padded = torch.nn.functional.pad(torch.where(live, e, none), (0, ng * per - nb), value=-10_000)
+    gmax = padded.reshape(E, R, ng, per).amax(dim=-1).repeat_interleave(per, dim=-1)[..., :nb]
+    lowest = gmax - FP8_OPERAND_SHIFT_MAX + FP8_OPERAND_SHIFT_MIN  # b - 8
+    low = live & (e < lowest)
+    if not bool(low.any()):
+        return w, sb, 0
+    vals = formats._e2m1_decode(codes) * formats._pow2(e - lowest).unsqueeze(-1)
+    new = formats.round_to_e2m1(vals)
+    inexact = int((low & (formats._e2m1_decode(new) != vals).any(dim=-1)).sum())
+    codes = torch.where(low.unsqueeze(-1), new, codes)
+    sb = torch.where(low, lowest, e).to(torch.uint8)
+    return formats.pack_fp4(codes.reshape(E, R, nb * MXFP4_BLOCK)), sb, inexact
