@@ -33,6 +33,7 @@ import os
 import platform
 import re
 import sys
+import tempfile
 
 import torch
 
@@ -58,13 +59,12 @@ ACT_LABEL = {"bf16": "W4A16", "nvfp4": "W4A4"}
 
 
 def int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}")
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
+    """'1,8,32' -> [1, 8, 32]; every item a positive decimal integer (no empty items)."""
+    items = [v.strip() for v in text.split(",")]
+    if not all(re.fullmatch(r"\d+", v) for v in items) or any(int(v) == 0 for v in items):
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of positive integers like 1,8,32, got {text!r}")
+    return [int(v) for v in items]
 
 
 def context_list(text: str) -> list[int]:
@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ep", type=int, default=8, help="expert-parallel size: this GPU holds n_experts/ep experts")
     ap.add_argument("--activation", choices=["bf16", "nvfp4", "both"], default="bf16",
                     help="MoE activation mode: bf16 (W4A16) or nvfp4 (W4A4); the step estimate uses each")
-    ap.add_argument("--out-dir", default="decode_latency_results", help="where the JSON, table and plots go")
+    ap.add_argument("--out-dir", default="decode_latency_results",
+                    help="where the JSON, table and plots go (the default is in .gitignore)")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per case (default 50; CPU: 3)")
     ap.add_argument("--layers", type=layers_override, action="append", default=[], metavar="MODEL=SWA,CSA,HCA",
                     help="override a model's layer schedule (default: the checkpoints' config.json, "
@@ -134,6 +135,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.batch = sorted(set(args.batch))
     args.context = sorted(set(args.context))
     return args
+
+
+def out_dir_problem(path: str) -> str | None:
+    """Creates --out-dir; why it cannot hold the results, in one line, or None."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as ex:
+        return f"--out-dir {path!r} cannot hold the results: {ex.strerror or ex}"
+    return None
 
 
 def gpu_problem() -> str | None:
@@ -354,6 +366,12 @@ def fmt_us(x) -> str:
     return f"{x:.0f}" if x >= 100 else f"{x:.1f}"
 
 
+def fmt_ratio(x) -> str:
+    """Speedup label: two significant digits below 1 (a CPU reference run is 100x slower
+    than torch, and '0.0x' would hide by how much)."""
+    return f"{x:.1f}x" if x >= 1 else f"{x:.2g}x"
+
+
 def fmt_ms(x) -> str:
     return "-" if x is None else f"{x / 1e3:.2f}"
 
@@ -391,7 +409,7 @@ def build_tables(sweep: Sweep, steps: list[dict], copy_tbps) -> tuple[list, list
                     cells.append("error" if r is not None and r.get("error") else "-")
                     continue
                 t = r.get("torch_us")
-                cells.append(f"{fmt_us(r['dsv4_us'])} / {fmt_us(t)}" + (f" ({t / r['dsv4_us']:.1f}x)" if t else ""))
+                cells.append(f"{fmt_us(r['dsv4_us'])} / {fmt_us(t)}" + (f" ({fmt_ratio(t / r['dsv4_us'])})" if t else ""))
             rows.append(cells)
         summary.append((f"{s.name}: one layer, {unit}, dsv4 / torch baseline (speedup)",
                         ["component"] + [f"B={b}" for b in a.batch], rows, None))
@@ -404,7 +422,7 @@ def build_tables(sweep: Sweep, steps: list[dict], copy_tbps) -> tuple[list, list
                     st = find(steps, model=m, activation=act, batch=b, context=ctx)
                     d, t = st["dsv4"], st["torch"]
                     cells.append(f"{fmt_ms(d and d['total_us'])} / {fmt_ms(t and t['total_us'])}"
-                                 + (f" ({st['speedup']:.1f}x)" if st["speedup"] else ""))
+                                 + (f" ({fmt_ratio(st['speedup'])})" if st["speedup"] else ""))
                 rows.append(cells)
             summary.append((f"{s.name}: decode step estimate, ms{' (CPU)' if sweep.cpu else ''}, dsv4 / torch "
                             f"(speedup), MoE {ACT_LABEL[act]}",
@@ -424,7 +442,7 @@ def build_tables(sweep: Sweep, steps: list[dict], copy_tbps) -> tuple[list, list
             rows.append([component_label(sweep, r), str(r["batch"]), fmt_us(d),
                          f"{r['tbps']:.2f}" if r.get("tbps") else "-", pct,
                          f"{r['tflops']:.1f}" if r.get("tflops") else "-", fmt_us(t),
-                         f"{t / d:.1f}x" if d and t else "-", "-" if diff is None else f"{diff:.2g}", note])
+                         fmt_ratio(t / d) if d and t else "-", "-" if diff is None else f"{diff:.2g}", note])
         detail.append((f"{s.name}: all cases", ["component", "B", f"dsv4 {unit}", "TB/s", "% copy", "TFLOP/s",
                                                 f"torch {unit}", "speedup", "diff", "note"], rows,
                        "TB/s = bytes read (cache rows / touched NVFP4 experts) + q/out per time; % of the device "
@@ -524,6 +542,14 @@ def plot_components(sweep: Sweep, path: str) -> None:
     plt.close(fig)
 
 
+def step_yscale(totals) -> str:
+    """'log' when the tallest bar is over 20x the shortest, so that both stay visible (a
+    CPU reference run: float32 reference kernels vs torch); else 'linear', where the
+    stacked parts read in proportion."""
+    pos = [t for t in totals if t > 0]
+    return "log" if pos and max(pos) > 20 * min(pos) else "linear"
+
+
 def plot_steps(sweep: Sweep, steps: list[dict], path: str) -> None:
     import matplotlib
 
@@ -538,7 +564,7 @@ def plot_steps(sweep: Sweep, steps: list[dict], path: str) -> None:
                                                         4.5 * len(a.models)), squeeze=False)
     for i, m in enumerate(a.models):
         ax = axes[i][0]
-        labels = []
+        labels, totals = [], []
         for x, (ctx, b) in enumerate((c, b) for c in a.context for b in a.batch):
             st = find(steps, model=m, activation=act, batch=b, context=ctx)
             labels.append(f"B={b}\n{fmt_ctx(ctx)}")
@@ -553,13 +579,20 @@ def plot_steps(sweep: Sweep, steps: list[dict], path: str) -> None:
                            label=name if (x == 0 and impl == "dsv4") else None)
                     bottom += v
                 ax.text(x + dx, bottom, f"{bottom:.2f}", ha="center", va="bottom", fontsize=6, rotation=90)
+                totals.append(bottom)
+        scale = step_yscale(totals)
+        if scale == "log":  # room below the shortest total and above the labels of the tallest
+            ax.set_yscale("log")
+            ax.set_ylim(min(t for t in totals if t > 0) / 4, max(totals) * 4)
         ax.set_xticks(range(len(labels)), labels, fontsize=7)
-        ax.set_ylabel("ms per decode step" + (" (CPU)" if sweep.cpu else ""))
+        ax.set_ylabel("ms per decode step" + (" (CPU)" if sweep.cpu else "")
+                      + (", log scale" if scale == "log" else ""))
         lay = sweep.shapes[m].layers
         ax.set_title(f"{sweep.shapes[m].name}: estimated decode step, left bar dsv4, right (hatched) bar torch\n"
                      f"MoE {ACT_LABEL[act]} EP{a.ep}; {lay['swa']} SWA + {lay['csa']} CSA + {lay['hca']} HCA layers; "
                      "kernels only", fontsize=9)
-        ax.margins(y=0.12)
+        if scale == "linear":
+            ax.margins(y=0.12)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -591,7 +624,10 @@ def main(argv=None) -> int:
         print(f"decode_latency.py: missing output dependency ({ex}); pip install rich matplotlib "
               "(the 'bench' extra)", file=sys.stderr)
         return 1
-    os.makedirs(args.out_dir, exist_ok=True)
+    why = out_dir_problem(args.out_dir)
+    if why:
+        print(f"decode_latency.py: {why}", file=sys.stderr)
+        return 2
     threads = torch.get_num_threads()
     if args.cpu_reference:  # tiny ops: one thread is faster and does not collapse on a busy machine
         torch.set_num_threads(1)

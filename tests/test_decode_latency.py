@@ -94,13 +94,81 @@ def test_without_gpu_one_line_and_nonzero_exit(tmp_path):
     ["--ep", "3"], ["--ep", "0"], ["--batch", "0"], ["--batch", "a,b"], ["--context", "64"], ["--context", "2M"],
     ["--context", "4G"], ["--iters", "0"], ["--layers", "pro=1,2"], ["--layers", "qwen=1,2,3"],
     ["--layers", "pro=0,0,0"], ["--model", "v3"], ["--activation", "fp8"],
+    ["--batch", "1,,2"], ["--batch", "1,2,"], ["--batch", ",1"], ["--batch", ""], ["--batch", "1;2"],
+    ["--batch", "1.5"], ["--batch", "-1"], ["--batch", "1_0"], ["--context", "4K,,32K"], ["--context", "4K,"],
 ])
 def test_argument_errors(argv, capsys):
     dl = load_script()
     with pytest.raises(SystemExit) as e:
         dl.parse_args(argv + ["--cpu-reference"])
     assert e.value.code == 2
-    assert "error:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "error:" in err
+    assert "Traceback" not in err
+    if argv[0] == "--batch":  # the message quotes what was given
+        assert repr(argv[1]) in err, err
+
+
+def test_unusable_out_dir(tmp_path, capsys):
+    """An --out-dir that cannot hold the results: one dsv4-style line, status 2, before the sweep."""
+    dl = load_script()
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for bad in (a_file, a_file / "sub"):
+        rc = dl.main(["--cpu-reference", "--out-dir", str(bad)])
+        assert rc == 2
+        captured = capsys.readouterr()
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1 and "--out-dir" in lines[0] and str(bad) in lines[0], captured.err
+        assert "decode latency" not in captured.out  # nothing was measured
+
+
+def test_default_out_dir_is_gitignored():
+    dl = load_script()
+    default = dl.build_parser().get_default("out_dir")
+    if subprocess.run(["git", "-C", ROOT, "rev-parse"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    r = subprocess.run(["git", "-C", ROOT, "check-ignore", "-q", os.path.join(default, "decode_latency.json")])
+    assert r.returncode == 0, f"{default}/ is not in .gitignore"
+
+
+def test_speedup_labels_keep_two_digits():
+    dl = load_script()
+    assert dl.fmt_ratio(3.14159) == "3.1x"
+    assert dl.fmt_ratio(1.0) == "1.0x"
+    assert dl.fmt_ratio(0.5) == "0.5x"
+    assert dl.fmt_ratio(0.0071) == "0.0071x"  # a CPU reference run: never "0.0x"
+
+
+def test_step_plot_bars_visible(tmp_path, monkeypatch):
+    """In a CPU reference run the references are ~100x slower than torch: on a linear axis
+    the torch bars would be a few pixels. Every bar's top must sit well inside its axis."""
+    import matplotlib.pyplot as plt
+
+    figs, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figs.append)  # keep the figures to look at them
+    dl = load_script()
+    rc = dl.main(["--cpu-reference", "--model", "pro", "--batch", "1,2", "--context", "1K", "--iters", "1",
+                  "--out-dir", str(tmp_path)])
+    assert rc == 0
+    step_fig = figs[-1]  # plot_steps runs last
+    (ax,) = step_fig.axes
+    assert ax.get_yscale() == "log"
+    tops = [t.get_position() for t in ax.texts]  # one total label per bar
+    assert len(tops) == 2 * 2  # (dsv4, torch) x 2 batches
+    for x, y in tops:
+        frac = ax.transAxes.inverted().transform(ax.transData.transform((x, y)))[1]
+        assert 0.1 < frac < 1.0, (x, y, frac)
+    for fig in figs:
+        close(fig)
+    assert "0.0x" not in (tmp_path / "decode_latency.md").read_text()
+
+
+def test_step_yscale():
+    dl = load_script()
+    assert dl.step_yscale([100.0, 140.0, 90.0]) == "linear"
+    assert dl.step_yscale([7000.0, 60.0]) == "log"
+    assert dl.step_yscale([]) == "linear"
 
 
 def test_argument_parsing():
