@@ -150,10 +150,15 @@ class KvPools:
 
 def attention_inputs(kind: str, shape: ModelShape, batch: int, context: int, pools: KvPools,
                      gen: torch.Generator) -> dict:
-    """Random decode inputs for one layer of type ``kind``. Each sequence's window is
-    128 consecutive slots and its compressed entries a run of ``context // ratio``
-    consecutive slots at a random offset of the pools (as its pages would be); CSA picks
-    a random top-k subset of its run, HCA takes the whole run."""
+    """Random decode inputs for one layer of type ``kind``, in the index-row widths vLLM
+    0.33.0 passes (dsv4.bench.inputs): the window row is 128 wide, a CSA row the
+    indexer's top-k, an HCA row ``c128a_width(context)``, -1 padded past the visible
+    entries, int32 lengths. Each sequence's window is 128 consecutive slots and its
+    compressed entries a run of ``context // ratio`` consecutive slots at a random offset
+    of the pools (as its pages would be); CSA picks a random top-k subset of its run,
+    HCA takes the whole run."""
+    from .bench.inputs import c128a_width
+
     device = pools.win.device
     k_win, k_comp = attention_keys(kind, shape, context)
 
@@ -166,7 +171,7 @@ def attention_inputs(kind: str, shape: ModelShape, batch: int, context: int, poo
         sink=torch.randn(shape.heads, generator=gen, device=device),
         win_idx=win_idx.to(torch.int32).view(batch, 1, k_win),
         win_len=torch.full((batch,), k_win, dtype=torch.int32, device=device),
-        comp_idx=None, comp_len=None,
+        comp_idx=None, comp_len=None, comp_keys=0,
     )
     if kind != "swa":
         span = context // (CSA_RATIO if kind == "csa" else HCA_RATIO)
@@ -174,9 +179,12 @@ def attention_inputs(kind: str, shape: ModelShape, batch: int, context: int, poo
             offs = torch.arange(span, device=device).expand(batch, span)
         else:  # random subset (in random order, like an indexer's top-k output)
             offs = torch.rand(batch, span, generator=gen, device=device).topk(k_comp, dim=1).indices
-        comp_idx = rand_start(pools.n_comp, span) + offs
-        inp["comp_idx"] = comp_idx.to(torch.int32).view(batch, 1, k_comp)
+        width = shape.index_topk if kind == "csa" else c128a_width(context)
+        comp_idx = torch.full((batch, width), -1, dtype=torch.int32, device=device)
+        comp_idx[:, :k_comp] = (rand_start(pools.n_comp, span) + offs).to(torch.int32)
+        inp["comp_idx"] = comp_idx.view(batch, 1, width)
         inp["comp_len"] = torch.full((batch,), k_comp, dtype=torch.int32, device=device)
+        inp["comp_keys"] = k_comp
     return inp
 
 
@@ -190,6 +198,13 @@ def dsv4_attention(inp: dict, pools: KvPools, out: torch.Tensor) -> None:
                       extra_topk_length=inp["comp_len"] if extra else None, out=out)
 
 
+def flashmla_case(inp: dict, pools: KvPools) -> dict:
+    """The same inputs in the form of dsv4.bench.inputs.decode_case (FlashMLA's wrapper)."""
+    extra = inp["comp_idx"] is not None
+    return dict(q=inp["q"], sink=inp["sink"], swa_cache=pools.win, swa_idx=inp["win_idx"], swa_len=inp["win_len"],
+                extra_cache=pools.comp if extra else None, extra_idx=inp["comp_idx"], extra_len=inp["comp_len"])
+
+
 def torch_attention(inp: dict, pools: KvPools) -> torch.Tensor:
     """Baseline: plain torch bf16 sparse MQA over gathered rows of a bf16 cache
     (gather, bf16 matmuls, fp32 softmax with the sink as an extra logit). No host
@@ -197,8 +212,8 @@ def torch_attention(inp: dict, pools: KvPools) -> torch.Tensor:
     q = inp["q"]
     b, _, h, d = q.shape
     idx = inp["win_idx"].view(b, -1)
-    if inp["comp_idx"] is not None:  # compressed rows sit after the window rows
-        idx = torch.cat([idx, inp["comp_idx"].view(b, -1) + pools.n_win], dim=1)
+    if inp["comp_idx"] is not None:  # compressed rows sit after the window rows; -1 padding left out
+        idx = torch.cat([idx, inp["comp_idx"].view(b, -1)[:, :inp["comp_keys"]] + pools.n_win], dim=1)
     kv = pools.rows_bf16[idx.long()]  # [b, keys, d]
     s = torch.matmul(q.view(b, h, d), kv.transpose(1, 2)).float() * SOFTMAX_SCALE  # [b, h, keys]
     s = torch.cat([s, inp["sink"].view(1, h, 1).expand(b, h, 1)], dim=-1)
@@ -249,13 +264,14 @@ class MoeSetup:
     w13_bf16: Optional[torch.Tensor]  # [E_local, 2N, K] dequantized, None if it did not fit
     w2_bf16: Optional[torch.Tensor]  # [E_local, K, N]
     note: str = ""
+    raw: Optional[dict] = None  # the vLLM-layout experts (kept for the incumbent's own conversion)
 
     @property
     def e_local(self) -> int:
         return self.shape.n_experts // self.ep
 
     @staticmethod
-    def build(shape: ModelShape, ep: int, device, seed: int = 1) -> "MoeSetup":
+    def build(shape: ModelShape, ep: int, device, seed: int = 1, keep_raw: bool = False) -> "MoeSetup":
         E, N, K = shape.n_experts // ep, shape.moe_inter, shape.hidden
         gen = torch.Generator(device=device).manual_seed(seed)
         w = random_nvfp4_experts(E, N, K, device, gen)
@@ -272,7 +288,7 @@ class MoeSetup:
         except torch.OutOfMemoryError:
             w13_bf16 = w2_bf16 = None
             note = f"bf16 baseline skipped: {E} bf16 experts do not fit in device memory"
-        return MoeSetup(shape, ep, weights, w13_bf16, w2_bf16, note)
+        return MoeSetup(shape, ep, weights, w13_bf16, w2_bf16, note, w if keep_raw else None)
 
     def expert_map(self, device) -> torch.Tensor:
         """Rank 0 of EP: global experts [0, E_local) are local, the rest -1."""
@@ -351,57 +367,18 @@ def moe_expert_bytes(shape: ModelShape, bf16: bool) -> int:
 # timers
 # --------------------------------------------------------------------------------------
 
-_FLUSH: dict = {}
-
-
-def _l2_flush() -> None:
-    """Evict L2 by READING a buffer of 2x its size (a read leaves clean lines, so no
-    write-back competes with the timed kernel)."""
-    buf = _FLUSH.get("buf")
-    if buf is None:
-        l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20) or (64 << 20)
-        buf = _FLUSH["buf"] = torch.ones(2 * l2 // 4, dtype=torch.int32, device="cuda")
-        _FLUSH["sink"] = torch.empty((), dtype=torch.int32, device="cuda")
-    torch.amax(buf, dim=0, out=_FLUSH["sink"])
-
 
 def graph_replay_us(fns: Sequence[Callable[[], object]], *, iters: int = 50, warmup: int = 5,
                     flush_l2: bool = True) -> tuple[float, str]:
-    """Median microseconds of one call, as a decode step runs it: each input set's call
-    is captured once in a CUDA graph and the graphs are replayed in rotation (no host
-    launch overhead), L2 evicted before each timed replay (in a real step the rest of
-    the model streams through L2 between two calls of one layer), one CUDA event pair
-    around each replay only. Falls back to eager calls if capture fails.
-    Returns (us, "cuda-graph" | "eager")."""
-    for f in fns:  # warm-up outside capture: lazy init, workspace allocation
-        f()
-    torch.cuda.synchronize()
-    graphs, method = [], "cuda-graph"
-    try:
-        for f in fns:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                f()
-            graphs.append(g)
-        runs = [g.replay for g in graphs]
-    except Exception:  # keep the number, say how it was taken
-        torch.cuda.synchronize()
-        graphs, runs, method = [], list(fns), "eager"
-    n = len(runs)
-    for i in range(warmup):
-        runs[i % n]()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for i in range(iters):
-        if flush_l2:
-            _l2_flush()
-        starts[i].record()
-        runs[i % n]()
-        ends[i].record()
-    torch.cuda.synchronize()
-    us = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
-    del graphs
-    return us, method
+    """Median microseconds of one call, as a decode step runs it (dsv4.bench.timing, the
+    one timer): each input set's call captured once in a CUDA graph and replayed in
+    rotation, L2 evicted before each timed replay (in a real step the rest of the model
+    streams through L2 between two calls of one layer). Falls back to eager calls if
+    capture fails. Returns (us, "cuda-graph" | "eager")."""
+    from .bench.timing import time_us
+
+    t = time_us({"f": list(fns)}, iters=iters, warmup=warmup, cold_l2=flush_l2)["f"]
+    return t.us, t.method
 
 
 def cpu_median_us(fns: Sequence[Callable[[], object]], *, iters: int = 3, warmup: int = 1) -> tuple[float, str]:

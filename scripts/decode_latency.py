@@ -12,7 +12,8 @@ Measures, for each model, batch size and context length:
 and estimates one decode step as the sum over the model's layer schedule.
 
 Timing: each input set's call captured in a CUDA graph, median of --iters replays with
-L2 evicted before each one (dsv4/latency.py: graph_replay_us). Writes a table (console
+L2 evicted before each one (dsv4.bench.timing, the one timer). --vs vllm also times the kernels
+vLLM 0.33.0 runs (FlashMLA SM90, Humming W4A16) on the same inputs. Writes a table (console
 and .txt/.md), a JSON file and two PNG plots into --out-dir.
 
 Usage: python scripts/decode_latency.py [--model flash|pro|both] [--batch 1,8,32,64,128]
@@ -110,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--layers", type=layers_override, action="append", default=[], metavar="MODEL=SWA,CSA,HCA",
                     help="override a model's layer schedule (default: the checkpoints' config.json, "
                          "see dsv4/latency.py LAYER_SCHEDULE)")
+    ap.add_argument("--vs", choices=["vllm"], default=None,
+                    help="also time the kernels vLLM 0.33.0 runs on Hopper (FlashMLA SM90 attention, Humming W4A16 "
+                         "MoE) on the same inputs, in the same timer call (see scripts/fetch_anchors.py)")
+    ap.add_argument("--anchors", default=None,
+                    help="with --vs vllm: folders holding the incumbents (os.pathsep-separated; else $DSV4_ANCHORS "
+                         "or an installed vllm==0.33.0 / humming-kernels==0.1.19)")
     ap.add_argument("--cpu-reference", action="store_true",
                     help="no GPU: tiny shapes on the CPU, dsv4 ops run their float32 reference kernels")
     return ap
@@ -188,6 +195,28 @@ class Sweep:
             self.shapes[m] = L.tiny_shape(s) if self.cpu else s
         self.rows: list[dict] = []
         self.seed = 0
+        self.anchors = None
+        self.humming = None
+        self.vs_line = None  # one line: the incumbents found, or why the comparison is missing
+        if args.vs:
+            if self.cpu:
+                self.vs_line = "--vs vllm: no comparison in a CPU reference run (the incumbents are CUDA kernels)"
+            else:
+                from dsv4.bench.anchors import find_anchors
+
+                self.anchors = find_anchors(args.anchors.split(os.pathsep) if args.anchors else None)
+                self.vs_line = "--vs vllm: " + self.anchors.summary()
+
+    def timed(self, ours: list, theirs) -> tuple:
+        """(dsv4 us, how, incumbent us or None): both in one timer call when the incumbent
+        runs (same inputs, interleaved), else dsv4 alone."""
+        if self.cpu or theirs is None:
+            us, how = self.timer(ours)
+            return us, how, None
+        from dsv4.bench.timing import time_us
+
+        t = time_us({"dsv4": ours, "vllm": theirs}, iters=self.args.iters, warmup=5)
+        return t["dsv4"].us, t["dsv4"].method, t["vllm"].us
 
     def gen(self) -> torch.Generator:
         self.seed += 1
@@ -249,11 +278,21 @@ class Sweep:
         outs = [torch.empty_like(s["q"]) for s in sets]
         k_win, k_comp = L.attention_keys(kind, shape, ctx_in)
         keys = k_win + k_comp
-        us, how = self.timer([functools.partial(L.dsv4_attention, s, pools, o) for s, o in zip(sets, outs)])
+        theirs = None
+        if self.anchors is not None and self.anchors.flashmla:
+            from dsv4.bench.incumbents import FlashMLADecode
+
+            fm_outs = [torch.empty_like(s["q"]) for s in sets]
+            theirs = [FlashMLADecode(L.flashmla_case(s, pools), L.SOFTMAX_SCALE, o) for s, o in zip(sets, fm_outs)]
+        us, how, vllm_us = self.timed([functools.partial(L.dsv4_attention, s, pools, o) for s, o in zip(sets, outs)],
+                                      theirs)
         flops, nbytes = L.attention_traffic(b, shape.heads, keys)
         row = dict(model=m, component="attn_" + kind, batch=b, context=ctx, window_keys=k_win,
                    compressed_keys=k_comp, dsv4_us=us, dsv4_timing=how, flops=flops, bytes=nbytes,
-                   tflops=flops / us / 1e6, tbps=nbytes / us / 1e6, torch_us=None)
+                   tflops=flops / us / 1e6, tbps=nbytes / us / 1e6, torch_us=None, vllm_us=vllm_us)
+        if vllm_us is not None:
+            row.update(vllm_kernel="FlashMLA SM90", vllm_ratio=vllm_us / us,
+                       vllm_max_abs_diff=num((outs[0].float() - fm_outs[0].float()).abs().max().item()))
         need = L.torch_attention_bytes(b, shape.heads, keys) * self.n_sets  # one graph pool per set
         if need > self.mem_budget():
             row["torch_note"] = f"torch baseline skipped: needs ~{need / 1e9:.1f} GB of temporaries"
@@ -267,8 +306,9 @@ class Sweep:
 
     def run_moe(self, m, shape, progress) -> None:
         a = self.args
+        want_humming = self.anchors is not None and self.anchors.humming is not None
         try:
-            setup = L.MoeSetup.build(shape, a.ep, self.device)
+            setup = L.MoeSetup.build(shape, a.ep, self.device, keep_raw=want_humming)
         except Exception as ex:
             for act in a.acts:
                 for b in a.batch:
@@ -278,6 +318,15 @@ class Sweep:
             return
         emap = setup.expert_map(self.device)
         scales = L.moe_act_scales(self.device)
+        self.humming = None
+        if want_humming:
+            from dsv4.bench.incumbents import HummingW4A16
+
+            try:
+                self.humming = HummingW4A16(setup.raw, shape.n_experts, shape.swiglu_limit)
+            except Exception as ex:  # the comparison is missing, dsv4's numbers are kept
+                self.vs_line += f"; Humming conversion failed for {shape.name}: {type(ex).__name__}: {ex}"[:300]
+            setup.raw = None
         baseline: dict = {}  # per batch: the bf16 baseline does not depend on the activation mode
         for act in a.acts:
             for b in a.batch:
@@ -292,7 +341,12 @@ class Sweep:
         gen = self.gen()
         sets = [L.moe_inputs(setup, b, gen, emap) for _ in range(self.n_sets)]
         outs = [torch.empty_like(s["x"]) for s in sets]
-        us, how = self.timer([functools.partial(L.dsv4_moe, s, setup, act, o, scales) for s, o in zip(sets, outs)])
+        theirs, plans = None, None
+        if act == "bf16" and self.humming is not None:  # W4A16 vs Humming W4A16
+            plans = [self.humming.plan(s["ids"], s["emap"]) for s in sets]
+            theirs = [functools.partial(self.humming.experts, s["x"], pl) for s, pl in zip(sets, plans)]
+        us, how, vllm_us = self.timed([functools.partial(L.dsv4_moe, s, setup, act, o, scales)
+                                       for s, o in zip(sets, outs)], theirs)
         touched, slots = zip(*(L.moe_touched(s, setup.e_local) for s in sets))
         touched, slots = sum(touched) / len(sets), sum(slots) / len(sets)
         nbytes = touched * L.moe_expert_bytes(shape, bf16=False)
@@ -300,7 +354,14 @@ class Sweep:
         row = dict(model=m, component="moe", activation=act, batch=b, context=None, ep=self.args.ep,
                    local_experts=setup.e_local, local_slots=slots, touched_experts=touched, dsv4_us=us,
                    dsv4_timing=how, flops=flops, bytes=nbytes, tflops=flops / us / 1e6, tbps=nbytes / us / 1e6,
-                   torch_us=None)
+                   torch_us=None, vllm_us=vllm_us)
+        if vllm_us is not None:
+            # Humming's time covers its two GEMMs and the activation; routing prep and the
+            # weighted sum (vLLM's own kernels) are not in it; dsv4's covers the whole op
+            ref = self.humming(sets[0]["x"], sets[0]["tw"], plans[0]).float()
+            row.update(vllm_kernel="Humming W4A16", vllm_ratio=vllm_us / us,
+                       vllm_rel_diff=num(((outs[0].float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+                                         .item()))
         if setup.w13_bf16 is None:
             row["torch_note"] = setup.note
             return row
@@ -346,7 +407,7 @@ def step_rows(sweep: Sweep) -> list[dict]:
             for ctx in a.context:
                 for b in a.batch:
                     row = dict(model=m, activation=act, batch=b, context=ctx, layers=dict(layers))
-                    for impl in ("dsv4", "torch"):
+                    for impl in ("dsv4", "torch", "vllm"):
                         attn = {}
                         for kind in KINDS:
                             r = find(sweep.rows, model=m, component="attn_" + kind, batch=b,
@@ -354,8 +415,9 @@ def step_rows(sweep: Sweep) -> list[dict]:
                             attn[kind] = r.get(impl + "_us") if r else None
                         moe = find(sweep.rows, model=m, component="moe", activation=act, batch=b)
                         row[impl] = L.step_estimate(layers, attn, moe.get(impl + "_us") if moe else None)
-                    d, t = row["dsv4"], row["torch"]
+                    d, t, v = row["dsv4"], row["torch"], row["vllm"]
                     row["speedup"] = t["total_us"] / d["total_us"] if d and t else None
+                    row["vllm_ratio"] = v["total_us"] / d["total_us"] if d and v else None
                     out.append(row)
     return out
 
@@ -429,6 +491,33 @@ def build_tables(sweep: Sweep, steps: list[dict], copy_tbps) -> tuple[list, list
                             ["context"] + [f"B={b}" for b in a.batch], rows,
                             f"{lay['swa']} SWA + {lay['csa']} CSA + {lay['hca']} HCA attention layers, "
                             f"{sum(lay.values())} routed-MoE layers; kernels only (see 'not included')"))
+        if a.vs and any(r.get("vllm_us") for r in sweep.rows if r["model"] == m):
+            rows = []
+            for lab in seen:
+                cells = [lab]
+                for b in a.batch:
+                    r = next((r for r in sweep.rows if r["model"] == m and r["batch"] == b
+                              and component_label(sweep, r) == lab), None)
+                    v = r.get("vllm_us") if r else None
+                    cells.append(f"{fmt_us(r['dsv4_us'])} / {fmt_us(v)} ({v / r['dsv4_us']:.2f}x)" if v else "-")
+                rows.append(cells)
+            summary.append((f"{s.name}: one layer, us, dsv4 / vLLM 0.33 kernels (ratio = vLLM / dsv4)",
+                            ["component"] + [f"B={b}" for b in a.batch], rows,
+                            "vLLM 0.33 kernels: FlashMLA SM90 sparse decode (attention), Humming W4A16 (MoE, its "
+                            "GEMMs + activation only); same inputs, same timer call"))
+            if "bf16" in a.acts:
+                rows = []
+                for ctx in a.context:
+                    cells = [fmt_ctx(ctx)]
+                    for b in a.batch:
+                        st = find(steps, model=m, activation="bf16", batch=b, context=ctx)
+                        d, v = st["dsv4"], st["vllm"]
+                        cells.append(f"{fmt_ms(d and d['total_us'])} / {fmt_ms(v and v['total_us'])}"
+                                     + (f" ({st['vllm_ratio']:.2f}x)" if st["vllm_ratio"] else ""))
+                    rows.append(cells)
+                summary.append((f"{s.name}: decode step estimate, ms, dsv4 / vLLM 0.33 kernels (ratio), MoE W4A16",
+                                ["context"] + [f"B={b}" for b in a.batch], rows,
+                                "the same sum over the layer schedule with each layer's incumbent time"))
         rows = []
         for r in sweep.rows:
             if r["model"] != m:
@@ -442,9 +531,12 @@ def build_tables(sweep: Sweep, steps: list[dict], copy_tbps) -> tuple[list, list
             rows.append([component_label(sweep, r), str(r["batch"]), fmt_us(d),
                          f"{r['tbps']:.2f}" if r.get("tbps") else "-", pct,
                          f"{r['tflops']:.1f}" if r.get("tflops") else "-", fmt_us(t),
-                         fmt_ratio(t / d) if d and t else "-", "-" if diff is None else f"{diff:.2g}", note])
+                         fmt_ratio(t / d) if d and t else "-", "-" if diff is None else f"{diff:.2g}",
+                         fmt_us(r.get("vllm_us")), f"{r['vllm_us'] / d:.2f}x" if d and r.get("vllm_us") else "-",
+                         note])
         detail.append((f"{s.name}: all cases", ["component", "B", f"dsv4 {unit}", "TB/s", "% copy", "TFLOP/s",
-                                                f"torch {unit}", "speedup", "diff", "note"], rows,
+                                                f"torch {unit}", "speedup", "diff", "vLLM us", "vs vLLM", "note"],
+                       rows,
                        "TB/s = bytes read (cache rows / touched NVFP4 experts) + q/out per time; % of the device "
                        "copy bandwidth measured in this run; diff = max |dsv4 - torch| (attention) or max |diff| / "
                        "max |torch| (MoE)"))
@@ -492,6 +584,8 @@ def notes(sweep: Sweep) -> list[str]:
     out.append(f"MoE: one token per sequence (B tokens per call), random top-6 routing over all experts, expert map = rank 0 of "
                f"EP{a.ep} (~6/{a.ep} local slots per token); torch baseline = bf16 torch._grouped_mm MoE over "
                "the dequantized local experts.")
+    if sweep.vs_line:
+        out.append(sweep.vs_line)
     out.append("step estimate = sum over the layer schedule of one attention call per layer (its type) + one "
                "routed-MoE call per layer; not included: " + "; ".join(L.NOT_INCLUDED) + ".")
     return out
@@ -540,6 +634,43 @@ def plot_components(sweep: Sweep, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_vllm_ratio(sweep: Sweep, path: str) -> bool:
+    """Per-case ratio vLLM 0.33 kernels time / dsv4 time vs batch (> 1: dsv4 faster).
+    Returns False (no file) when nothing was compared."""
+    a = sweep.args
+    if not any(r.get("vllm_us") for r in sweep.rows):
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(a.models), figsize=(8 * len(a.models), 4.5), squeeze=False)
+    for i, m in enumerate(a.models):
+        ax = axes[0][i]
+        series = [("SWA", dict(component="attn_swa", context=None))]
+        series += [(f"{k.upper()} {fmt_ctx(c)}", dict(component="attn_" + k, context=c))
+                   for k in ("csa", "hca") for c in a.context]
+        series += [("MoE W4A16", dict(component="moe", activation="bf16"))]
+        for lab, key in series:
+            pts = [(b, r["vllm_us"] / r["dsv4_us"]) for b in a.batch
+                   for r in [find(sweep.rows, model=m, batch=b, **key)] if r and r.get("vllm_us") and r.get("dsv4_us")]
+            if pts:
+                ax.plot(*zip(*pts), "s-" if "MoE" in lab else "o-", label=lab, linewidth=2 if "MoE" in lab else 1)
+        ax.axhline(1.0, color="black", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(a.batch, [str(b) for b in a.batch])
+        ax.set_xlabel("batch (sequences decoding)")
+        ax.set_ylabel("vLLM 0.33 kernel time / dsv4 time")
+        ax.set_title(f"{sweep.shapes[m].name}: > 1 = dsv4 faster (FlashMLA SM90, Humming W4A16)", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def step_yscale(totals) -> str:
@@ -654,6 +785,8 @@ def run(args) -> int:
         copy_tbps = copy_bandwidth_tbps()
         console.print(f"{torch.cuda.get_device_name()}: device copy ceiling {copy_tbps:.2f} TB/s (read + write)")
 
+    if sweep.vs_line:
+        console.print(sweep.vs_line, highlight=False)
     console.print(f"{' + '.join(sweep.shapes[m].name for m in args.models)}: batch {args.batch}, context "
                   f"{[fmt_ctx(c) for c in args.context]}, EP{args.ep}, MoE {'/'.join(ACT_LABEL[a] for a in args.acts)}, "
                   f"{sweep.n_cases()} cases", highlight=False)
@@ -694,6 +827,9 @@ def run(args) -> int:
         f.write(render_markdown(summary + detail) + "\n" + "\n".join(f"- {n}" for n in notes(sweep)) + "\n")
     plot_components(sweep, paths["components_png"])
     plot_steps(sweep, steps, paths["steps_png"])
+    ratio_png = os.path.join(args.out_dir, "ratio_vs_vllm.png")
+    if plot_vllm_ratio(sweep, ratio_png):
+        paths["ratio_png"] = ratio_png
     console.print("wrote " + ", ".join(paths.values()), highlight=False)
     errors = [r for r in sweep.rows if r.get("error")]
     if errors:

@@ -203,3 +203,48 @@ def test_step_estimate():
     assert L.step_estimate(layers, {"swa": 1.0, "csa": 2.0, "hca": 3.0}, None) is None
     # a layer type the model does not have needs no measurement
     assert L.step_estimate({"swa": 0, "csa": 1, "hca": 1}, {"csa": 1.0, "hca": 1.0}, 1.0)["total_us"] == 4.0
+
+
+def test_vs_vllm_on_cpu_says_why_and_keeps_dsv4(tmp_path):
+    """--vs vllm in a CPU reference run: one line says the comparison needs the CUDA
+    incumbents; dsv4's and torch's numbers are all there, no vLLM column values."""
+    dl = load_script()
+    rc = dl.main(["--cpu-reference", "--vs", "vllm", "--model", "flash", "--batch", "1", "--context", "1K",
+                  "--iters", "1", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    data = check_outputs(tmp_path)
+    assert any("--vs vllm: no comparison in a CPU reference run" in n for n in data["meta"]["notes"])
+    assert all(r["dsv4_us"] > 0 and r.get("vllm_us") is None for r in data["components"])
+    assert all(s["vllm"] is None and s["vllm_ratio"] is None for s in data["steps"])
+    assert not (tmp_path / "ratio_vs_vllm.png").exists()
+
+
+def test_vllm_ratio_plot(tmp_path):
+    """The ratio plot from rows that carry incumbent times (as a GPU run records them)."""
+    dl = load_script()
+    args = dl.parse_args(["--cpu-reference", "--vs", "vllm", "--model", "flash", "--batch", "1,8", "--context", "4K"])
+    sweep = dl.Sweep(args, "cpu")
+    for b in (1, 8):
+        sweep.rows.append(dict(model="flash", component="attn_swa", batch=b, context=None, dsv4_us=20.0, vllm_us=15.0))
+        sweep.rows.append(dict(model="flash", component="moe", activation="bf16", batch=b, context=None,
+                               dsv4_us=30.0, vllm_us=45.0))
+    path = tmp_path / "r.png"
+    assert dl.plot_vllm_ratio(sweep, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sweep.rows = [dict(r, vllm_us=None) for r in sweep.rows]
+    assert not dl.plot_vllm_ratio(sweep, str(tmp_path / "none.png"))
+
+
+def test_hca_rows_are_vllm_width_with_padding():
+    """HCA index rows are as wide as vLLM's (>= 128, -1 padded past the visible entries)."""
+    import torch
+
+    shape = L.tiny_shape(L.MODELS["flash"])
+    pools = L.KvPools.build(256, 4096, "cpu")
+    inp = L.attention_inputs("hca", shape, 2, 4096, pools, torch.Generator().manual_seed(0))
+    assert inp["comp_idx"].shape == (2, 1, 128) and inp["comp_len"].tolist() == [32, 32]
+    assert bool((inp["comp_idx"][..., 32:] == -1).all()) and bool((inp["comp_idx"][..., :32] >= 0).all())
+    # the torch baseline reads only the visible entries: it equals the reference kernel
+    out = torch.empty_like(inp["q"])
+    L.dsv4_attention(inp, pools, out)
+    assert float((L.torch_attention(inp, pools).float() - out.float()).abs().max()) < 0.05
