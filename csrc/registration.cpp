@@ -36,7 +36,7 @@ TORCH_LIBRARY(dsv4, m) {
   m.def(
       "sparse_mqa_decode(Tensor q, Tensor kv_cache, Tensor indices, Tensor? topk_length, "
       "Tensor? attn_sink, float softmax_scale, Tensor? extra_kv_cache, Tensor? extra_indices, "
-      "Tensor? extra_topk_length, Tensor(a!) out) -> Tensor");
+      "Tensor? extra_topk_length, Tensor(a!) out, bool batch_invariant=False) -> Tensor");
   m.def(
       "sparse_mqa_prefill(Tensor q, Tensor kv, Tensor indices, Tensor? topk_length, "
       "Tensor? attn_sink, float softmax_scale, Tensor(a!) out) -> Tensor");

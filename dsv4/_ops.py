@@ -34,7 +34,7 @@ SCHEMAS = {
     "sparse_mqa_decode": (
         "(Tensor q, Tensor kv_cache, Tensor indices, Tensor? topk_length, Tensor? attn_sink, "
         "float softmax_scale, Tensor? extra_kv_cache, Tensor? extra_indices, "
-        "Tensor? extra_topk_length, Tensor(a!) out) -> Tensor"
+        "Tensor? extra_topk_length, Tensor(a!) out, bool batch_invariant=False) -> Tensor"
     ),
     "sparse_mqa_prefill": (
         "(Tensor q, Tensor kv, Tensor indices, Tensor? topk_length, Tensor? attn_sink, "

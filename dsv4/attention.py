@@ -178,7 +178,7 @@ def _check_prefill(q, kv, indices, topk_length, attn_sink, softmax_scale, out) -
 
 @torch.library.register_fake("dsv4::sparse_mqa_decode")
 def _(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, extra_kv_cache, extra_indices,
-      extra_topk_length, out):
+      extra_topk_length, out, batch_invariant=False):
     _check_decode(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, extra_kv_cache, extra_indices,
                   extra_topk_length, out)
     return q.new_empty(q.shape[:3], dtype=torch.float32)
@@ -228,7 +228,8 @@ def _run_reference(q4, rows, idx3, lengths_b, attn_sink, softmax_scale, rows2=No
 
 @torch.library.impl("dsv4::sparse_mqa_decode", "CPU")
 def _(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, extra_kv_cache, extra_indices,
-      extra_topk_length, out):
+      extra_topk_length, out, batch_invariant=False):
+    # the float32 reference treats every token on its own: batch invariant either way
     _check_decode(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, extra_kv_cache, extra_indices,
                   extra_topk_length, out)
     rows2 = None if extra_kv_cache is None else _cache_rows(extra_kv_cache)
@@ -264,6 +265,7 @@ def sparse_mqa_decode(
     extra_indices: torch.Tensor | None = None,
     extra_topk_length: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MQA decode over paged caches (replaces vLLM's ``flash_mla_with_kvcache``).
 
@@ -283,6 +285,13 @@ def sparse_mqa_decode(
         extra_kv_cache, extra_indices ``[B, s_q, topk2]``, extra_topk_length ``[B]``: a
             second cache and index list (same layout as ``kv_cache``) in the same softmax.
         out: optional bf16 ``[B, s_q, H, 512]`` output buffer (written in place).
+        batch_invariant: when True, a token's ``out`` and ``lse`` are bitwise the same
+            whatever the batch around it (size, other sequences, list widths, SM count):
+            the key axis is split at fixed positions (every 512 keys) and the partials are
+            merged in a fixed order, always through the split path. Lists may hold at most
+            32,768 entries in all (kv + extra). Costs speed where the default would split differently
+            (docs/perf.md). vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``) selects
+            it in the plugin.
 
     Returns:
         ``(out bf16 [B, s_q, H, 512], lse fp32 [B, s_q, H])``; lse excludes the sink and
@@ -294,7 +303,7 @@ def sparse_mqa_decode(
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     lse = op("sparse_mqa_decode")(
         q, kv_cache, indices, topk_length, attn_sink, float(softmax_scale), extra_kv_cache, extra_indices,
-        extra_topk_length, out,
+        extra_topk_length, out, bool(batch_invariant),
     )
     return out, lse
 

@@ -148,7 +148,7 @@ void launch_main(const SparseMqaParams& p, int64_t grid, cudaStream_t stream) {
 
 // Shared body: q4/out4 are [B, s_q, H, 512]; idx are [B, s_q, topk].
 at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p, CacheKind kind,
-               const std::optional<at::Tensor>& attn_sink, double softmax_scale) {
+               const std::optional<at::Tensor>& attn_sink, double softmax_scale, bool batch_invariant) {
   const int64_t B = q4.size(0), s_q = q4.size(1), H = q4.size(2);
   TORCH_CHECK(H == 64 || H == 128, "dsv4: q must have 64 or 128 heads (pad other head counts with sink = -inf), got ",
               H);
@@ -191,7 +191,22 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   for (int k = 0; k < p.num_src; ++k) max_tiles += (p.src[k].topk + attention::kTileKeys - 1) / attention::kTileKeys;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t base = tokens * (H / 64);
-  p.num_splits = pick_splits(base, max_tiles, sms);
+  if (batch_invariant) {
+    // Splits of a fixed number of key pairs each, and always the split path (partials +
+    // the ordered combine, in which empty splits add nothing), so that a token's result
+    // depends on its own lists only: not on the batch size, the other sequences, the
+    // list widths or the GPU's SM count.
+    const int64_t max_pairs = (max_tiles + 1) / 2;
+    const int64_t splits = (max_pairs + attention::kInvariantPairsPerSplit - 1) / attention::kInvariantPairsPerSplit;
+    TORCH_CHECK(splits <= attention::kMaxSplits, "dsv4: batch_invariant decode takes index lists of at most ",
+                attention::kMaxSplits * attention::kInvariantPairsPerSplit * 2 * attention::kTileKeys,
+                " entries in all (kv + extra), got ", max_tiles * attention::kTileKeys, " (rounded to 64-key tiles)");
+    p.pairs_per_split = attention::kInvariantPairsPerSplit;
+    p.num_splits = static_cast<int>(std::max<int64_t>(2, splits));
+  } else {
+    p.pairs_per_split = 0;
+    p.num_splits = pick_splits(base, max_tiles, sms);
+  }
   at::Tensor part_o, part_lse;
   p.part_o = nullptr;
   p.part_lse = nullptr;
@@ -220,7 +235,8 @@ at::Tensor sparse_mqa_decode(const at::Tensor& q, const at::Tensor& kv_cache, co
                              const std::optional<at::Tensor>& topk_length, const std::optional<at::Tensor>& attn_sink,
                              double softmax_scale, const std::optional<at::Tensor>& extra_kv_cache,
                              const std::optional<at::Tensor>& extra_indices,
-                             const std::optional<at::Tensor>& extra_topk_length, at::Tensor out) {
+                             const std::optional<at::Tensor>& extra_topk_length, at::Tensor out,
+                             bool batch_invariant) {
   check_qo(q, "q", "[B, s_q, H, 512]");
   check_qo(out, "out", "[B, s_q, H, 512]");
   const int64_t B = q.size(0), s_q = q.size(1);
@@ -241,7 +257,7 @@ at::Tensor sparse_mqa_decode(const at::Tensor& q, const at::Tensor& kv_cache, co
     check_lengths(extra_topk_length, "extra_topk_length", q, B, p.src[1]);
     p.num_src = 2;
   }
-  return run(q, out, p, kind, attn_sink, softmax_scale);
+  return run(q, out, p, kind, attn_sink, softmax_scale, batch_invariant);
 }
 
 at::Tensor sparse_mqa_prefill(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& indices,
@@ -271,7 +287,7 @@ at::Tensor sparse_mqa_prefill(const at::Tensor& q, const at::Tensor& kv, const a
   check_indices(idx, "indices", q, T, 1, p.src[0]);
   check_lengths(topk_length, "topk_length", q, T, p.src[0]);
   p.num_src = 1;
-  at::Tensor lse = run(q4, out4, p, CacheKind::kBf16, attn_sink, softmax_scale);
+  at::Tensor lse = run(q4, out4, p, CacheKind::kBf16, attn_sink, softmax_scale, false);
   return lse.squeeze(1);
 }
 

@@ -138,9 +138,15 @@ __device__ __forceinline__ TokenTiles token_tiles(const SparseMqaParams& p, int 
   // Unsigned 32-bit: pairs <= 2^25 (two int32 lists of 64-key tiles) and num_splits <= 64,
   // so the products stay below 2^32; a 64-bit division is a subroutine call, a far jump that
   // a cold instruction cache pays for.
-  const uint32_t up = static_cast<uint32_t>(pairs), ns = static_cast<uint32_t>(p.num_splits);
-  const int p0 = static_cast<int>(up * static_cast<uint32_t>(split) / ns);
-  const int p1 = static_cast<int>(up * static_cast<uint32_t>(split + 1) / ns);
+  int p0, p1;
+  if (p.pairs_per_split > 0) {  // batch-invariant: boundaries at fixed key positions
+    p0 = min(split * p.pairs_per_split, pairs);
+    p1 = min(p0 + p.pairs_per_split, pairs);
+  } else {
+    const uint32_t up = static_cast<uint32_t>(pairs), ns = static_cast<uint32_t>(p.num_splits);
+    p0 = static_cast<int>(up * static_cast<uint32_t>(split) / ns);
+    p1 = static_cast<int>(up * static_cast<uint32_t>(split + 1) / ns);
+  }
   tt.t0 = 2 * p0;
   tt.t1 = 2 * p1 < n ? 2 * p1 : n;
   return tt;

@@ -16,6 +16,9 @@ constexpr int kHeadDim = 512;     // K = V = 512 (448 no-rope + 64 rope)
 constexpr int kHeadsPerCta = 64;  // heads packed into the wgmma M dimension
 constexpr int kTileKeys = 64;     // keys per pipeline stage
 constexpr int kMaxSplits = 64;
+// Batch-invariant decode: every split covers this many pairs of 64-key tiles (512 keys),
+// so a token's split boundaries depend on key positions only, never on the batch.
+constexpr int kInvariantPairsPerSplit = 4;
 
 // One KV source: a paged cache (fp8_ds_mla or bf16) plus its per-token index list.
 struct SparseMqaSource {
@@ -44,6 +47,7 @@ struct SparseMqaParams {
   float* part_o;            // fp32 [num_splits, B * s_q, H, 512] (num_splits > 1 only)
   float* part_lse;          // fp32 [num_splits, B * s_q, H]       (num_splits > 1 only)
   int batch, s_q, num_heads, num_splits;
+  int pairs_per_split;      // > 0: batch-invariant splits of this many tile pairs; 0: num_splits equal parts
 };
 
 }  // namespace attention
