@@ -61,7 +61,8 @@ def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
 # --------------------------------------------------------------------------------------
 
 
-def decode_rows(anchors: Anchors, models, kinds, batches, contexts, iters: int) -> list[dict]:
+def decode_rows(anchors: Anchors, models, kinds, batches, contexts, iters: int,
+                invariant: bool = False) -> list[dict]:
     from ..attention import sparse_mqa_decode
     from .incumbents import FlashMLADecode
     from .timing import time_us
@@ -79,15 +80,18 @@ def decode_rows(anchors: Anchors, models, kinds, batches, contexts, iters: int) 
                 for b in batches:
                     gen = torch.Generator(device=dev).manual_seed(1000 * b + ctx % 997)
                     sets = [I.decode_case(kind, m, b, ctx, pools, gen) for _ in range(N_SETS)]
-                    outs = {k: [torch.empty_like(s["q"]) for s in sets] for k in ("dsv4", "flashmla")}
+                    outs = {k: [torch.empty_like(s["q"]) for s in sets] for k in ("dsv4", "flashmla", "inv")}
 
-                    def ours(s, o):
+                    def ours(s, o, inv=False):
                         return lambda: sparse_mqa_decode(s["q"], s["swa_cache"], s["swa_idx"], s["swa_len"],
                                                          s["sink"], SCALE, extra_kv_cache=s["extra_cache"],
                                                          extra_indices=s["extra_idx"],
-                                                         extra_topk_length=s["extra_len"], out=o)
+                                                         extra_topk_length=s["extra_len"], out=o,
+                                                         batch_invariant=inv)
 
                     variants = {"dsv4": [ours(s, o) for s, o in zip(sets, outs["dsv4"])]}
+                    if invariant:
+                        variants["inv"] = [ours(s, o, True) for s, o in zip(sets, outs["inv"])]
                     if anchors.flashmla:
                         variants["flashmla"] = [FlashMLADecode(s, SCALE, o) for s, o in zip(sets, outs["flashmla"])]
                     t = time_us(variants, iters=iters)
@@ -98,6 +102,8 @@ def decode_rows(anchors: Anchors, models, kinds, batches, contexts, iters: int) 
                                batch=b, keys=keys, dsv4_us=t["dsv4"].us, method=t["dsv4"].method,
                                tflops=flops / (t["dsv4"].us * 1e-6) / 1e12,
                                tbps=nbytes / (t["dsv4"].us * 1e-6) / 1e12)
+                    if "inv" in t:
+                        row.update(invariant_us=t["inv"].us, invariant_cost=t["inv"].us / t["dsv4"].us)
                     if "flashmla" in t:
                         row.update(incumbent="FlashMLA", incumbent_us=t["flashmla"].us,
                                    ratio=t["flashmla"].us / t["dsv4"].us,
@@ -226,6 +232,8 @@ def _line(r: dict) -> str:
     s = f"{_fmt_case(r)}: dsv4 {r['dsv4_us']:.1f} us"
     if "ratio" in r:
         s += f", {r['incumbent']} {r['incumbent_us']:.1f} us, ratio {r['ratio']:.2f}x, max|diff| {r['maxdiff']:.3g}"
+    if "invariant_us" in r:
+        s += f", batch-invariant {r['invariant_us']:.1f} us ({r['invariant_cost']:.2f}x dsv4)"
     return s
 
 
@@ -313,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--moe-models", type=lambda s: _list(s, str), default=["flash", "pro", "v41flash"])
     ap.add_argument("--moe-m", type=_list, default=DEFAULT_MOE_M)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="decode: also time sparse_mqa_decode(batch_invariant=True) in the same call")
     ap.add_argument("--json", default=None, help="write rows, ceilings and the incumbents line here")
     ap.add_argument("--markdown", default=None, help="also write the tables as markdown here")
     ap.add_argument("--from-json", default=None, help="render the tables of an earlier --json run; time nothing")
@@ -388,7 +398,8 @@ def main(argv=None) -> int:
                 f.write(markdown(rows, ceilings))
 
     if "decode" in args.only:
-        rows += decode_rows(anchors, args.models, args.kinds, args.batch, args.context, iters)
+        rows += decode_rows(anchors, args.models, args.kinds, args.batch, args.context, iters,
+                            invariant=args.batch_invariant)
         save()
     if "prefill" in args.only:
         rows += prefill_rows(anchors, args.models, args.tokens, iters, ceilings["copy TB/s"])
