@@ -128,7 +128,7 @@ def main() -> int:
         rc, out, dt = run([sys.executable, "scripts/gpu_fuzz.py", "--json", f"{args.out}/fuzz.json"],
                           f"{args.out}/fuzz.log")
         lines = [ln for ln in out.splitlines() if re.match(r"^\w+: \d+ configurations", ln)]
-        summary.append(("fuzz", "; ".join(lines) or f"rc={rc} (no summary)") + f" ({dt:.0f}s)"))
+        summary.append(("fuzz", ("; ".join(lines) or f"rc={rc} (no summary)") + f" ({dt:.0f}s)"))
 
     if args.compare is not None:
         cmd = [sys.executable, "-m", "dsv4.bench.compare", "--json", f"{args.out}/compare.json", "--markdown",
