@@ -740,3 +740,22 @@ def test_gpu_opcheck_and_fp8_not_built():
     p8 = prepare_moe_weights(*(w[k] for k in MX), activation="fp8")
     with pytest.raises(NotImplementedError, match="W4A8 .* CUDA kernel is not built yet"):
         routed_moe(x, ids, tw, p8)
+
+
+def test_w4a8_draft_code_conversion_integer_ops():
+    """csrc/moe/mxfp4_w4a8.cuh (draft) e2m1x4_to_e4m3x4 with build_shift_tables, emulated
+    with the same integer steps (PRMT's default mode, the nibble spread) for every 4-code
+    word and every shift: four e4m3 bytes of code * 2^d."""
+    q = torch.arange(65536, dtype=torch.int64)
+    for d in range(-8, 7):
+        mags = torch.tensor([abs(_e2m1(c)) * 2.0**d for c in range(8)]).to(torch.float8_e4m3fn).view(torch.uint8)
+        table = mags.to(torch.int64)  # bytes 0..3 = lut_lo, 4..7 = lut_hi
+        sel = q & 0x7777
+        mag = sum(table[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))  # PRMT, selector bit 3 clear
+        x = (q | (q << 8)) & 0x00FF00FF
+        x = (x | (x << 4)) & 0x0F0F0F0F
+        word = mag | ((x & 0x08080808) << 4)
+        got = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8).view(torch.float8_e4m3fn)
+        codes = torch.stack([(q >> (4 * i)) & 15 for i in range(4)], -1)
+        want = torch.tensor([_e2m1(c) for c in range(16)], dtype=torch.float64)[codes] * 2.0**d
+        assert torch.equal(got.double(), want), d
