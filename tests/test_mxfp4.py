@@ -1,8 +1,9 @@
 """MXFP4 experts (DeepSeek V4's native checkpoints): formats and FP8 activation quantizers
 (dsv4.mxfp4), the float32 references (dsv4.reference.mxfp4_moe) against independently
 written per-element / per-token formulations, the prepare step and the op chain
-(dsv4.prepare_moe_weights, dsv4.routed_moe, dsv4::mxfp4_moe) on CPU, and the W4A16 GPU
-path (MXFP4 folded into the bf16 kernels' NVFP4 operand) against the reference."""
+(dsv4.prepare_moe_weights, dsv4.routed_moe, dsv4::mxfp4_moe) on CPU, and on the GPU the
+W4A16 path (MXFP4 folded into the bf16 kernels' NVFP4 operand) and the W4A8 kernels
+(csrc/moe/mxfp4_moe.cu) against the references."""
 
 import math
 import struct
@@ -632,7 +633,7 @@ def test_torch_compile_fullgraph_cpu(small, activation):
 
 # ------------------------------------------------------------------- GPU -----------
 # The W4A16 path: MXFP4 folded exactly into the bf16 kernels' NVFP4 operand, against
-# the float32 MXFP4 reference on the original weights.
+# the float32 MXFP4 reference on the original weights; the W4A8 path below.
 
 SHAPES = {  # K, N, E_global, E_local (a slice of the experts: the kernels do not depend on E)
     "flash": (4096, 2048, 256, 16),
@@ -643,14 +644,14 @@ SHAPES = {  # K, N, E_global, E_local (a slice of the experts: the kernels do no
 _GPU = {}
 
 
-def _gpu_model(name):
-    if name not in _GPU:
+def _gpu_model(name, activation="bf16"):
+    if (name, activation) not in _GPU:
         _GPU.clear()
         torch.cuda.empty_cache()
         K, N, _, E = SHAPES[name]
         w = _weights(E, N, K, seed=K + N, device="cuda")
-        _GPU[name] = (w, prepare_moe_weights(*(w[k] for k in MX), activation="bf16"))
-    return _GPU[name]
+        _GPU[name, activation] = (w, prepare_moe_weights(*(w[k] for k in MX), activation=activation))
+    return _GPU[name, activation]
 
 
 def _gpu_case(name, M, seed, routing="uniform", use_map=True):
@@ -726,7 +727,7 @@ def test_gpu_w4a16_cuda_graph_replay(name):
 
 
 @pytest.mark.gpu
-def test_gpu_opcheck_and_fp8_not_built():
+def test_gpu_opcheck():
     w = _weights(4, 96, 128, seed=40, device="cuda")
     p = prepare_moe_weights(*(w[k] for k in MX), activation="bf16")
     gen = torch.Generator().manual_seed(41)
@@ -738,12 +739,103 @@ def test_gpu_opcheck_and_fp8_not_built():
     ref = reference.mxfp4_moe(x, ids, tw, *(w[k] for k in MX), swiglu_limit=10.0, activation="bf16")
     assert _rel_l2(routed_moe(x, ids, tw, p, swiglu_limit=10.0), ref) <= 5e-3
     p8 = prepare_moe_weights(*(w[k] for k in MX), activation="fp8")
-    with pytest.raises(NotImplementedError, match="W4A8 .* CUDA kernel is not built yet"):
-        routed_moe(x, ids, tw, p8)
+    for ue8m0 in (True, False):
+        torch.library.opcheck(torch.ops.dsv4.mxfp4_moe.default,
+                              (x, ids, tw, *p8.tensors, None, 10.0, "fp8", ue8m0, torch.empty_like(x)))
+
+
+# The W4A8 path (csrc/moe/mxfp4_moe.cu: FP8 mma.sync, the small-batch kernels at every M
+# for now) against the float32 W4A8 reference on the original weights. Tolerance: the
+# kernel's fp32 accumulation order and fast silu move GEMM1's output by ulps, which now
+# and then flips an FP8 rounding of h (one e4m3 step, 2^-4 relative, of one element).
+
+W4A8_CASES = [  # (shape, M, routing, expert_map, swiglu_limit, ue8m0)
+    ("flash", 1, "uniform", True, 10.0, True),
+    ("flash", 7, "uniform", False, None, True),
+    ("flash", 64, "skewed", True, 10.0, False),
+    ("flash", 512, "uniform", True, 10.0, True),
+    ("flash", 8192, "uniform", True, 10.0, True),
+    ("pro", 1, "uniform", True, 10.0, True),
+    ("pro", 64, "uniform", False, 10.0, False),
+    ("pro", 512, "skewed", False, None, True),
+    ("v41", 7, "uniform", True, 10.0, True),
+    ("v41", 512, "uniform", True, 10.0, True),
+    ("v41_tp8", 1, "uniform", True, 10.0, True),
+    ("v41_tp8", 7, "skewed", True, 10.0, True),
+    ("v41_tp8", 64, "uniform", False, None, False),
+    ("v41_tp8", 8192, "uniform", True, 10.0, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,M,routing,use_map,limit,ue8m0", W4A8_CASES)
+def test_gpu_w4a8_vs_reference(name, M, routing, use_map, limit, ue8m0):
+    w, p = _gpu_model(name, "fp8")
+    assert p.report["inexact_blocks"] == 0
+    x, ids, tw, emap = _gpu_case(name, M, seed=M + 5, routing=routing, use_map=use_map)
+    out = torch.full_like(x, float("nan"))  # poisoned
+    got = routed_moe(x, ids, tw, p, swiglu_limit=limit, ue8m0=ue8m0, expert_map=emap, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.isfinite(got).all()
+    ref = reference.mxfp4_moe(x, ids, tw, *(w[k] for k in MX), swiglu_limit=limit, activation="fp8", ue8m0=ue8m0,
+                              expert_map=emap)
+    err = _rel_l2(got, ref)
+    assert err <= 1e-2, f"relative L2 {err:.3e}"
+    bf16 = reference.mxfp4_moe(x, ids, tw, *(w[k] for k in MX), swiglu_limit=limit, activation="bf16",
+                               expert_map=emap)
+    assert err < _rel_l2(got, bf16)  # closer to the W4A8 numerics than to W4A16's
+    assert torch.equal(routed_moe(x, ids, tw, p, swiglu_limit=limit, ue8m0=ue8m0, expert_map=emap), got)
+
+
+@pytest.mark.gpu
+def test_gpu_w4a8_empty_and_all_remote():
+    w, p = _gpu_model("flash", "fp8")
+    x = torch.zeros(0, 4096, dtype=torch.bfloat16, device="cuda")
+    ids = torch.zeros(0, 6, dtype=torch.int32, device="cuda")
+    assert routed_moe(x, ids, ids.float(), p).shape == (0, 4096)
+    x, ids, tw, _ = _gpu_case("flash", 5, seed=7)
+    out = torch.full_like(x, float("nan"))
+    emap = torch.full((256,), -1, dtype=torch.int32, device="cuda")
+    assert torch.equal(routed_moe(x, ids, tw, p, expert_map=emap, out=out), torch.zeros_like(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["flash", "v41_tp8"])
+def test_gpu_w4a8_cuda_graph_replay(name):
+    w, p = _gpu_model(name, "fp8")
+    x, ids, tw, emap = _gpu_case(name, 64, seed=51)
+    out = torch.empty_like(x)
+    routed_moe(x, ids, tw, p, swiglu_limit=10.0, expert_map=emap, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        routed_moe(x, ids, tw, p, swiglu_limit=10.0, expert_map=emap, out=out, check_ids=False)
+    for seed in (52, 53):
+        x2, ids2, tw2, _ = _gpu_case(name, 64, seed=seed)
+        x.copy_(x2)
+        ids.copy_(ids2)
+        tw.copy_(tw2)
+        graph.replay()
+        assert torch.equal(out, routed_moe(x, ids, tw, p, swiglu_limit=10.0, expert_map=emap))
+
+
+@pytest.mark.gpu
+def test_gpu_w4a8_bad_inputs():
+    w, p = _gpu_model("flash", "fp8")
+    x, ids, tw, emap = _gpu_case("flash", 4, seed=8)
+    op = torch.ops.dsv4.mxfp4_moe
+    out = torch.empty_like(x)
+    with pytest.raises(RuntimeError, match="x must have dtype"):
+        op(x.float(), ids, tw, *p.tensors, emap, None, "fp8", True, out)
+    with pytest.raises(RuntimeError, match="topk_weights must have shape"):
+        op(x, ids, tw[:, :2].contiguous(), *p.tensors, emap, None, "fp8", True, out)
+    with pytest.raises(RuntimeError, match="multiple of 128"):
+        op(x[:, :64].contiguous(), ids, tw, *p.tensors, emap, None, "fp8", True, out[:, :64].contiguous())
+    with pytest.raises(RuntimeError, match="w2_scale must have shape"):
+        t = p.tensors
+        op(x, ids, tw, t.w13, t.w13_scale, t.w2, t.w2_scale[:, :, :1].contiguous(), emap, None, "fp8", True, out)
 
 
 def test_w4a8_draft_code_conversion_integer_ops():
-    """csrc/moe/mxfp4_w4a8.cuh (draft) e2m1x4_to_e4m3x4 with build_shift_tables, emulated
+    """csrc/moe/mxfp4_w4a8.cuh e2m1x4_to_e4m3x4 with build_shift_tables, emulated
     with the same integer steps (PRMT's default mode, the nibble spread) for every 4-code
     word and every shift: four e4m3 bytes of code * 2^d."""
     q = torch.arange(65536, dtype=torch.int64)

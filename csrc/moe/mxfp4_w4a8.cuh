@@ -1,7 +1,7 @@
-// DRAFT, not built into any op and not registered (issue 26 item 4): the small-batch
-// (decode) path of the MXFP4 W4A8 MoE on FP8 tensor cores, warp-level
-// mma.sync.m16n8k32.e4m3. Compiles for sm_90a with no spills (checked with
-// /work/nvcc_tu.sh through a test TU); never run. What remains: see the end of file.
+// The small-batch path of the MXFP4 W4A8 MoE on FP8 tensor cores (warp-level
+// mma.sync.m16n8k32.e4m3), launched by dsv4::mxfp4_moe (mxfp4_moe.cu) at every M for
+// now. Compiles for sm_90a with no spills; not yet run on a GPU when written (its GPU
+// tests: tests/test_mxfp4.py -m gpu -k w4a8). What remains: see the end of the file.
 //
 // Numerics (DESIGN.md section 2, dsv4.reference.mxfp4_moe activation="fp8"):
 //   GEMM1 input  x: per token, per 128 of K, vLLM's per_token_group_quant_fp8
@@ -332,21 +332,18 @@ inline void launch_w4a8_decode(const W4A8Params& p, int max_tiles, cudaStream_t 
   w4a8_gemm2_kernel<<<dim3((p.K + 255) / 256, max_tiles), kThreads, 0, stream>>>(p);
 }
 
-// What remains before this is an op (issue 26 item 4):
-// * host entry (argument checks, workspace, routing with block_n = 8, the combine) in a
-//   new csrc/moe/mxfp4_moe.cu bound to dsv4::mxfp4_moe, replacing the Python refusal in
-//   dsv4/moe.py routed_moe; GPU tests vs dsv4.reference.mxfp4_moe (tests/test_mxfp4.py
-//   holds the W4A16 ones to copy), M in {1, 7, 64, 512, 8192}, graph replay, opcheck.
-// * K % 128 and 2N % 256 are assumed by the grids: V4 shapes satisfy the first; GEMM1's
-//   last CTA of N = 288 -> 320 runs 2 live warps of 4 (handled by `live`).
+// What remains (issue 26 item 4):
+// * GPU validation on the H200 (the tests are written), then speed against Humming W4A8.
 // * speed: weight loads are plain 16-byte global loads without a pipeline (cp.async /
 //   bulk copies ring as in moe_gemm.cuh), h and y are written with byte / 2-byte stores
 //   (stage through shared memory), every CTA rebuilds the 120-byte shift table, no
-//   split-K for tiny grids, and the tile is fixed at 8 tokens.
+//   split-K for tiny grids, the tile is fixed at 8 tokens, routing is one CTA.
 // * the prefill path: wgmma m64nNk32 e4m3 with A from registers (the same conversion)
 //   and B (tokens) from shared memory, per-128 promotion into a second accumulator set.
-// * the hq / hs reads of GEMM2 use the tile row as the token row (GEMM1 writes them per
-//   padded row), so GEMM2 must run with the same tiles as GEMM1 (it does: one routing).
+// * the grids assume K % 128 == 0 (checked by the entry; every V4 shape) and N % 64 == 0
+//   (prepare pads); GEMM1's last CTA of N = 288 -> 320 runs 2 live warps of 4 (`live`).
+// * GEMM2 reads hq / hs by tile row (GEMM1 writes them per padded row), so both GEMMs
+//   must run on the same routing (they do).
 
 }  // namespace w4a8
 }  // namespace moe
