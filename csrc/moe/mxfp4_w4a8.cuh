@@ -97,7 +97,7 @@ __device__ __forceinline__ void build_shift_tables(uint32_t (*lut)[2]) {
   uint8_t* bytes = reinterpret_cast<uint8_t*>(lut);
   for (int i = threadIdx.x; i < kShifts * 8; i += blockDim.x) {
     const int d = i / 8 + kShiftMin;
-    bytes[i] = uint8_t(e4m3_bits(e2m1_value(uint32_t(i % 8)) * exp2f(float(d))));
+    bytes[i] = uint8_t(e4m3_bits(ldexpf(e2m1_value(uint32_t(i % 8)), d)));
   }
 }
 
