@@ -26,8 +26,7 @@ TORCH_LIBRARY(dsv4, m) {
       "nvfp4_moe_gemm1_debug(Tensor x, Tensor topk_ids, Tensor w13, Tensor w13_scale, "
       "Tensor w13_scale_2, Tensor? a13_scale, Tensor? a2_scale, Tensor? expert_map, "
       "float? swiglu_limit, str activation, int cta_mode) -> (Tensor, Tensor, Tensor, Tensor)");
-  // MXFP4 W4A8 MoE: CPU (reference) and fake kernels in dsv4/moe.py; the sm_90a kernel
-  // is not written yet (issue 26), so no CUDA kernel is bound to it.
+  // MXFP4 W4A8 MoE (CUDA: csrc/moe/mxfp4_moe.cu)
   m.def(
       "mxfp4_moe(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w13_scale, Tensor w2, "
       "Tensor w2_scale, Tensor? expert_map, float? swiglu_limit, str activation, bool ue8m0, "

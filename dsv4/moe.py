@@ -517,8 +517,9 @@ def _gemm1_debug(x, topk_ids, weights: Nvfp4MoeWeights, *, swiglu_limit=None, ac
 # exponent into NVFP4 e4m3 block scales relative to a per-(expert, gate/up/down) fp32
 # global scale (dsv4.mxfp4.mxfp4_to_nvfp4; exact for every block within 17 binades of
 # its matrix's largest) and calls dsv4::nvfp4_moe. MXFP4 W4A8 ("fp8", vLLM 0.33.0's
-# Hopper numerics) is dsv4::mxfp4_moe: its CPU kernel is the float32 reference; its
-# sm_90a kernel is not written yet (issue 26 item 4), so CUDA tensors are refused.
+# Hopper numerics) is dsv4::mxfp4_moe: its CPU kernel is the float32 reference, its
+# CUDA kernels (csrc/moe/mxfp4_moe.cu, mxfp4_w4a8.cuh) the small-batch path on FP8
+# mma.sync at every M for now (no prefill kernel yet; issue 26 item 4).
 
 _MOE_FORMATS = ("nvfp4", "mxfp4")
 _FORMAT_ACTIVATIONS = {"nvfp4": ("bf16", "nvfp4"), "mxfp4": ("bf16", "fp8")}
@@ -591,8 +592,7 @@ def prepare_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, *, activation: str =
         w13: uint8 [E, 2N, K/2] (gate rows, then up rows; low nibble = even element).
         w13_scale: e8m0 scales [E, 2N, K/32], torch.uint8 or torch.float8_e8m0fnu.
         w2: uint8 [E, K, N/2]; w2_scale: e8m0 [E, K, N/32].
-        activation: "fp8" (W4A8, vLLM's Hopper numerics; CPU only for now) or "bf16"
-            (W4A16).
+        activation: "fp8" (W4A8, vLLM's Hopper numerics) or "bf16" (W4A16).
 
     N is padded to a multiple of 64 (the kernels' tile) with zero rows and columns, which
     add exactly nothing (V4.1-Flash at TP 8: 288 -> 320, as vLLM's Humming path pads it).
@@ -773,10 +773,6 @@ def routed_moe(
         return nvfp4_moe(x, topk_ids, topk_weights, weights.tensors, swiglu_limit=swiglu_limit,
                          activation=activation, a13_scale=a13_scale, a2_scale=a2_scale, expert_map=expert_map,
                          cta_mode=cta_mode, out=out, check_ids=check_ids)
-    if x.is_cuda:
-        raise NotImplementedError(
-            "dsv4: the MXFP4 W4A8 (activation 'fp8') CUDA kernel is not built yet (issue 26); prepare the weights "
-            "with activation='bf16' to run MXFP4 W4A16 on the GPU")
     w = weights.tensors
     if topk_ids.dtype != torch.int32:
         topk_ids = topk_ids.to(torch.int32)

@@ -481,8 +481,10 @@ def fit_fp8_operand(w: torch.Tensor, w_scale: torch.Tensor, group: int = FP8_GRO
         w: uint8 [E, R, Kd/2]; w_scale: e8m0 [E, R, Kd/32].
 
     Returns:
-        ``(codes uint8 [E, R, Kd/2], scales uint8 [E, R, Kd/32], inexact_blocks int)``: the
-        inputs themselves when every block fits. A scale byte 255 (NaN) raises.
+        ``(codes uint8 [E, R, Kd/2], scales uint8 [E, R, Kd/32], inexact_blocks int)``, with
+        the scale bytes of all-zero blocks set to 0 (the kernel's base is the largest byte
+        of the group); the inputs themselves when nothing changes. A scale byte 255 (NaN)
+        raises.
     """
     sb = _check_packed_scales(w, w_scale, name, f"{name}_scale")
     _reject_nan(sb, f"{name}_scale")
@@ -498,11 +500,16 @@ def fit_fp8_operand(w: torch.Tensor, w_scale: torch.Tensor, group: int = FP8_GRO
     gmax = padded.reshape(E, R, ng, per).amax(dim=-1).repeat_interleave(per, dim=-1)[..., :nb]
     lowest = gmax - FP8_OPERAND_SHIFT_MAX + FP8_OPERAND_SHIFT_MIN  # b - 8
     low = live & (e < lowest)
-    if not bool(low.any()):
+    dead = ~live & (e != 0)
+    if not bool(low.any()) and not bool(dead.any()):
         return w, sb, 0
+    # all-zero blocks get byte 0: the kernel takes the group's largest byte as is
+    sb = torch.where(live, e, torch.zeros_like(e))
+    if not bool(low.any()):
+        return w, sb.to(torch.uint8), 0
     vals = formats._e2m1_decode(codes) * formats._pow2(e - lowest).unsqueeze(-1)
     new = formats.round_to_e2m1(vals)
     inexact = int((low & (formats._e2m1_decode(new) != vals).any(dim=-1)).sum())
     codes = torch.where(low.unsqueeze(-1), new, codes)
-    sb = torch.where(low, lowest, e).to(torch.uint8)
+    sb = torch.where(low, lowest, sb).to(torch.uint8)
     return formats.pack_fp4(codes.reshape(E, R, nb * MXFP4_BLOCK)), sb, inexact
