@@ -6,7 +6,12 @@
   without a GPU driver (otherwise it cannot infer a device and the argument
   parser refuses to build). vLLM's compiled extension modules (vllm._C*,
   vllm._flashmla_C, ...) fail to import without a driver; vLLM itself tolerates
-  that, and none of these tests needs them, so no stand-ins are installed.
+  that, and none of these tests needs them.
+* The plugin registers only on vLLM's CUDA platform and DSV4 selection checks for
+  dsv4's CUDA extension and an sm_90 GPU. Two named stand-ins let the CPU tests
+  run the CUDA code paths: :func:`stand_in_for_cuda` replaces
+  ``dsv4_plugin._platform_problem`` and ``dsv4_plugin.attention.device_problem``
+  (the real ones are tested in test_platform.py, in fresh interpreters).
 """
 
 from __future__ import annotations
@@ -27,6 +32,19 @@ if _PROBLEM is None:
         _PROBLEM = f"vllm is installed but not importable ({type(e).__name__}: {e})"
 
 SKIP_REASON = f"vLLM plugin tests need vllm=={SUPPORTED_VLLM}: {_PROBLEM}"
+
+
+def stand_in_for_cuda() -> None:
+    """Make the plugin treat this CPU process as a CUDA platform with dsv4's kernels."""
+    import dsv4_plugin
+    import dsv4_plugin.attention
+
+    dsv4_plugin._platform_problem = lambda: None
+    dsv4_plugin.attention.device_problem = lambda: None
+
+
+if _PROBLEM is None:
+    stand_in_for_cuda()
 
 
 def pytest_collection_modifyitems(config, items):
