@@ -13,12 +13,10 @@ def worker_main(vllm_config, conn):
         "plugins_loaded_before": vllm.plugins.plugins_loaded,
         "backend": repr(vllm_config.attention_config.backend),
     }
-    # conftest.stand_in_for_cuda, for this fresh interpreter (CPU test machine)
-    import dsv4_plugin
-    import dsv4_plugin.attention
+    # as conftest.py does, for this fresh interpreter (a CPU test machine)
+    from _stand_ins import stand_in_for_cuda
 
-    dsv4_plugin._platform_problem = lambda: None
-    dsv4_plugin.attention.device_problem = lambda: None
+    stand_in_for_cuda()
     # What vLLM's worker does next (WorkerWrapperBase.init_worker).
     vllm.plugins.load_general_plugins()
     import vllm.models.deepseek_v4.nvidia.model as model
