@@ -5,12 +5,15 @@
 1. checks that vllm==0.33.0 is installed; any other version gets one clear log
    line and nothing is registered (``--attention-backend dsv4`` then fails with
    vLLM's "Unknown attention backend" error);
-2. registers the attention backend name ``DSV4`` in vLLM's AttentionBackendEnum
+2. on any platform but CUDA, logs one line and registers nothing;
+3. registers the attention backend name ``DSV4`` in vLLM's AttentionBackendEnum
    (so ``--attention-backend dsv4`` and ``--attention-config '{"backend": "dsv4"}'``
    parse) and makes that member pickle by name into fresh interpreters;
-3. installs the one seam, vLLM's DeepSeek V4 attention-class selection
+4. installs the two seams, vLLM's DeepSeek V4 and V4.1 attention-class selection
    (see :mod:`dsv4_plugin.attention`);
-4. registers the NVFP4 MoE quantization config (see :mod:`dsv4_plugin.moe`).
+5. registers the MoE quantization config (see :mod:`dsv4_plugin.moe`).
+
+Nothing of this changes vLLM's behaviour unless ``--attention-backend dsv4`` is given.
 
 Importing this package does not import vLLM.
 """
@@ -27,6 +30,7 @@ logger = logging.getLogger("dsv4_plugin")
 
 _registered = False
 _warned_version = False
+_warned_platform = False
 
 
 def _reduce_dsv4_member(proto=None):
@@ -60,15 +64,18 @@ def _register_backend():
     return member
 
 
-def _platform_has_seam() -> bool:
+def _platform_problem() -> str | None:
+    """None on CUDA, else why the plugin stays out (tests stand in for CUDA here)."""
     from vllm.platforms import current_platform
 
-    return not (current_platform.is_rocm() or current_platform.is_xpu())
+    if current_platform.is_cuda():
+        return None
+    return f"vLLM's platform is {current_platform.device_name!r}, dsv4 serves NVIDIA GPUs only"
 
 
 def register() -> None:
     """vLLM general-plugin entry point. Idempotent."""
-    global _registered, _warned_version
+    global _registered, _warned_version, _warned_platform
     if _registered:
         return
     problem = version_problem()
@@ -78,15 +85,17 @@ def register() -> None:
             _warned_version = True
         return
 
-    _register_backend()
-    if _platform_has_seam():
-        from .attention import install_attention_seam
+    problem = _platform_problem()
+    if problem:
+        if not _warned_platform:
+            logger.info("dsv4 plugin inactive: %s; nothing registered", problem)
+            _warned_platform = True
+        return  # not marked registered: the platform is checked again next call
 
-        install_attention_seam()  # raises SeamChangedError with a clear message
-    else:
-        logger.warning(
-            "dsv4 plugin: the DSV4 attention backend is NVIDIA-only; not installed on this platform"
-        )
+    _register_backend()
+    from .attention import install_attention_seams
+
+    install_attention_seams()  # a changed seam refuses DSV4 only where it is selected
     from .moe import register_moe
 
     register_moe()

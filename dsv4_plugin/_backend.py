@@ -1,4 +1,4 @@
 """Names shared by the plugin modules (kept free of vLLM imports)."""
 
 BACKEND_NAME = "DSV4"
-BACKEND_CLASS_PATH = "dsv4_plugin.attention.DSV4AttentionBackend"
+BACKEND_CLASS_PATH = "dsv4_plugin.attention_v4.DSV4AttentionBackend"

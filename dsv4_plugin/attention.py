@@ -1,58 +1,117 @@
-"""DSV4 attention for vLLM 0.33.0's DeepSeek V4 model.
+"""The attention seams: where vLLM 0.33.0's DeepSeek V4 / V4.1 models pick their
+attention class.
 
-The seam (the ONLY place the plugin changes vLLM's code paths):
+One seam per model, both the same shape (the ONLY places the plugin changes vLLM's
+code paths):
 
-    vllm/models/deepseek_v4/nvidia/model.py :: _select_dsv4_attn_cls(vllm_config)
+    vllm/models/deepseek_v4/nvidia/model.py  :: _select_dsv4_attn_cls(vllm_config)
+    vllm/models/deepseek_v41/nvidia/model.py :: _select_dsv4_attn_cls(vllm_config)
 
-``DeepseekV4DecoderLayer.__init__`` looks this module-level function up at call
-time and instantiates whatever class it returns. :func:`install_attention_seam`
-rebinds that module attribute to :func:`select_attn_cls`, which returns
-:class:`DSV4FlashMLAAttention` when ``attention_config.backend`` is the ``DSV4``
-backend and otherwise calls vLLM's original function unchanged.
+Each model's ``DeepseekV4DecoderLayer.__init__`` (used for the main layers, the
+MTP layers and the DSpark draft layers alike) looks its module's function up by
+global name at call time and instantiates the class it returns.
+:func:`install_attention_seams` rebinds each to a selector (:func:`select_attn_cls`,
+:func:`select_attn_cls_v41`) that, when ``attention_config.backend`` is the ``DSV4``
+backend, returns dsv4's subclass of vLLM's FlashMLA attention class for that model
+(:mod:`dsv4_plugin.attention_v4`, :mod:`dsv4_plugin.attention_v41`), and otherwise
+calls vLLM's original function unchanged.
 
-:class:`DSV4FlashMLAAttention` subclasses vLLM's ``DeepseekV4FlashMLAAttention``
-and keeps everything (projections, indexer, compressor, KV-cache specs, the
-FlashMLA metadata builders, o_proj) except the two kernel calls: ``forward_mqa``
-(inherited: splits the batch into decode and prefill) runs our ``_forward_decode``
-and ``_forward_prefill``, which are vLLM's with ``flash_mla_with_kvcache`` ->
-``dsv4.attention.sparse_mqa_decode`` and ``flash_mla_sparse_fwd`` ->
-``dsv4.attention.sparse_mqa_prefill`` on the same metadata, index buffers and caches.
+The subclasses re-state vLLM's ``_forward_decode`` / ``_forward_prefill`` with
+dsv4's kernels, so the install step hashes the vLLM source they mirror. A model
+whose hashes differ gets a *refusing* selector instead: it still defers to vLLM for
+every other backend, and raises :class:`SeamChangedError` only in a process that
+selected DSV4 for that model (vLLM's own selectors silently fall back to FlashMLA
+for a backend they do not know, so leaving the seam alone would be wrong).
 
-Because the subclass re-states vLLM's two methods, the install step checks that
-the vLLM source it was written against is the one installed (hash of each
-function's source) and refuses to install otherwise, with a message that says so.
+Selecting DSV4 also checks, once, at model construction (before any weight is
+loaded) that dsv4's CUDA extension is built and the GPU is sm_90, and fails with
+one line if not (:func:`device_problem`).
+
+This module imports no vLLM model code at import time.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
+import logging
 import textwrap
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
+from ._backend import BACKEND_NAME
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
 
-from ._backend import BACKEND_CLASS_PATH, BACKEND_NAME
-SEAM_MODULE = "vllm.models.deepseek_v4.nvidia.model"
+logger = logging.getLogger("dsv4_plugin")
+
 SEAM_FUNCTION = "_select_dsv4_attn_cls"
 
-# sha256 of textwrap.dedent(inspect.getsource(obj)) in vllm 0.33.0. The plugin
-# re-implements _forward_decode/_forward_prefill and relies on the seam's call
-# protocol, so any change to these means the plugin must be reviewed.
-EXPECTED_SOURCE_SHA256 = {
-    "vllm.models.deepseek_v4.nvidia.model._select_dsv4_attn_cls": "de6e01e08bfa00193f8a2a66f2fbe3cfed8637d731cfb57f7835af3401002a28",
-    "vllm.models.deepseek_v4.nvidia.model.DeepseekV4DecoderLayer.__init__": "30c9570e0a7aa8f39c69df2e789518ca93bbbc5345194dff6db453415833de95",
-    "vllm.models.deepseek_v4.nvidia.flashmla.DeepseekV4FlashMLAAttention.forward_mqa": "327124c4100185b59c0e32d655882cc95d6c4afad370130a67216aa694210eff",
-    "vllm.models.deepseek_v4.nvidia.flashmla.DeepseekV4FlashMLAAttention._forward_decode": "2537a6feb8b4863e52f3bb12f91a6d4e74bb6b0d28caa3a36d711c2bc0d37946",
-    "vllm.models.deepseek_v4.nvidia.flashmla.DeepseekV4FlashMLAAttention._forward_prefill": "2e6f7c725e2ca7135241aa6757473c795dcb3a0f7980afa10a4ba9e0c2ae1cd1",
+
+@dataclass
+class Seam:
+    """One model's attention-class selection point and the vLLM source it relies on."""
+
+    model: str  # what users call it, for messages
+    module: str  # vLLM module holding SEAM_FUNCTION and DeepseekV4DecoderLayer
+    attn_cls_path: str  # "module:Class" of dsv4's attention class for this model
+    # sha256 of textwrap.dedent(inspect.getsource(obj)) in vllm 0.33.0, by
+    # qualified name: the seam function, its call site and the FlashMLA methods
+    # the dsv4 subclass mirrors or inherits.
+    expected_sha256: dict[str, str]
+    selector_name: str  # the dsv4_plugin.attention function installed at the seam
+    problems: list[str] = field(default_factory=list)  # filled by install
+
+    @property
+    def layer_init(self) -> str:
+        return f"{self.module}.DeepseekV4DecoderLayer.__init__"
+
+    def attn_cls(self):
+        mod, name = self.attn_cls_path.split(":")
+        return getattr(importlib.import_module(mod), name)
+
+
+_V4 = "vllm.models.deepseek_v4.nvidia"
+_V41 = "vllm.models.deepseek_v41.nvidia"
+
+SEAMS: dict[str, Seam] = {
+    "deepseek_v4": Seam(
+        model="DeepSeek V4 (DeepseekV4ForCausalLM)",
+        module=f"{_V4}.model",
+        attn_cls_path="dsv4_plugin.attention_v4:DSV4FlashMLAAttention",
+        expected_sha256={
+            f"{_V4}.model._select_dsv4_attn_cls": "de6e01e08bfa00193f8a2a66f2fbe3cfed8637d731cfb57f7835af3401002a28",
+            f"{_V4}.model.DeepseekV4DecoderLayer.__init__": "30c9570e0a7aa8f39c69df2e789518ca93bbbc5345194dff6db453415833de95",
+            f"{_V4}.flashmla.DeepseekV4FlashMLAAttention.forward_mqa": "327124c4100185b59c0e32d655882cc95d6c4afad370130a67216aa694210eff",
+            f"{_V4}.flashmla.DeepseekV4FlashMLAAttention._forward_decode": "2537a6feb8b4863e52f3bb12f91a6d4e74bb6b0d28caa3a36d711c2bc0d37946",
+            f"{_V4}.flashmla.DeepseekV4FlashMLAAttention._forward_prefill": "2e6f7c725e2ca7135241aa6757473c795dcb3a0f7980afa10a4ba9e0c2ae1cd1",
+        },
+        selector_name="select_attn_cls",
+    ),
+    "deepseek_v41": Seam(
+        model="DeepSeek V4.1 (DeepseekV41ForCausalLM)",
+        module=f"{_V41}.model",
+        attn_cls_path="dsv4_plugin.attention_v41:DSV41FlashMLAAttention",
+        expected_sha256={
+            f"{_V41}.model._select_dsv4_attn_cls": "d52b7401990721cf7667c0cf729a2f03016b7826fb3148b86837bfb64c4e0f2e",
+            f"{_V41}.model.DeepseekV4DecoderLayer.__init__": "827ec1a9e5922e4556dfff7e73027f5ec5fef3a1d2a787388ed3bd562283b9c3",
+            f"{_V41}.flashmla.DeepseekV4FlashMLAAttention.forward_mqa": "71f119230a437228c8bc093ec369753403cb94803ad01752f9bf846682d2b56b",
+            f"{_V41}.flashmla.DeepseekV4FlashMLAAttention._forward_decode": "24bd03f2decd5cc70b33ba2cb146fd87fec22f7fe06b15177dc68ceba1928ead",
+            f"{_V41}.flashmla.DeepseekV4FlashMLAAttention._forward_prefill": "9bace27d453e4f71667234d2de98f389fe0c56b627083cb871740c25a1600f88",
+        },
+        selector_name="select_attn_cls_v41",
+    ),
 }
 
 
 class SeamChangedError(RuntimeError):
-    """vLLM's code at the plugin's seam differs from vllm 0.33.0."""
+    """vLLM's code at a plugin seam differs from vllm 0.33.0."""
+
+
+class DSV4UnavailableError(RuntimeError):
+    """DSV4 was selected where dsv4's kernels cannot run."""
 
 
 def source_sha256(obj) -> str:
@@ -60,8 +119,6 @@ def source_sha256(obj) -> str:
 
 
 def _resolve(qualname: str):
-    import importlib
-
     parts = qualname.split(".")
     for i in range(len(parts), 0, -1):
         try:
@@ -74,34 +131,84 @@ def _resolve(qualname: str):
     raise ImportError(qualname)
 
 
-def check_seam() -> None:
-    """Raise SeamChangedError unless vLLM's code at the seam is what we expect."""
+def seam_problems(seam: Seam) -> list[str]:
+    """What differs between the installed vLLM and vllm 0.33.0 at ``seam`` ([] if nothing)."""
     problems = []
-    for qualname, expected in EXPECTED_SOURCE_SHA256.items():
+    for qualname, expected in seam.expected_sha256.items():
         try:
             obj = _resolve(qualname)
-            # The original (unwrapped) function, even after install.
-            obj = getattr(obj, "__dsv4_original__", obj)
+            obj = getattr(obj, "__dsv4_original__", obj)  # the unwrapped function
             got = source_sha256(obj)
-        except Exception as e:  # missing attribute, no source file, ...
+        except Exception as e:  # missing module/attribute, no source file, ...
             problems.append(f"{qualname}: {type(e).__name__}: {e}")
             continue
         if got != expected:
             problems.append(f"{qualname}: source changed")
-    layer_init = _resolve(SEAM_MODULE + ".DeepseekV4DecoderLayer.__init__")
-    if SEAM_FUNCTION not in layer_init.__code__.co_names:
-        problems.append(
-            f"DeepseekV4DecoderLayer.__init__ no longer calls {SEAM_FUNCTION} by global name"
-        )
+    try:
+        layer_init = _resolve(seam.layer_init)
+        if SEAM_FUNCTION not in layer_init.__code__.co_names:
+            problems.append(
+                f"{seam.layer_init} no longer calls {SEAM_FUNCTION} by global name"
+            )
+    except Exception as e:
+        problems.append(f"{seam.layer_init}: {type(e).__name__}: {e}")
+    return problems
+
+
+def _seam_error(seam: Seam, problems: list[str]) -> SeamChangedError:
+    return SeamChangedError(
+        f"dsv4 plugin: vLLM's {seam.model} attention-class selection is not the code "
+        "the plugin was written against (vllm==0.33.0), so --attention-backend dsv4 "
+        "cannot run this model:\n  - "
+        + "\n  - ".join(problems)
+        + "\nInstall vllm==0.33.0, or choose another --attention-backend."
+    )
+
+
+def check_seam(model: str = "deepseek_v4") -> None:
+    """Raise SeamChangedError unless vLLM's code at ``model``'s seam is what we expect."""
+    seam = SEAMS[model]
+    problems = seam_problems(seam)
     if problems:
-        raise SeamChangedError(
-            "dsv4 plugin: vLLM's DeepSeek V4 attention-class selection is not the code the "
-            "plugin was written against (vllm==0.33.0), so the DSV4 backend cannot be "
-            "installed safely:\n  - "
-            + "\n  - ".join(problems)
-            + "\nInstall vllm==0.33.0, or disable the plugin with VLLM_PLUGINS set to a list "
-            "without 'dsv4'."
-        )
+        raise _seam_error(seam, problems)
+
+
+# ---------------------------------------------------------------------------
+# Runtime checks made when DSV4 is selected.
+# ---------------------------------------------------------------------------
+
+
+def device_problem() -> str | None:
+    """None if dsv4's kernels can run here, else one line saying why not."""
+    import dsv4
+
+    if not dsv4.HAS_CUDA_EXTENSION:
+        from dsv4._ops import BUILD_HINT
+
+        return BUILD_HINT
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return f"dsv4's kernels need an NVIDIA GPU; this platform is {current_platform.device_name!r}"
+    cap = current_platform.get_device_capability()
+    if cap is None or (cap.major, cap.minor) != (9, 0):
+        got = "none" if cap is None else f"sm_{cap.major}{cap.minor}"
+        return f"dsv4's kernels are built for sm_90 (Hopper: H100, H200); this GPU is {got}"
+    return None
+
+
+_device_checked = False
+
+
+def require_device() -> None:
+    """Raise DSV4UnavailableError (one line) unless dsv4's kernels can run here."""
+    global _device_checked
+    if _device_checked:
+        return
+    problem = device_problem()
+    if problem:
+        raise DSV4UnavailableError(f"--attention-backend dsv4: {problem}")
+    _device_checked = True
 
 
 def dsv4_backend_member():
@@ -116,265 +223,79 @@ def is_dsv4_selected(vllm_config: "VllmConfig") -> bool:
     return member is not None and vllm_config.attention_config.backend is member
 
 
+def _select(seam: Seam, selector, vllm_config: "VllmConfig"):
+    if not is_dsv4_selected(vllm_config):
+        return selector.__dsv4_original__(vllm_config)
+    if seam.problems:
+        raise _seam_error(seam, seam.problems)
+    require_device()
+    return seam.attn_cls()
+
+
 def select_attn_cls(vllm_config: "VllmConfig"):
-    """Replacement for vLLM's ``_select_dsv4_attn_cls``: DSV4 -> our class."""
-    if is_dsv4_selected(vllm_config):
-        return DSV4FlashMLAAttention
-    return select_attn_cls.__dsv4_original__(vllm_config)
+    """Replacement for vLLM's DeepSeek V4 ``_select_dsv4_attn_cls``: DSV4 -> dsv4's class."""
+    return _select(SEAMS["deepseek_v4"], select_attn_cls, vllm_config)
 
 
-def install_attention_seam() -> None:
-    """Rebind ``nvidia.model._select_dsv4_attn_cls`` (idempotent, checked)."""
-    import importlib
+def select_attn_cls_v41(vllm_config: "VllmConfig"):
+    """Replacement for vLLM's DeepSeek V4.1 ``_select_dsv4_attn_cls``: DSV4 -> dsv4's class.
 
-    model = importlib.import_module(SEAM_MODULE)
-    current = getattr(model, SEAM_FUNCTION, None)
-    if current is select_attn_cls:
-        return
-    check_seam()
-    select_attn_cls.__dsv4_original__ = current  # type: ignore[attr-defined]
-    setattr(model, SEAM_FUNCTION, select_attn_cls)
+    Prefill context parallelism goes to vLLM's function, which accepts only its
+    FlashMLA backends there (and says so): dsv4 does not claim PCP.
+    """
+    if vllm_config.parallel_config.prefill_context_parallel_size > 1:
+        return select_attn_cls_v41.__dsv4_original__(vllm_config)
+    return _select(SEAMS["deepseek_v41"], select_attn_cls_v41, vllm_config)
 
 
-def seam_installed() -> bool:
+def install_attention_seams() -> None:
+    """Rebind each model's ``_select_dsv4_attn_cls`` (idempotent).
+
+    A model whose vLLM source differs still gets the selector, in its refusing
+    form (see the module docstring); one warning is logged for it here.
+    """
+    for key, seam in SEAMS.items():
+        selector = globals()[seam.selector_name]
+        try:
+            model = importlib.import_module(seam.module)
+        except Exception as e:  # this vLLM build cannot import the model at all
+            seam.problems = [f"{seam.module}: {type(e).__name__}: {e}"]
+            logger.warning("dsv4 plugin: %s is not importable; dsv4 does not serve it (%s)",
+                           seam.model, seam.problems[0])
+            continue
+        current = getattr(model, SEAM_FUNCTION, None)
+        if current is selector:
+            continue
+        seam.problems = seam_problems(seam)
+        if current is None:
+            continue  # nothing to wrap; seam.problems says why
+        if seam.problems:
+            logger.warning(
+                "dsv4 plugin: vLLM's %s attention selection differs from vllm 0.33.0; "
+                "--attention-backend dsv4 will refuse this model (%s)",
+                seam.model, "; ".join(seam.problems),
+            )
+        selector.__dsv4_original__ = current  # type: ignore[attr-defined]
+        setattr(model, SEAM_FUNCTION, selector)
+
+
+def seam_installed(model: str = "deepseek_v4") -> bool:
     import sys
 
-    model = sys.modules.get(SEAM_MODULE)
-    return model is not None and getattr(model, SEAM_FUNCTION, None) is select_attn_cls
-
-
-# ---------------------------------------------------------------------------
-# Backend class (what AttentionBackendEnum.DSV4.get_class() resolves to) and
-# the attention layer.
-# ---------------------------------------------------------------------------
-
-from vllm.models.deepseek_v4.common.ops import (  # noqa: E402
-    combine_topk_swa_indices,
-    compute_global_topk_indices_and_lens,
-    dequantize_and_gather_k_cache,
-)
-from vllm.models.deepseek_v4.nvidia.flashmla import (  # noqa: E402
-    DeepseekV4FlashMLAAttention,
-)
-from vllm.models.deepseek_v4.sparse_mla import (  # noqa: E402
-    DeepseekV4FlashMLABackend,
-    DeepseekV4FlashMLAMetadata,
-)
-from vllm.utils.math_utils import round_up  # noqa: E402
-from vllm.v1.worker.workspace import current_workspace_manager  # noqa: E402
-
-
-class DSV4AttentionBackend(DeepseekV4FlashMLABackend):
-    """Target of ``AttentionBackendEnum.DSV4``.
-
-    DSV4 reads exactly the caches and metadata FlashMLA's DeepSeek V4 backend
-    builds, so it is that backend (same name, builder and KV-cache layout, so
-    vLLM's warm-ups and cache-spec code keyed on the name keep working). The
-    attention layer itself is what changes, through the seam above.
-    """
-
-
-def _dsv4_attention_ops():
-    from dsv4 import attention as ops
-
-    return ops
-
-
-class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
-    """vLLM's DeepSeek V4 FlashMLA attention with dsv4's sparse MQA kernels."""
-
-    def _forward_decode(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor | None,
-        swa_metadata,
-        attn_metadata: DeepseekV4FlashMLAMetadata | None,
-        swa_only: bool,
-        output: torch.Tensor,
-    ) -> None:
-        num_decodes = swa_metadata.num_decodes
-        num_decode_tokens = swa_metadata.num_decode_tokens
-
-        topk_indices = None
-        topk_lens = None
-        if not swa_only:
-            assert attn_metadata is not None
-            assert swa_metadata.is_valid_token is not None
-            block_size = attn_metadata.block_size // self.compress_ratio
-            is_valid = swa_metadata.is_valid_token[:num_decode_tokens]
-            if self.compress_ratio == 4:
-                assert self.topk_indices_buffer is not None
-                global_indices, topk_lens = compute_global_topk_indices_and_lens(
-                    self.topk_indices_buffer[:num_decode_tokens],
-                    swa_metadata.token_to_req_indices,
-                    attn_metadata.block_table[:num_decodes],
-                    block_size,
-                    is_valid,
-                )
-                topk_indices = global_indices.view(num_decode_tokens, 1, -1)
-            elif self.compress_ratio == 128:
-                topk_indices = attn_metadata.c128a_global_decode_topk_indices
-                topk_lens = attn_metadata.c128a_decode_topk_lens
-                assert topk_indices is not None
-                if topk_indices.dim() == 2:  # [T, W] -> [T, s_q=1, W]
-                    topk_indices = topk_indices.unsqueeze(1)
-            else:
-                raise ValueError(
-                    f"Unsupported compress_ratio={self.compress_ratio}; expected 1, 4, or 128."
-                )
-
-        # q arrives pre-padded to self.padded_heads: [T, H, 512] -> [T, 1, H, 512].
-        q = q.unsqueeze(1)
-        swa_cache = self.swa_cache_layer.kv_cache.unsqueeze(-2)
-        if kv_cache is not None:
-            kv_cache = kv_cache.unsqueeze(-2)
-
-        _dsv4_attention_ops().sparse_mqa_decode(
-            q,
-            swa_cache,
-            swa_metadata.decode_swa_indices,
-            swa_metadata.decode_swa_lens,
-            self.attn_sink,
-            self.scale,
-            extra_kv_cache=kv_cache if not swa_only else None,
-            extra_indices=topk_indices,
-            extra_topk_length=topk_lens,
-            out=output.unsqueeze(1),
-        )
-
-    def _forward_prefill(
-        self,
-        q: torch.Tensor,
-        positions: torch.Tensor,
-        compressed_k_cache: torch.Tensor | None,
-        swa_k_cache: torch.Tensor,
-        output: torch.Tensor,
-        attn_metadata: DeepseekV4FlashMLAMetadata | None,
-        swa_metadata,
-    ) -> None:
-        # Identical to vLLM 0.33.0's DeepseekV4FlashMLAAttention._forward_prefill
-        # (gather the compressed + window KV of each chunk into the bf16 workspace,
-        # combine the index lists) except the final kernel call.
-        swa_only = attn_metadata is None
-
-        num_prefill_tokens = swa_metadata.num_prefill_tokens
-        num_decodes = swa_metadata.num_decodes
-        num_decode_tokens = swa_metadata.num_decode_tokens
-
-        seq_lens = swa_metadata.prefill_seq_lens
-        gather_lens = swa_metadata.prefill_gather_lens
-        assert seq_lens is not None
-        assert gather_lens is not None
-
-        query_start_loc_cpu = swa_metadata.query_start_loc_cpu
-        query_start_loc = swa_metadata.query_start_loc
-        assert query_start_loc_cpu is not None
-        assert query_start_loc is not None
-        prefill_token_base = query_start_loc_cpu[num_decodes]
-
-        if not swa_only:
-            if self.compress_ratio == 4:
-                assert self.topk_indices_buffer is not None
-                topk_indices = self.topk_indices_buffer[num_decode_tokens:]
-                topk_indices = topk_indices[:num_prefill_tokens]
-            else:
-                assert attn_metadata is not None
-                topk_indices = attn_metadata.c128a_prefill_topk_indices
-            top_k = topk_indices.shape[-1]
-        else:
-            assert self.topk_indices_buffer is not None
-            topk_indices = self.topk_indices_buffer[num_decode_tokens:]
-            top_k = 0
-        chunk_plan = swa_metadata.get_prefill_chunk_plan(
-            compress_ratio=self.compress_ratio,
-            prefill_chunk_size=self.PREFILL_CHUNK_SIZE,
-        )
-        assert chunk_plan, "prefill chunk plan must be non-empty when num_prefills > 0"
-        workspace_manager = current_workspace_manager()
-        combined_topk = round_up(top_k + self.window_size + self.max_image_tokens, 128)
-        ops = _dsv4_attention_ops()
-        for chunk_start, chunk_end, chunk_N, chunk_M in chunk_plan:
-            chunk_size = chunk_end - chunk_start
-            workspace = workspace_manager.get_simultaneous(
-                ((chunk_size, chunk_M, q.shape[-1]), torch.bfloat16),
-                ((self.max_num_batched_tokens, combined_topk), torch.int32),
-                ((self.max_num_batched_tokens,), torch.int32),
-            )
-            kv, combined_indices_out, combined_lens_out = workspace
-            if not swa_only:
-                assert attn_metadata is not None
-                block_table = attn_metadata.block_table[num_decodes:]
-                dequantize_and_gather_k_cache(
-                    kv[:chunk_size],
-                    compressed_k_cache,
-                    seq_lens=seq_lens[chunk_start:chunk_end] // self.compress_ratio,
-                    gather_lens=None,
-                    block_table=block_table[chunk_start:chunk_end],
-                    block_size=attn_metadata.block_size // self.compress_ratio,
-                    offset=0,
-                )
-
-            swa_block_table = swa_metadata.block_table[num_decodes:]
-            dequantize_and_gather_k_cache(
-                kv[:chunk_size],
-                swa_k_cache,
-                seq_lens=seq_lens[chunk_start:chunk_end],
-                gather_lens=gather_lens[chunk_start:chunk_end],
-                block_table=swa_block_table[chunk_start:chunk_end],
-                block_size=swa_metadata.block_size,
-                offset=chunk_N,
-            )
-
-            query_start = query_start_loc_cpu[num_decodes + chunk_start] - prefill_token_base
-            query_end = query_start_loc_cpu[num_decodes + chunk_end] - prefill_token_base
-            combined_indices_out = combined_indices_out[: query_end - query_start]
-            combined_lens_out = combined_lens_out[: query_end - query_start]
-
-            combined_indices, combined_lens = combine_topk_swa_indices(
-                topk_indices[query_start:query_end],
-                query_start_loc[num_decodes + chunk_start : num_decodes + chunk_end + 1],
-                seq_lens[chunk_start:chunk_end],
-                gather_lens[chunk_start:chunk_end],
-                self.window_size,
-                self.compress_ratio,
-                top_k,
-                chunk_M,
-                chunk_N,
-                out=(combined_indices_out, combined_lens_out),
-                left_visible=(
-                    swa_metadata.prefill_left_visible[
-                        num_decode_tokens + query_start : num_decode_tokens + query_end
-                    ]
-                    if swa_metadata.prefill_left_visible is not None
-                    else None
-                ),
-                right_visible=(
-                    swa_metadata.prefill_right_visible[
-                        num_decode_tokens + query_start : num_decode_tokens + query_end
-                    ]
-                    if swa_metadata.prefill_right_visible is not None
-                    else None
-                ),
-                max_image_tokens=self.max_image_tokens,
-            )
-            ops.sparse_mqa_prefill(
-                q[query_start:query_end],
-                kv.view(-1, q.shape[-1]),
-                combined_indices,
-                combined_lens,
-                self.attn_sink,
-                self.scale,
-                out=output[query_start:query_end],
-            )
+    seam = SEAMS[model]
+    mod = sys.modules.get(seam.module)
+    return mod is not None and getattr(mod, SEAM_FUNCTION, None) is globals()[seam.selector_name]
 
 
 __all__ = [
     "BACKEND_NAME",
-    "DSV4AttentionBackend",
-    "DSV4FlashMLAAttention",
+    "DSV4UnavailableError",
+    "SEAMS",
     "SeamChangedError",
     "check_seam",
-    "install_attention_seam",
+    "device_problem",
+    "install_attention_seams",
+    "is_dsv4_selected",
     "select_attn_cls",
+    "select_attn_cls_v41",
 ]
-

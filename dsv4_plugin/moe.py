@@ -1,21 +1,27 @@
-"""dsv4 NVFP4 experts for vLLM 0.33.0's DeepSeek V4 routed MoE.
+"""dsv4 NVFP4 experts for vLLM 0.33.0's DeepSeek V4 / V4.1 routed MoE.
 
 Hook: vLLM's supported quantization-plugin API (``register_quantization_config``),
-not a patch. :class:`DSV4DeepseekV4Config` is vLLM's own ``DeepseekV4FP8Config``
-(linear layers, shared experts, MXFP4/FP8 experts: all unchanged) registered
-under the name ``dsv4_nvfp4_moe``. vLLM asks custom quantization configs first
-whether they claim a checkpoint; ours claims DeepSeek V4 checkpoints whose routed
-experts are ModelOpt NVFP4 (``quantization_config.moe_quant_algo == "NVFP4"``)
-unless ``DSV4_MOE=0``. Its ``get_quant_method`` returns :class:`DSV4NvFp4FusedMoE`
-for the routed experts only when the DSV4 attention backend is selected; in every
-other case it returns exactly what ``DeepseekV4FP8Config`` returns.
+not a patch. vLLM resolves every DeepSeek V4 / V4.1 checkpoint (FP8 linear layers,
+fp4/fp8 experts) to its quantization method ``deepseek_v4_fp8``, whose class on CUDA
+is ``vllm.models.deepseek_v41.quant_config.DeepseekV4FP8Config``.
+:func:`register_moe` registers :class:`DSV4DeepseekV4Config`, a subclass of that
+class, under the same name. Name, checkpoint detection
+(``override_quantization_method``), an explicit ``--quantization``, linear layers,
+shared experts: all vLLM's, unchanged. Only ``get_quant_method`` differs, and only
+for routed experts, only when the DSV4 attention backend is selected, only for
+ModelOpt NVFP4 experts (``quantization_config.moe_quant_algo == "NVFP4"``, minus the
+export's ``ignore`` list, exactly as vLLM decides it) and unless ``DSV4_MOE=0``: it
+returns :class:`DSV4NvFp4FusedMoE`. MXFP4 and FP8 experts stay on vLLM's kernels
+under DSV4 too (one log line says so).
 
 :class:`DSV4NvFp4FusedMoE` is vLLM's ``ModelOptNvFp4FusedMoE`` (same parameters,
 same checkpoint loading) whose kernel is a modular ``FusedMoEKernel``: vLLM's
 prepare/finalize (no activation quantization, EP dispatch when configured) around
 :class:`DSV4NvFp4Experts`, a ``FusedMoEExpertsModular`` that calls
 ``dsv4.moe.nvfp4_moe`` with vLLM's ``topk_ids`` / ``topk_weights`` / ``expert_map``.
-Weights are converted once at load by ``dsv4.moe.prepare_nvfp4_moe_weights``.
+Weights are converted once at load by ``dsv4.moe.prepare_nvfp4_moe_weights`` and
+the checkpoint-layout copies released, so features that need those copies or a
+different kernel interface are refused at construction (:data:`REFUSALS`).
 
 Activation mode (``DSV4_MOE_ACTIVATION``):
   * ``bf16`` (default): W4A16. e2m1 x e4m3 weights dequantize exactly to bf16, so
@@ -56,11 +62,14 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (
     kNvfp4Dynamic,
     kNvfp4Static,
 )
-from vllm.models.deepseek_v4.quant_config import DeepseekV4FP8Config
+# The class vLLM's get_quantization_config("deepseek_v4_fp8") returns on CUDA (V4
+# and V4.1 checkpoints alike; vllm/model_executor/layers/quantization/__init__.py).
+from vllm.models.deepseek_v41.quant_config import DeepseekV4FP8Config
 
 logger = init_logger(__name__)
 
-QUANT_NAME = "dsv4_nvfp4_moe"
+# vLLM's own name for DeepSeek V4 / V4.1 checkpoints; the plugin keeps it.
+QUANT_NAME = "deepseek_v4_fp8"
 ACTIVATION_MODES = ("bf16", "nvfp4")
 DEFAULT_ACTIVATION = "bf16"
 
@@ -244,6 +253,43 @@ class DSV4NvFp4Experts(mk.FusedMoEExpertsModular):
         )
 
 
+class DSV4MoEUnsupportedError(NotImplementedError):
+    """A vLLM feature the dsv4 NVFP4 MoE does not support was requested."""
+
+
+def _refusal(feature: str, why: str) -> DSV4MoEUnsupportedError:
+    return DSV4MoEUnsupportedError(
+        f"dsv4 NVFP4 MoE does not support {feature} ({why}); turn {feature} off, or set "
+        "DSV4_MOE=0 to keep vLLM's MoE kernels (attention still runs dsv4)"
+    )
+
+
+# Features refused at construction: (feature, why, predicate on (vllm_config, moe_config)).
+REFUSALS = (
+    ("LoRA", "the experts run dsv4's kernel, which has no LoRA path",
+     lambda vc, mc: vc.lora_config is not None),
+    ("DeepEP low-latency all2all", "it hands experts batched activations; dsv4 takes the "
+     "standard token layout", lambda vc, mc: mc.moe_parallel_config.use_deepep_ll_kernels),
+    ("EPLB", "weights are converted once at load into dsv4's layout, so experts cannot move",
+     lambda vc, mc: mc.moe_parallel_config.enable_eplb),
+    ("sleep mode", "level 2 discards the weights and reloads them into checkpoint-layout "
+     "tensors that dsv4 released after converting them",
+     lambda vc, mc: vc.model_config.enable_sleep_mode),
+    ("pre-processed weights", "--load-format ipc_cache / sharded_state hand over vLLM's "
+     "post-processed expert tensors, not the checkpoint layout dsv4 converts",
+     lambda vc, mc: vc.load_config.load_format in ("ipc_cache", "sharded_state")),
+)
+WEIGHT_RELOAD_REFUSAL = ("weight reload", "the checkpoint-layout expert tensors were "
+                         "released after the first conversion")
+
+
+def check_supported(vllm_config, moe_config: FusedMoEConfig) -> None:
+    """Raise DSV4MoEUnsupportedError for the first refused feature that is on."""
+    for feature, why, is_on in REFUSALS:
+        if is_on(vllm_config, moe_config):
+            raise _refusal(feature, why)
+
+
 class DSV4NvFp4FusedMoE(ModelOptNvFp4FusedMoE):
     """vLLM's ModelOpt NVFP4 MoE method (same weights and loading), dsv4 kernel."""
 
@@ -259,15 +305,16 @@ class DSV4NvFp4FusedMoE(ModelOptNvFp4FusedMoE):
         self.experts_cls = DSV4NvFp4Experts
         self.use_global_sf = False
         self.dsv4_activation = activation or activation_mode()
-        if moe_config.moe_parallel_config.enable_eplb:
-            raise NotImplementedError(
-                "dsv4 NVFP4 MoE does not support EPLB (weights are converted once at "
-                "load); run without --enable-eplb or with DSV4_MOE=0"
-            )
+        if moe_config.moe_parallel_config.enable_eplb:  # also when built outside a config
+            raise _refusal(*REFUSALS[2][:2])
         logger.info_once(
             "dsv4 plugin: DeepSeek V4 NVFP4 routed experts run dsv4.moe.nvfp4_moe "
             "(activation=%s)", self.dsv4_activation
         )
+
+    # vLLM's ipc_cache loader checks this before loading; dsv4 converts the
+    # checkpoint layout itself (and REFUSALS names the feature at construction).
+    supports_pre_processed_weights = False
 
     @property
     def supports_eplb(self) -> bool:
@@ -285,6 +332,10 @@ class DSV4NvFp4FusedMoE(ModelOptNvFp4FusedMoE):
         )
 
     def process_weights_after_loading(self, layer: RoutedExperts) -> None:
+        if getattr(self, "moe_kernel", None) is not None:
+            # vLLM's reload_weights / layerwise reload runs this again after loading
+            # into the (released) checkpoint-layout tensors.
+            raise _refusal(*WEIGHT_RELOAD_REFUSAL)
         if self.moe.is_act_and_mul and not torch.allclose(
             layer.w13_weight_scale_2[:, 0], layer.w13_weight_scale_2[:, 1]
         ):
@@ -324,72 +375,59 @@ class DSV4NvFp4FusedMoE(ModelOptNvFp4FusedMoE):
 
 def dsv4_selected() -> bool:
     """Is the DSV4 attention backend selected in the config being built?"""
-    from vllm.config import get_current_vllm_config
+    from vllm.config import get_current_vllm_config_or_none
 
     from .attention import is_dsv4_selected
 
-    try:
-        cfg = get_current_vllm_config()
-    except Exception:
-        return False
-    return is_dsv4_selected(cfg)
+    cfg = get_current_vllm_config_or_none()
+    return cfg is not None and is_dsv4_selected(cfg)
 
 
 class DSV4DeepseekV4Config(DeepseekV4FP8Config):
-    """DeepseekV4FP8Config that hands NVFP4 routed experts to dsv4 under DSV4."""
-
-    @classmethod
-    def get_name(cls):  # type: ignore[override]
-        return QUANT_NAME
-
-    @classmethod
-    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
-        if user_quant == QUANT_NAME:
-            return QUANT_NAME
-        if not moe_enabled() or not isinstance(hf_quant_cfg, dict):
-            return None
-        if user_quant not in (None, "deepseek_v4_fp8"):
-            return None
-        if hf_quant_cfg.get("quant_method") not in ("fp8", "deepseek_v4_fp8"):
-            return None
-        if getattr(hf_config, "model_type", None) != "deepseek_v4":
-            return None
-        if (hf_quant_cfg.get("moe_quant_algo") or "").upper() != "NVFP4":
-            return None
-        if getattr(hf_config, "expert_dtype", "fp4") != "fp4":
-            return None
-        return QUANT_NAME
+    """vLLM's ``deepseek_v4_fp8`` config; under DSV4, NVFP4 routed experts go to dsv4."""
 
     def _dsv4_method_for(self, layer, prefix):
-        """DSV4NvFp4FusedMoE if this layer's experts go to dsv4, else None."""
-        if (
-            isinstance(layer, RoutedExperts)
-            and moe_enabled()
-            and dsv4_selected()
-            and self.expert_dtype == "fp4"
-            and self.moe_quant_algo == "NVFP4"
-            and not is_layer_skipped(
-                prefix=prefix,
-                ignored_layers=self.ignored_layers,
-                fused_mapping=self.packed_modules_mapping,
-            )
+        """DSV4NvFp4FusedMoE if this layer's routed experts go to dsv4, else None
+        (then vLLM's own method is used, as without the plugin)."""
+        if not (isinstance(layer, RoutedExperts) and moe_enabled() and dsv4_selected()):
+            return None
+        if is_layer_skipped(  # vLLM keeps these unquantized
+            prefix=prefix,
+            ignored_layers=self.ignored_layers,
+            fused_mapping=self.packed_modules_mapping,
         ):
-            return DSV4NvFp4FusedMoE
-        return None
+            return None
+        if self.expert_dtype != "fp4":
+            logger.info_once(
+                "dsv4 plugin: %s routed experts stay on vLLM's MoE kernels (dsv4 runs "
+                "NVFP4 experts only); attention runs dsv4", self.expert_dtype.upper()
+            )
+            return None
+        if not self._is_nvfp4_expert_layer(prefix):
+            logger.info_once(
+                "dsv4 plugin: MXFP4 routed experts stay on vLLM's MoE kernels (dsv4's "
+                "MXFP4 MoE is not validated on GPU yet); attention runs dsv4"
+            )
+            return None
+        return DSV4NvFp4FusedMoE
 
     def get_quant_method(self, layer, prefix):
-        method_cls = self._dsv4_method_for(layer, prefix)
-        if method_cls is not None:
-            return method_cls(self._get_nvfp4_config(), layer.moe_config)
+        # The same decision as vLLM's get_quant_method for ModelOptNvFp4FusedMoE
+        # (RoutedExperts, not skipped, fp4 experts, _is_nvfp4_expert_layer).
+        if self._dsv4_method_for(layer, prefix) is not None:
+            from vllm.config import get_current_vllm_config
+
+            check_supported(get_current_vllm_config(), layer.moe_config)
+            return DSV4NvFp4FusedMoE(self._get_nvfp4_config(), layer.moe_config)
         return super().get_quant_method(layer, prefix)
 
 
 def register_moe() -> None:
-    """Register the quantization config under QUANT_NAME (idempotent)."""
+    """Make ``deepseek_v4_fp8`` resolve to DSV4DeepseekV4Config (idempotent)."""
     from vllm.model_executor.layers.quantization import (
-        QUANTIZATION_METHODS,
+        get_quantization_config,
         register_quantization_config,
     )
 
-    if QUANT_NAME not in QUANTIZATION_METHODS:
+    if get_quantization_config(QUANT_NAME) is not DSV4DeepseekV4Config:
         register_quantization_config(QUANT_NAME)(DSV4DeepseekV4Config)

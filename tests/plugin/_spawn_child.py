@@ -13,6 +13,10 @@ def worker_main(vllm_config, conn):
         "plugins_loaded_before": vllm.plugins.plugins_loaded,
         "backend": repr(vllm_config.attention_config.backend),
     }
+    # as conftest.py does, for this fresh interpreter (a CPU test machine)
+    from _stand_ins import stand_in_for_cuda
+
+    stand_in_for_cuda()
     # What vLLM's worker does next (WorkerWrapperBase.init_worker).
     vllm.plugins.load_general_plugins()
     import vllm.models.deepseek_v4.nvidia.model as model

@@ -6,7 +6,12 @@
   without a GPU driver (otherwise it cannot infer a device and the argument
   parser refuses to build). vLLM's compiled extension modules (vllm._C*,
   vllm._flashmla_C, ...) fail to import without a driver; vLLM itself tolerates
-  that, and none of these tests needs them, so no stand-ins are installed.
+  that, and none of these tests needs them.
+* The plugin registers only on vLLM's CUDA platform and DSV4 selection checks for
+  dsv4's CUDA extension and an sm_90 GPU. Two named stand-ins let the CPU tests
+  run the CUDA code paths: ``_stand_ins.stand_in_for_cuda`` replaces
+  ``dsv4_plugin._platform_problem`` and ``dsv4_plugin.attention.device_problem``
+  (the real ones are tested in test_rough_edges.py).
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ import os
 import pytest
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+# The tests read local configs only; offline, a missing file fails at once
+# instead of after the Hub client's retries.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from dsv4_plugin._version import SUPPORTED_VLLM, version_problem  # noqa: E402
 
@@ -27,6 +35,12 @@ if _PROBLEM is None:
         _PROBLEM = f"vllm is installed but not importable ({type(e).__name__}: {e})"
 
 SKIP_REASON = f"vLLM plugin tests need vllm=={SUPPORTED_VLLM}: {_PROBLEM}"
+
+
+if _PROBLEM is None:
+    from _stand_ins import stand_in_for_cuda
+
+    stand_in_for_cuda()
 
 
 def pytest_collection_modifyitems(config, items):

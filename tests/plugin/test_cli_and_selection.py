@@ -90,21 +90,9 @@ def test_example_config_builds_a_vllm_engine_config(serve_parser):
         "heavily_compressed_attention",
         "compressed_sparse_attention",
     ]
-    # The NVFP4 routed experts are claimed by the plugin's quantization config.
-    assert cfg.model_config.quantization == QUANT_NAME
+    # vLLM's own quantization name; its class is the plugin's subclass of vLLM's.
+    assert cfg.model_config.quantization == QUANT_NAME == "deepseek_v4_fp8"
     assert isinstance(cfg.quant_config, DSV4DeepseekV4Config)
-
-
-def test_dsv4_moe_0_keeps_vllm_moe(serve_parser, monkeypatch):
-    from vllm.models.deepseek_v4.quant_config import DeepseekV4FP8Config
-
-    from dsv4_plugin.moe import DSV4DeepseekV4Config
-
-    monkeypatch.setenv("DSV4_MOE", "0")
-    cfg = _engine_config(serve_parser, "--attention-backend", "dsv4")
-    assert cfg.model_config.quantization == "deepseek_v4_fp8"
-    assert type(cfg.quant_config) is DeepseekV4FP8Config
-    assert not isinstance(cfg.quant_config, DSV4DeepseekV4Config)
 
 
 def _cfg(backend):
@@ -114,13 +102,15 @@ def _cfg(backend):
 
 
 def test_selection_returns_our_class_for_dsv4_only(plugin):
+    """DeepSeek V4's seam."""
     import vllm.models.deepseek_v4.nvidia.model as model
     from vllm.models.deepseek_v4.nvidia.flashinfer_sparse import (
         DeepseekV4FlashInferMLAAttention,
     )
     from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention
 
-    from dsv4_plugin.attention import DSV4FlashMLAAttention, select_attn_cls
+    from dsv4_plugin.attention import select_attn_cls
+    from dsv4_plugin.attention_v4 import DSV4FlashMLAAttention
 
     # The seam: the decoder layer looks this module global up at call time.
     assert model._select_dsv4_attn_cls is select_attn_cls
@@ -138,6 +128,37 @@ def test_selection_returns_our_class_for_dsv4_only(plugin):
         select(_cfg("FLASHINFER_MLA_SPARSE"))
     assert DSV4FlashMLAAttention is not DeepseekV4FlashMLAAttention
     assert issubclass(DSV4FlashMLAAttention, DeepseekV4FlashMLAAttention)
+
+
+def test_v41_selection_returns_our_class_for_dsv4_only(plugin):
+    """DeepSeek V4.1's seam: DSV4 -> dsv4's V4.1 class; every other backend, and
+    prefill context parallelism, stays vLLM's decision."""
+    import vllm.models.deepseek_v41.nvidia.model as model
+    from vllm.models.deepseek_v41.nvidia.flashinfer_sparse import (
+        DeepseekV4FlashInferMLAAttention,
+    )
+    from vllm.models.deepseek_v41.nvidia.flashmla import DeepseekV4FlashMLAAttention
+
+    from dsv4_plugin.attention import select_attn_cls_v41
+    from dsv4_plugin.attention_v41 import DSV41FlashMLAAttention
+
+    assert model._select_dsv4_attn_cls is select_attn_cls_v41
+    assert "_select_dsv4_attn_cls" in model.DeepseekV4DecoderLayer.__init__.__code__.co_names
+
+    def cfg(backend, pcp=1):
+        c = _cfg(backend)
+        c.parallel_config = types.SimpleNamespace(prefill_context_parallel_size=pcp)
+        return c
+
+    assert model._select_dsv4_attn_cls(cfg("dsv4")) is DSV41FlashMLAAttention
+    assert model._select_dsv4_attn_cls(cfg("FLASHMLA_SPARSE_DSV41")) is DeepseekV4FlashMLAAttention
+    assert model._select_dsv4_attn_cls(cfg("FLASHINFER_MLA_SPARSE_DSV41")) is \
+        DeepseekV4FlashInferMLAAttention
+    with pytest.raises(NotImplementedError, match="PCP requires FlashMLA"):
+        model._select_dsv4_attn_cls(cfg("dsv4", pcp=2))
+    assert issubclass(DSV41FlashMLAAttention, DeepseekV4FlashMLAAttention)
+    own = {k for k in vars(DSV41FlashMLAAttention) if not k.startswith("__") and k != "_abc_impl"}
+    assert own == {"_forward_decode", "_forward_prefill"}
 
 
 def test_moe_quant_method_only_under_dsv4(plugin, serve_parser):

@@ -75,7 +75,7 @@ def test_forward_mqa_decode_matches_independent_math(plugin, compress_ratio):
     from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWAMetadata
 
     from dsv4 import formats
-    from dsv4_plugin.attention import DSV4FlashMLAAttention
+    from dsv4_plugin.attention_v4 import DSV4FlashMLAAttention
 
     g = torch.Generator().manual_seed(1234 + compress_ratio)
     T = 3  # decode tokens (one per request)
@@ -175,7 +175,7 @@ def test_forward_mqa_uses_vllm_call_protocol(plugin):
     """forward_mqa itself is vLLM's (inherited): only the two kernel methods change."""
     from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention
 
-    from dsv4_plugin.attention import DSV4FlashMLAAttention
+    from dsv4_plugin.attention_v4 import DSV4FlashMLAAttention
 
     assert issubclass(DSV4FlashMLAAttention, DeepseekV4FlashMLAAttention)
     assert DSV4FlashMLAAttention.forward_mqa is DeepseekV4FlashMLAAttention.forward_mqa

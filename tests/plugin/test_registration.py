@@ -34,11 +34,16 @@ def test_vllm_loads_the_plugin_and_register_is_idempotent():
     dsv4_plugin.register()
 
     assert list(AttentionBackendEnum.__members__).count("DSV4") == 1
-    assert AttentionBackendEnum["DSV4"].get_path() == "dsv4_plugin.attention.DSV4AttentionBackend"
-    assert seam_installed()
+    assert AttentionBackendEnum["DSV4"].get_path() == "dsv4_plugin.attention_v4.DSV4AttentionBackend"
+    assert seam_installed("deepseek_v4") and seam_installed("deepseek_v41")
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 
     assert QUANTIZATION_METHODS.count(QUANT_NAME) == 1
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    from dsv4_plugin.moe import DSV4DeepseekV4Config
+
+    assert get_quantization_config(QUANT_NAME) is DSV4DeepseekV4Config
 
 
 def test_other_vllm_version_gets_one_clear_message(monkeypatch, caplog):
@@ -58,12 +63,56 @@ def test_other_vllm_version_gets_one_clear_message(monkeypatch, caplog):
     assert not dsv4_plugin._registered
 
 
-def test_seam_check_fails_loudly_when_vllm_code_changed(monkeypatch, plugin):
+@pytest.mark.parametrize("model", ["deepseek_v4", "deepseek_v41"])
+def test_seam_check_fails_loudly_when_vllm_code_changed(monkeypatch, plugin, model):
     from dsv4_plugin import attention
 
-    attention.check_seam()  # the installed vLLM is the one we expect
-    key = next(iter(attention.EXPECTED_SOURCE_SHA256))
-    monkeypatch.setitem(attention.EXPECTED_SOURCE_SHA256, key, "0" * 64)
+    seam = attention.SEAMS[model]
+    attention.check_seam(model)  # the installed vLLM is the one we expect
+    assert seam.problems == []
+    key = next(iter(seam.expected_sha256))
+    monkeypatch.setitem(seam.expected_sha256, key, "0" * 64)
     with pytest.raises(attention.SeamChangedError, match="vllm==0.33.0") as ei:
-        attention.check_seam()
+        attention.check_seam(model)
     assert "_select_dsv4_attn_cls: source changed" in str(ei.value)
+
+
+def _cfg(backend, pcp=1):
+    import types
+
+    from vllm.config import AttentionConfig
+
+    return types.SimpleNamespace(
+        attention_config=AttentionConfig(backend=backend),
+        parallel_config=types.SimpleNamespace(prefill_context_parallel_size=pcp),
+    )
+
+
+@pytest.mark.parametrize("model", ["deepseek_v4", "deepseek_v41"])
+def test_seam_mismatch_stops_only_a_process_that_selected_dsv4(monkeypatch, caplog, plugin, model):
+    """A changed vLLM source is found at register() (one warning), and the seam is
+    still installed in its refusing form: vLLM's own backends are untouched, and
+    only selecting DSV4 raises SeamChangedError, naming what changed."""
+    import importlib
+
+    from dsv4_plugin import attention
+
+    seam = attention.SEAMS[model]
+    mod = importlib.import_module(seam.module)
+    selector = getattr(attention, seam.selector_name)
+    original = selector.__dsv4_original__
+    key = next(iter(seam.expected_sha256))
+    monkeypatch.setitem(seam.expected_sha256, key, "0" * 64)
+    monkeypatch.setattr(mod, attention.SEAM_FUNCTION, original)  # as before register()
+    monkeypatch.setattr(seam, "problems", [])
+    with caplog.at_level(logging.WARNING, logger="dsv4_plugin"):
+        attention.install_attention_seams()
+    warned = [r.getMessage() for r in caplog.records if r.name == "dsv4_plugin"]
+    assert len(warned) == 1 and "will refuse" in warned[0] and "source changed" in warned[0]
+    assert getattr(mod, attention.SEAM_FUNCTION) is selector
+    assert selector.__dsv4_original__ is original
+
+    vllm_cls = original(_cfg("FLASHMLA_SPARSE"))
+    assert selector(_cfg("FLASHMLA_SPARSE")) is vllm_cls  # other processes: unchanged
+    with pytest.raises(attention.SeamChangedError, match="source changed"):
+        selector(_cfg("dsv4"))

@@ -45,7 +45,7 @@ def test_vllm_config_round_trips_through_spawn(plugin):
             proc.kill()
     assert out["plugins_loaded_before"] is False
     assert out["backend"].startswith("<AttentionBackendEnum.DSV4:")
-    assert out["attn_cls"] == "dsv4_plugin.attention.DSV4FlashMLAAttention"
+    assert out["attn_cls"] == "dsv4_plugin.attention_v4.DSV4FlashMLAAttention"
     assert out["quant_config"] == "DSV4DeepseekV4Config"
     assert out["dsv4_plugin_imported"]
     assert proc.exitcode == 0
