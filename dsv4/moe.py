@@ -9,8 +9,17 @@ scales per 16 along K, fp32 global scale per expert). Two activation modes:
 * ``"bf16"`` (W4A16): activations stay bf16; weights are dequantized exactly to bf16.
 * ``"nvfp4"`` (W4A4, the numerics of a Blackwell deployment): x is quantized to
   NVFP4 with ``a13_scale`` (per expert or one value) before GEMM1, and the SwiGLU
-  output is quantized with ``a2_scale`` before GEMM2, with the rules of
-  ``dsv4.formats.quantize_nvfp4``.
+  output is quantized with ``a2_scale`` before GEMM2, with the rule of
+  ``dsv4.formats.quantize_nvfp4`` (DESIGN section 2); the CUDA kernels use
+  ``rcp.approx`` reciprocals as Blackwell does, so a code can differ from the CPU
+  reference's where its product lies within an ulp or so of a rounding tie.
+
+Gate and up global scales: ``w13_scale_2`` may be [E, 2] (ModelOpt stores a
+``weight_scale_2`` for w1 and one for w3); dsv4 dequantizes the gate rows with column
+0 and the up rows with column 1, on every path. vLLM 0.33.0's ModelOpt NVFP4 MoE
+(``ModelOptNvFp4FusedMoE.process_weights_after_loading``) warns and uses the gate's
+scale for both halves, so for a checkpoint whose halves differ dsv4's output is the
+correct one and differs from vLLM's.
 
 CUDA (sm_90a): routing prep, a gather (NVFP4-quantizing in nvfp4 mode; in bf16 mode
 at decode sizes GEMM1 reads x itself), grouped GEMM1 with the clamped-SwiGLU (+ NVFP4)
@@ -215,7 +224,9 @@ def prepare_nvfp4_moe_weights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scal
     K and N multiples of 64):
         w13: uint8 [E, 2N, K/2] (gate rows 0..N-1, up rows N..2N-1; low nibble = even element).
         w13_scale: float8_e4m3fn [E, 2N, K/16].
-        w13_scale_2: float32 [E] or [E, 2] (gate, up) global scales.
+        w13_scale_2: float32 [E] or [E, 2] (gate, up) global scales; with [E, 2] each
+            half keeps its own (vLLM 0.33.0's ModelOpt path would use the gate's for
+            both, see the module docstring).
         w2: uint8 [E, K, N/2].
         w2_scale: float8_e4m3fn [E, K, N/16].
         w2_scale_2: float32 [E].

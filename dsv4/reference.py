@@ -507,14 +507,16 @@ def nvfp4_moe(
             rows N..2N-1 the up projection (w3).
         w13_scale: [E, 2N, K/16] float8_e4m3fn block scales.
         w13_scale_2: [E] or [E, 2] float32 global scales (for [E, 2], the gate
-            rows use [:, 0] and the up rows [:, 1]).
+            rows use [:, 0] and the up rows [:, 1], ModelOpt's w1 and w3
+            weight_scale_2; vLLM 0.33.0 would use [:, 0] for both).
         w2: [E, K, N/2] uint8 packed FP4 down projection.
         w2_scale: [E, K, N/16] float8_e4m3fn block scales.
         w2_scale_2: [E] float32 global scales.
         swiglu_limit: clamp limit for :func:`swiglu`, or None.
         activation: "bf16" (x used as given in float32, h kept float32) or
             "nvfp4" (W4A4 emulation: x and h are NVFP4 quantize-dequantized
-            before GEMM1 / GEMM2 with global scales a13_scale / a2_scale).
+            before GEMM1 / GEMM2 with global scales a13_scale / a2_scale, by
+            dsv4.formats.quantize_nvfp4: Blackwell's rule, exact reciprocals).
         a13_scale, a2_scale: NVFP4 activation global (dequant) scales: a float,
             a 1-element tensor, or a per-local-expert [E] tensor. Required for
             activation="nvfp4", ignored otherwise.

@@ -134,7 +134,10 @@ _BLOCK_CODES = [7, 15, 0, 2, 2, 12, 4, 6, 6, 14, 0, 8, 5, 6, 3, 0]
 
 @pytest.mark.parametrize("g", [1.0, 2.0, 0.125])
 def test_quantize_hand_block_scale_one(g):
-    # amax = 6 * g  ->  s32 = (6g / 6) / g = 1  ->  e4m3 byte 0x38, y = x / g.
+    # amax = 6g, G = 1/g (exact, a power of two): RN(1/6) = 1/6 * (1 + 2.98e-8), so
+    # amax * RN(1/6) rounds back to g (half an ulp is 5.96e-8 relative), G * g = 1 ->
+    # e4m3 byte 0x38;
+    # r = 1 / (1 * (1 / G)) = 1/g exactly, so x * r = x / g: every tie below is exact.
     x = f32(_BLOCK_Y) * g
     packed, scales = F.quantize_nvfp4(x, g)
     assert fp8_byte(scales) == [0x38]
@@ -198,16 +201,88 @@ def test_quantize_scale_underflow_gives_zero_codes(amax_over_6):
     assert codes_of(packed) == [0] * 16
 
 
-def test_quantize_uses_two_divisions_in_order():
-    # (amax / 6) / g and amax / (6 * g) can differ in the last bit; the scale byte
-    # must follow the first.  Check against a direct float32 evaluation per block.
-    x = torch.randn(64, 16, generator=gen(3)) * torch.rand(64, 1, generator=gen(4)) * 50
-    g = 0.0123
+# DESIGN section 2's ties, as (x * r, code): a block with amax = 6 and g = 1 has
+# s = 1 and r = 1 exactly (see test_quantize_hand_block_scale_one), so x * r = x.
+_DESIGN_TIES = [(0.25, 0), (0.75, 2), (1.25, 2), (1.75, 4), (2.5, 4), (3.5, 6), (5.0, 6)]
+
+
+@pytest.mark.parametrize("tie, code", _DESIGN_TIES)
+def test_quantize_design_ties(tie, code):
+    # ties go to the even code: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4
+    x = f32([6.0, tie, -tie] + [0.0] * 13)
+    packed, scales = F.quantize_nvfp4(x, 1.0)
+    assert fp8_byte(scales) == [0x38]
+    assert codes_of(packed)[:3] == [7, code, code | 8]
+    assert F.E2M1_VALUES[code] == {0.25: 0.0, 0.75: 1.0, 1.25: 1.0, 1.75: 2.0, 2.5: 2.0, 3.5: 4.0, 5.0: 4.0}[tie]
+
+
+def test_quantize_blackwell_rule_at_a_tie():
+    # x = 1.171875 in a block with amax = 5.625, g = 2^-8, by hand:
+    #   G = 1/g = 256 (exact).  RN(1/6) = 1/6 * (1 + 2.98e-8), so amax * RN(1/6) =
+    #   0.9375 + 2.8e-8, which rounds to 0.9375 (half an ulp there is 2^-25 = 2.98e-8);
+    #   s = e4m3(256 * 0.9375) = e4m3(240) = 240 (1.875 * 2^7, byte 0x77).
+    #   rcp(G) = 2^-8 (exact), so d = 240 * 2^-8 = 0.9375 and r = RN(1 / 0.9375) =
+    #   RN(16/15) = 1.0666667223 (0x3F888889) = 16/15 + 5.56e-8.
+    #   x * r = 1.25 + 1.171875 * 5.56e-8 = 1.25 + 6.5e-8; half an ulp at 1.25 is
+    #   2^-24 = 5.96e-8, so RN gives 1.25 + 2^-23 = 1.2500001 > 1.25: code 3 (1.5).
+    # The earlier rule divides: x / (s * g) = 1.171875 / 0.9375 = 1.25 exactly, the tie
+    # 1.25 -> 1.0 (code 2).  amax itself: 5.625 * r = 6.0000003 -> 6 (code 7) either way.
+    x = f32([5.625, 1.171875, -1.171875] + [0.0] * 13)
+    g = 2.0 ** -8
+    packed, scales = F.quantize_nvfp4(x, g)
+    assert fp8_byte(scales) == [0x77]
+    assert codes_of(packed)[:3] == [7, 3, 11]
+    r = torch.tensor(1.0) / torch.tensor(0.9375)
+    assert r.view(torch.int32).item() == 0x3F888889
+    assert (f32([1.171875]) * r).item() == 1.25 + 2.0 ** -23
+    old_packed, old_scales = F._quantize_nvfp4_weight_blocks(x, torch.tensor(g))
+    assert fp8_byte(old_scales) == [0x77] and codes_of(old_packed)[:3] == [7, 2, 10]
+    assert F.dequantize_nvfp4(packed, scales, g)[1].item() == 1.5 * 0.9375  # the old rule: 1.0 * 0.9375
+
+
+def test_quantize_scale_order():
+    # s = e4m3(G * (amax * RN(1/6))) in that order: for this float32 amax and g the
+    # other orders ((G * amax) * RN(1/6), the earlier (amax / 6) / g) round to another
+    # e4m3 value, so the test tells them apart.
+    g = torch.tensor(0.0123)
+    one, six = torch.tensor(1.0), torch.tensor(6.0)
+    amax = f32([31.881595611572266])
+    G = one / g
+
+    def byte(v):
+        return v.clamp(max=448).to(torch.float8_e4m3fn).view(torch.uint8).item()
+
+    expected = byte(G * (amax * (one / six)))
+    assert expected != byte((G * amax) * (one / six))
+    assert expected != byte((amax / six) / g)
+    x = torch.cat([amax, torch.zeros(15)])
     _, scales = F.quantize_nvfp4(x, g)
-    amax = x.abs().amax(dim=1, keepdim=True)
-    s32 = (amax / torch.tensor(6.0)) / torch.tensor(g, dtype=torch.float32)
-    expected = s32.clamp(max=448).to(torch.float8_e4m3fn)
-    assert torch.equal(scales.view(torch.uint8), expected.view(torch.uint8))
+    assert fp8_byte(scales) == [expected]
+
+
+def test_quantize_codes_follow_the_product():
+    # codes = round_to_e2m1(x * r) with r = 1 / (s * (1 / G)), on random blocks of
+    # every magnitude, against a direct float32 evaluation of the formula.
+    x = torch.randn(256, 16, generator=gen(3)) * torch.exp(torch.randn(256, 1, generator=gen(4)) * 3)
+    for gv in (0.37, 2.0 ** -8, 1e-3):
+        g = torch.tensor(gv)
+        packed, scales = F.quantize_nvfp4(x, g)
+        one = torch.tensor(1.0)
+        sf = scales.float()[:, :1]
+        r = torch.where(sf == 0, 0.0, one / (sf * (one / (one / g))))
+        assert torch.equal(F.unpack_fp4(packed), F.round_to_e2m1(x * r))
+
+
+def test_rcp_approx_codes():
+    # The 9 candidates of a +-1 ulp rcp.approx: the exact code in the middle; the
+    # tie of test_quantize_blackwell_rule_at_a_tie can go either way (x * r = 1.25 + 1 ulp
+    # becomes 1.25 with r one ulp lower), a value far from any tie cannot.
+    x = f32([5.625, 1.171875, 3.0, 0.4] + [0.0] * 12)
+    cand = F._nvfp4_rcp_approx_codes(x, 2.0 ** -8)
+    assert cand.shape == (16, 9) and cand.dtype == torch.uint8
+    assert torch.equal(cand[:, 4], F.unpack_fp4(F.quantize_nvfp4(x, 2.0 ** -8)[0]))
+    assert set(cand[1].tolist()) == {2, 3}
+    assert set(cand[2].tolist()) == {5} and set(cand[3].tolist()) == {1}
 
 
 def test_quantize_non_contiguous_and_leading_shapes():
@@ -291,7 +366,7 @@ def test_quantize_nvfp4_weight_2d_and_3d():
     assert weight_scale.shape == (32, 4) and weight_scale.dtype == torch.float8_e4m3fn
     assert weight_scale_2.shape == () and weight_scale_2.dtype == torch.float32
     assert weight_scale_2.item() == (w.abs().max() / torch.tensor(6 * 448.0)).item()
-    a = F.quantize_nvfp4(w, weight_scale_2)
+    a = F._quantize_nvfp4_weight_blocks(w, weight_scale_2)
     assert torch.equal(a[0], weight) and torch.equal(a[1].view(torch.uint8), weight_scale.view(torch.uint8))
 
     # The largest block's scale lands at (or next to) 448.

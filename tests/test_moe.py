@@ -240,6 +240,106 @@ def test_torch_compile_fullgraph_cpu(small):
     assert torch.equal(f(x, ids, tw, p), nvfp4_moe(x, ids, tw, p, swiglu_limit=10.0) * 2)
 
 
+def _e2m1_from_bits(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 values from the code bits (sign, 2 exponent bits, 1 mantissa bit), not
+    from dsv4.formats' table."""
+    c = codes.to(torch.int32)
+    e, m = (c >> 1) & 3, (c & 1).float()
+    mag = torch.where(e == 0, 0.5 * m, torch.exp2((e - 1).float()) * (1 + m / 2))
+    return torch.where((c & 8) != 0, -mag, mag)
+
+
+def _dequant_rows(packed: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, K/2] (low nibble = even element), e4m3 [R, K/16], float32 [R] -> [R, K]."""
+    codes = torch.stack([packed & 15, packed >> 4], -1).reshape(packed.shape[0], -1)
+    return _e2m1_from_bits(codes) * scale.float().repeat_interleave(16, 1) * row_scale[:, None]
+
+
+def _moe_independent(x, ids, tw, w, limit):
+    """The MoE in float32, token by token, from the raw vLLM-layout bytes: gate rows
+    dequantized with w13_scale_2[e, 0], up rows with w13_scale_2[e, 1] (or both with
+    w13_scale_2[e] when it is [E])."""
+    x, ids, tw = x.float().cpu(), ids.cpu(), tw.float().cpu()
+    w = {k: v.cpu() for k, v in w.items()}
+    E, two_n, _ = w["w13"].shape
+    N, K = two_n // 2, x.shape[1]
+    out = torch.zeros(x.shape)
+    for e in range(E):
+        s2 = w["w13_scale_2"][e].reshape(-1).expand(2)
+        rows = torch.cat([s2[0].expand(N), s2[1].expand(N)])
+        w13 = _dequant_rows(w["w13"][e], w["w13_scale"][e], rows)
+        w2 = _dequant_rows(w["w2"][e], w["w2_scale"][e], w["w2_scale_2"][e].expand(K))
+        for m, j in (ids == e).nonzero().tolist():
+            gate, up = (w13 @ x[m]).split(N)
+            if limit is not None:
+                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            out[m] += tw[m, j] * (w2 @ (gate * torch.sigmoid(gate) * up))
+    return out
+
+
+def _modelopt_weights(E, N, K, seed, up_ratio, device="cpu"):
+    """vLLM-layout weights stacked from ModelOpt per-expert tensors; w1 (gate) and w3
+    (up) are quantized separately, so each has its own weight_scale_2 (w3's about
+    up_ratio times w1's); w13_scale_2 is [E, 2]."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def proj(rows, cols, std):
+        weight, scale, scale_2 = formats.quantize_nvfp4_weight(torch.randn(rows, cols, generator=gen) * std)
+        return {"weight": weight, "weight_scale": scale, "weight_scale_2": scale_2}
+
+    experts = [{"w1": proj(N, K, 0.05), "w3": proj(N, K, 0.05 * up_ratio), "w2": proj(K, N, 0.05)}
+               for _ in range(E)]
+    return {k: v.to(device) for k, v in formats.stack_modelopt_experts(experts).items()}
+
+
+def _gate_scale_for_both(w):
+    """What vLLM 0.33.0's ModelOpt NVFP4 MoE runs (ModelOptNvFp4FusedMoE.
+    process_weights_after_loading): w13_scale_2[:, 0] for gate and up."""
+    return {**w, "w13_scale_2": w["w13_scale_2"][:, 0].contiguous()}
+
+
+def test_cpu_gate_and_up_global_scales():
+    """ModelOpt checkpoints may give w1 and w3 different weight_scale_2: dsv4 applies
+    each to its own rows. vLLM's ModelOpt path would use the gate's for both, which is
+    a different answer: the test tells the two apart."""
+    E, N, K, M = 3, 64, 128, 9
+    w = _modelopt_weights(E, N, K, seed=5, up_ratio=4.0)
+    s2 = w["w13_scale_2"]
+    assert s2.shape == (E, 2) and bool((s2[:, 1] > 2 * s2[:, 0]).all())
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+    ids, tw = _routing(M, 2, E, gen)
+    want = _moe_independent(x, ids, tw, w, 10.0)
+    ref = _ref(x, ids, tw, w, swiglu_limit=10.0)
+    assert _rel_l2(ref, want) <= 1e-5
+    p = prepare_nvfp4_moe_weights(*(w[k] for k in KEYS))
+    assert torch.equal(p.w13_scale_2, s2)
+    got = nvfp4_moe(x, ids, tw, p, swiglu_limit=10.0)
+    assert torch.equal(got, ref.to(torch.bfloat16))
+    vllm_like = _ref(x, ids, tw, _gate_scale_for_both(w), swiglu_limit=10.0)
+    assert _rel_l2(vllm_like, want) > 0.5
+    assert _rel_l2(_moe_independent(x, ids, tw, _gate_scale_for_both(w), 10.0), vllm_like) <= 1e-5
+
+
+def test_cpu_equal_gate_and_up_global_scales():
+    """One weight_scale_2 for both halves, given as [E] or as equal [E, 2] columns:
+    the same answer, and the independent float32 one."""
+    E, N, K, M = 3, 64, 128, 9
+    w = _weights(E, N, K, seed=7)
+    assert w["w13_scale_2"].shape == (E,)
+    both = {**w, "w13_scale_2": w["w13_scale_2"][:, None].expand(E, 2).contiguous()}
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+    ids, tw = _routing(M, 2, E, gen)
+    ref = _ref(x, ids, tw, w, swiglu_limit=10.0)
+    assert torch.equal(_ref(x, ids, tw, both, swiglu_limit=10.0), ref)
+    assert _rel_l2(ref, _moe_independent(x, ids, tw, w, 10.0)) <= 1e-5
+    p1 = prepare_nvfp4_moe_weights(*(w[k] for k in KEYS))
+    p2 = prepare_nvfp4_moe_weights(*(both[k] for k in KEYS))
+    assert torch.equal(p1.w13_scale_2, p2.w13_scale_2)
+    assert torch.equal(nvfp4_moe(x, ids, tw, p1, swiglu_limit=10.0), ref.to(torch.bfloat16))
+
+
 # ---------------------------------------------------------------- GPU ---------
 
 FLASH = dict(K=4096, N=2048, E_global=256, E_local=32)
@@ -322,12 +422,26 @@ def _ref_gemm1(x, ids, w, emap, limit, activation, a13):
     return h, flat
 
 
+def _explained_code_differences(codes, x, g) -> int:
+    """NVFP4 codes from the GPU (packed) vs dsv4.formats.quantize_nvfp4 of x (exact
+    reciprocals): equal, except codes that the kernels' rcp.approx explains
+    (formats._nvfp4_rcp_approx_codes); returns how many differ."""
+    got = formats.unpack_fp4(codes)
+    cand = formats._nvfp4_rcp_approx_codes(x, g)
+    differ = got != cand[..., 4]
+    unexplained = differ & ~(got.unsqueeze(-1) == cand).any(-1)
+    assert not unexplained.any(), (f"{int(unexplained.sum())} NVFP4 codes differ from dsv4.formats beyond "
+                                   f"rcp.approx rounding, first at {unexplained.nonzero()[:3].tolist()}")
+    return int(differ.sum())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("M", [3, 300, 2048])
 def test_gpu_gemm1_epilogue(activation, M):
-    """GEMM1 alone vs the fp32 reference; in nvfp4 mode the epilogue's NVFP4 output is
-    bit-exact vs dsv4.formats.quantize_nvfp4 of the same (fp32) GEMM1 output."""
+    """GEMM1 alone vs the fp32 reference; in nvfp4 mode the epilogue's NVFP4 output
+    matches dsv4.formats.quantize_nvfp4 of the same (fp32) GEMM1 output: scales bit
+    for bit, codes too except where rcp.approx rounding moves a tie (counted)."""
     w, p = _gpu_model(FLASH)
     x, ids, _, emap = _case(FLASH, M, "uniform", True, seed=M)
     a13, a2 = w["w13_input_scale"], w["w2_input_scale"]
@@ -337,13 +451,110 @@ def test_gpu_gemm1_epilogue(activation, M):
     assert torch.equal(local, flat >= 0)
     assert _rel_l2(h, ref_h) <= (2e-3 if activation == "bf16" else 1e-2)
     if activation == "nvfp4":
+        explained = 0
         for e in flat.unique().tolist():
             if e < 0:
                 continue
             rows = (flat == e).nonzero().squeeze(1)
-            codes, scales = formats.quantize_nvfp4(h[rows], a2[e:e + 1])
-            assert torch.equal(hq[rows], codes)
+            _, scales = formats.quantize_nvfp4(h[rows], a2[e:e + 1])
             assert torch.equal(hs.view(torch.uint8)[rows], scales.view(torch.uint8))
+            explained += _explained_code_differences(hq[rows], h[rows], a2[e:e + 1])
+        print(f"GEMM1 epilogue M={M}: {explained} of {hq.numel() * 2} codes differ from dsv4.formats, each at a tie "
+              "that rcp.approx rounding moves")
+
+
+def _one_hot_w13(K: int) -> dict:
+    """One expert, N = K: gate row n reads x[:, 0], up row n reads x[:, n] (code 1.0,
+    block scales 1.0, global scales 1.0); w2 is zero. GEMM1 then gives
+    h[m, n] = silu(xq[m, 0]) * xq[m, n]: every element of the quantized GEMM1 input."""
+    N = K
+    codes = torch.zeros(2 * N, K, dtype=torch.uint8)
+    codes[:N, 0] = 2
+    codes[torch.arange(N, 2 * N), torch.arange(N)] = 2
+    one = torch.ones((), dtype=torch.float32)
+    return {"w13": formats.pack_fp4(codes)[None], "w13_scale": torch.ones(1, 2 * N, K // 16).to(torch.float8_e4m3fn),
+            "w13_scale_2": one.expand(1, 2).contiguous(), "w2": torch.zeros(1, K, N // 2, dtype=torch.uint8),
+            "w2_scale": torch.ones(1, K, N // 16).to(torch.float8_e4m3fn), "w2_scale_2": one.expand(1).contiguous()}
+
+
+def _near_ties(M, K, g, gen):
+    """bf16 [M, K]: blocks of every magnitude whose elements sit on or next to the
+    rounding ties of their own block (t * d, d the reference's divisor), a zero block
+    and a block whose scale underflows; x[:, 0] is its block's amax (> 0)."""
+    x = torch.randn(M, K, generator=gen) * torch.exp(torch.randn(M, K // 16, generator=gen) * 1.5).repeat_interleave(16, 1)
+    x[:, :16] *= 3.0 / x[:, :16].abs().amax(1, keepdim=True)
+    x = x.to(torch.bfloat16)
+    _, scales = formats.quantize_nvfp4(x, g)
+    d = (scales.float() * g).repeat_interleave(16, 1)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])[torch.randint(0, 7, (M, K), generator=gen)]
+    near = (ties * d).to(torch.bfloat16).view(torch.int16)
+    near = (near + torch.randint(-1, 2, (M, K), generator=gen).to(torch.int16)).view(torch.bfloat16)
+    pick = (torch.rand(M, K, generator=gen) < 0.5) & (near.float().abs() < x.float().abs().reshape(M, -1, 16)
+                                                      .amax(-1).repeat_interleave(16, 1))
+    x = torch.where(pick, near * torch.sign(x.float()).to(torch.bfloat16), x)
+    if K >= 48:
+        x[:, 16:32] = 0.0
+        x[:, 32:48] *= 1e-30
+    x[:, 0] = x[:, :16].float().abs().amax(1).to(torch.bfloat16)
+    return x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [5, 40, 300])  # decode, one-warpgroup and prefill GEMM1 kernels
+@pytest.mark.parametrize("g", [2.0**-8, 0.01, 0.0173])  # 0.01: many bf16 x / (s * g) land on ties
+def test_gpu_gemm1_input_quantizer(M, g):
+    """The MoE's NVFP4 quantization of GEMM1's input (moe_gather_kernel) element by
+    element: with one-hot weights GEMM1 returns silu(xq[:, 0]) * xq, so xq is read back
+    from the debug output and must be, per element, one of the dequantized values
+    that dsv4.formats (with rcp.approx's +-1 ulp) allows: the exact one except at ties
+    that rcp.approx rounding moves (counted). A wrong block scale or code shows as a
+    value off by at least a sixteenth."""
+    K = 128
+    w = {k: v.cuda() for k, v in _one_hot_w13(K).items()}
+    p = prepare_nvfp4_moe_weights(*(w[k] for k in KEYS))
+    x = _near_ties(M, K, g, torch.Generator().manual_seed(M))
+    ids = torch.zeros(M, 1, dtype=torch.int32, device="cuda")
+    a = torch.tensor([g], device="cuda")
+    h, _, _, local = _gemm1_debug(x.cuda(), ids, p, activation="nvfp4", a13_scale=a, a2_scale=a)
+    assert bool(local.all())
+    packed, scales = formats.quantize_nvfp4(x, g)
+    step = scales.float().repeat_interleave(16, 1) * g  # value of one e2m1 unit per element
+    xq = formats.dequantize_nvfp4(packed, scales, g)
+    gate = xq[:, :1].double()
+    up = h.cpu().double() / (gate * torch.sigmoid(gate))
+    table = torch.tensor(formats.E2M1_VALUES, dtype=torch.float64)
+    values = table[formats._nvfp4_rcp_approx_codes(x, g).long()] * step.double().unsqueeze(-1)
+    close = (up.unsqueeze(-1) - values).abs() <= 2e-3 * step.double().unsqueeze(-1)
+    assert bool(close.any(-1).all()), f"GEMM1 input: {int((~close.any(-1)).sum())} elements match no allowed value"
+    moved = int((~close[..., 4]).sum())
+    print(f"GEMM1 input quantizer M={M} g={g}: {moved} of {x.numel()} values differ from the exact-reciprocal "
+          "reference, each at a tie that rcp.approx rounding moves")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [7, 300])
+def test_gpu_gate_and_up_global_scales(M):
+    """test_cpu_gate_and_up_global_scales on the GPU kernels: w1 and w3 with different
+    weight_scale_2, bf16 mode against the independent float32 MoE, nvfp4 mode against
+    the reference; vLLM's gate-for-both answer is far from both."""
+    E, N, K = 4, 128, 256
+    w = _modelopt_weights(E, N, K, seed=11, up_ratio=4.0, device="cuda")
+    p = prepare_nvfp4_moe_weights(*(w[k] for k in KEYS))
+    gen = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16).cuda()
+    ids, tw = _routing(M, 2, E, gen, "cuda")
+    want = _moe_independent(x, ids, tw, w, 10.0)
+    got = nvfp4_moe(x, ids, tw, p, swiglu_limit=10.0).float().cpu()
+    assert _rel_l2(got, want) <= 5e-3
+    assert _rel_l2(_moe_independent(x, ids, tw, _gate_scale_for_both(w), 10.0), want) > 0.5
+    # a scale far from round numbers: with 0.01 many products x * r sit on e2m1 ties
+    # that rcp.approx moves (test_gpu_gemm1_input_quantizer counts them), which
+    # moves these outputs by a few percent against the exact-reciprocal reference
+    a = torch.tensor([0.0173], device="cuda")
+    kw = dict(swiglu_limit=10.0, activation="nvfp4", a13_scale=a, a2_scale=a)
+    got = nvfp4_moe(x, ids, tw, p, **kw)
+    assert _rel_l2(got, _ref(x, ids, tw, w, **kw)) <= 2e-2
+    assert _rel_l2(got, _ref(x, ids, tw, _gate_scale_for_both(w), **kw)) > 0.5
 
 
 @pytest.mark.gpu

@@ -56,7 +56,7 @@ struct GemmSmem {
 // h is written in the tiled layout (act_offset) that the prefill kernel reads.
 //
 // GEMM1: clamped SwiGLU of (gate, up) held by the same thread, then either bf16 h, or
-// NVFP4 (codes + e4m3 scales, the exact rules of common/nvfp4.cuh) plus its bf16
+// NVFP4 (codes + e4m3 scales, the Blackwell rule of common/nvfp4.cuh) plus its bf16
 // expansion code * block scale, which is what GEMM2 reads as its B operand (the
 // global scale a2 goes in GEMM2's epilogue).
 template <int BN, bool kTiled, typename Sync>
@@ -89,7 +89,7 @@ __device__ __forceinline__ void gemm1_epilogue(const MoeParams& p, const float (
       *reinterpret_cast<uint4*>(p.h + act_offset<kTiled>(row0 + tok, rt * 4 + ch, N)) = o;
     }
   } else {
-    const float g2 = __ldg(p.a2_scale + (p.a2_per_expert ? e : 0));
+    const Nvfp4Encoder enc = nvfp4_encoder(__ldg(p.a2_scale + (p.a2_per_expert ? e : 0)));
     for (int idx = tid; idx < BN * 2; idx += kThreads) {
       const int tok = idx >> 1, blk = idx & 1;
       const float* vlo = stg + stage1_index(tok, blk * 16);
@@ -102,10 +102,10 @@ __device__ __forceinline__ void gemm1_epilogue(const MoeParams& p, const float (
         hi[i] = vhi[i];
         amax = fmaxf(amax, fmaxf(fabsf(lo[i]), fabsf(hi[i])));
       }
-      const __nv_fp8_e4m3 s8 = nvfp4_block_scale(amax, g2);
-      const float sf = float(s8);
-      const uint32_t clo = nvfp4_encode8(lo, sf, g2);
-      const uint32_t chi = nvfp4_encode8(hi, sf, g2);
+      const __nv_fp8_e4m3 s8 = nvfp4_block_scale(amax, enc);
+      const float sf = float(s8), r = nvfp4_block_recip(sf, enc);
+      const uint32_t clo = nvfp4_encode8(lo, r);
+      const uint32_t chi = nvfp4_encode8(hi, r);
       const size_t row = size_t(row0 + tok);
       *reinterpret_cast<uint2*>(p.hq + row * (N / 2) + rt * 16 + blk * 8) = make_uint2(clo, chi);
       p.hs[row * (N / 16) + rt * 2 + blk] = s8;

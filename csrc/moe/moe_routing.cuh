@@ -238,7 +238,8 @@ __global__ void __launch_bounds__(kRouteThreads) moe_place_kernel(const MoeParam
 
 // Padded rows of GEMM1's B operand: the token's x (bf16 mode) or its NVFP4
 // quantization with the expert's a13 scale expanded to bf16 code * block scale
-// (nvfp4 mode; the same rules as dsv4.formats.quantize_nvfp4); zeros for padding.
+// (nvfp4 mode; the Blackwell rule of common/nvfp4.cuh, dsv4.formats.quantize_nvfp4
+// with rcp.approx); zeros for padding.
 // Row-major, or tiled (act_offset) for the prefill kernel (ws).
 // Two adjacent lanes share a 16-element block. blockDim.x is a multiple of 32.
 template <bool kNvfp4>
@@ -250,10 +251,10 @@ __global__ void __launch_bounds__(256) moe_gather_kernel(const MoeParams p) {
   for (int r = blockIdx.x; r < rows; r += gridDim.x) {
     const int slot = p.row_slot[r];
     const __nv_bfloat16* src = slot >= 0 ? p.x + size_t(slot / p.topk) * p.K : nullptr;
-    float g = 1.0f;
+    Nvfp4Encoder enc{};
     if constexpr (kNvfp4) {
       const int e = p.tile_expert[r / p.block_n];
-      g = __ldg(p.a13_scale + (p.a13_per_expert ? e : 0));
+      enc = nvfp4_encoder(__ldg(p.a13_scale + (p.a13_per_expert ? e : 0)));
     }
     for (int c0 = 0; c0 < chunks; c0 += blockDim.x) {
       const int c = c0 + threadIdx.x;
@@ -274,9 +275,9 @@ __global__ void __launch_bounds__(256) moe_gather_kernel(const MoeParams p) {
           amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
         }
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        const __nv_fp8_e4m3 s8 = nvfp4_block_scale(amax, g);
+        const __nv_fp8_e4m3 s8 = nvfp4_block_scale(amax, enc);
         const float sf = float(s8);
-        const uint32_t codes = nvfp4_encode8(v, sf, g);
+        const uint32_t codes = nvfp4_encode8(v, nvfp4_block_recip(sf, enc));
         uint4 o;
         uint32_t* ow = reinterpret_cast<uint32_t*>(&o);
 #pragma unroll

@@ -2,8 +2,9 @@
 // element) and e4m3 block scales [M, K/16], both row-major and dense. This is the
 // activation layout the NVFP4 MoE kernels read.
 //
-// Memory bound in bytes, but DESIGN's exact rounding rule made it instruction
-// bound: it is met with per-block bf16 thresholds (nvfp4_thresholds), which
+// Numerics: the Blackwell rule of common/nvfp4.cuh (DESIGN section 2). Memory
+// bound in bytes, but exact e2m1 rounding in software is instruction bound per
+// element: the codes come from per-block bf16 thresholds (nvfp4_thresholds), which
 // roughly halves the per-element work (see docs/perf.md, quantize_nvfp4).
 #pragma once
 
@@ -27,22 +28,23 @@ struct QuantizeNvfp4Params {
 
 // Encodes block b from its 16 bf16 values (8 bf16x2 words) and stores its codes
 // and scale.
-__device__ __forceinline__ void encode_block(const QuantizeNvfp4Params& p, uint32_t b, const uint32_t* w, float g) {
+__device__ __forceinline__ void encode_block(const QuantizeNvfp4Params& p, uint32_t b, const uint32_t* w,
+                                             const Nvfp4Encoder& enc) {
   // bf16 max is exact, so the amax can be taken on packed pairs
   __nv_bfloat162 m2 = __habs2(as_bf16x2(w[0]));
 #pragma unroll
   for (int i = 1; i < 8; ++i) m2 = __hmax2(m2, __habs2(as_bf16x2(w[i])));
   const float amax = fmaxf(__low2float(m2), __high2float(m2));
-  const __nv_fp8_e4m3 s = nvfp4_block_scale(amax, g);
+  const __nv_fp8_e4m3 s = nvfp4_block_scale(amax, enc);
   uint2 word = make_uint2(0, 0);
   if (float(s) != 0.0f) {
-    const float denom = float(s) * g;
-    if (denom >= 0x1p-100f && denom <= 0x1p16f) {
-      const Nvfp4Thresholds T = nvfp4_thresholds(denom);
+    const float d = nvfp4_block_divisor(float(s), enc), r = rcp_approx_ftz(d);
+    if (nvfp4_thresholds_exact(d)) {
+      const Nvfp4Thresholds T = nvfp4_thresholds(d, r);
       const uint32_t w0[4] = {w[0], w[1], w[2], w[3]}, w1[4] = {w[4], w[5], w[6], w[7]};
       word = make_uint2(nvfp4_encode8_bf16(w0, T), nvfp4_encode8_bf16(w1, T));
     } else {
-      // divisors outside [2^-100, 2^16]: exact division per element
+      // divisors outside [2^-100, 2^16]: the product per element
       float v[2][8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -50,7 +52,7 @@ __device__ __forceinline__ void encode_block(const QuantizeNvfp4Params& p, uint3
         v[i / 4][2 * (i % 4)] = f.x;
         v[i / 4][2 * (i % 4) + 1] = f.y;
       }
-      word = make_uint2(nvfp4_encode8(v[0], float(s), g), nvfp4_encode8(v[1], float(s), g));
+      word = make_uint2(nvfp4_encode8(v[0], r), nvfp4_encode8(v[1], r));
     }
   }
   reinterpret_cast<uint2*>(p.codes)[b] = word;
@@ -77,7 +79,7 @@ __device__ __forceinline__ void load_block(const QuantizeNvfp4Params& p, uint32_
 
 template <int kThreads, int kUnroll, bool kContiguous>
 __global__ void __launch_bounds__(kThreads) quantize_nvfp4_kernel(const QuantizeNvfp4Params p) {
-  const float g = __ldg(p.global_scale);
+  const Nvfp4Encoder enc = nvfp4_encoder(__ldg(p.global_scale));
   const uint32_t step = gridDim.x * kThreads * kUnroll;
   uint32_t base = blockIdx.x * kThreads * kUnroll;
   uint4 next[kUnroll][2];
@@ -95,7 +97,7 @@ __global__ void __launch_bounds__(kThreads) quantize_nvfp4_kernel(const Quantize
     for (int u = 0; u < kUnroll; ++u) {
       const uint32_t b = base + u * kThreads + threadIdx.x;
       if (b >= p.blocks) continue;
-      encode_block(p, b, reinterpret_cast<const uint32_t*>(raw[u]), g);
+      encode_block(p, b, reinterpret_cast<const uint32_t*>(raw[u]), enc);
     }
   }
 }
