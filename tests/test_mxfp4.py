@@ -970,7 +970,8 @@ def _emu_w4a8(x, ids, tw, pw, limit, ue8m0, emap=None):
 
 @pytest.mark.parametrize("N,ue8m0,use_map", [(64, True, True), (96, False, False)])
 def test_w4a8_kernel_emulation(N, ue8m0, use_map):
-    """N = 96 is padded to 128 (a zero warp in GEMM1); K = 256: two chunks."""
+    """N = 64: GEMM1's CTA has two warps without columns; N = 96 runs padded to 128; K = 256:
+    two chunks."""
     w = _weights(2, N, 256, seed=60 + N)
     p = prepare_moe_weights(*(w[k] for k in MX), activation="fp8")
     x, ids, tw, emap = _case(5, 2, 2, 256, seed=61, use_map=use_map)
