@@ -212,6 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--moe", type=int, default=500)
     ap.add_argument("--quantize", type=int, default=2000)
     ap.add_argument("--show", type=int, default=10)
+    ap.add_argument("--seconds", type=float, default=None,
+                    help="time limit per op: stop drawing configurations after it (the report says how many ran)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if DEV == "cuda" and not torch.cuda.is_available():
@@ -221,17 +223,21 @@ def main(argv=None) -> int:
     for name, fn, n in (("quantize", _quantize_case, args.quantize), ("attention", _attention_case, args.attention),
                         ("moe", _moe_case, args.moe)):
         rng = random.Random(f"{args.seed}-{name}")
-        bad, t0 = [], time.time()
+        bad, t0, tried = [], time.time(), 0
         for i in range(n):
+            if args.seconds is not None and time.time() - t0 > args.seconds:
+                break
+            tried += 1
             try:
                 msg = fn(i, rng)
             except Exception as e:  # an error is a finding, not a crash of the fuzz
                 msg = f"raised {type(e).__name__}: {str(e)[:200]}"
             if msg:
                 bad.append(f"#{i} {msg}")
-        report[name] = dict(tried=n, mismatches=len(bad), first=bad[: args.show], seconds=time.time() - t0)
+        report[name] = dict(tried=tried, asked=n, mismatches=len(bad), first=bad[: args.show], seconds=time.time() - t0)
         failed += len(bad)
-        print(f"{name}: {n} configurations, {len(bad)} mismatches ({time.time() - t0:.0f}s)", flush=True)
+        cut = f" of {n} asked (time limit)" if tried < n else ""
+        print(f"{name}: {tried} configurations{cut}, {len(bad)} mismatches ({time.time() - t0:.0f}s)", flush=True)
         for b in bad[: args.show]:
             print("   ", b, flush=True)
     if args.json:
