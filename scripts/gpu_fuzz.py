@@ -10,8 +10,11 @@ Each configuration is drawn from the seed (so a failure reproduces with its numb
   units, list lengths 0-2048, -1 and out-of-range ids, duplicates, ids past the list's
   length, sinks finite / -inf / +inf / none, and every slot no valid entry names filled
   with random bytes (NaN and inf patterns included). Checked against a float32 softmax
-  over the dequantized rows of the valid entries only: output within 2 bf16 ulps +
-  1e-3, lse within 2e-3, a token without visible keys exactly zero with lse -inf;
+  over the dequantized rows of the valid entries only, with the test suite's criterion
+  (tests/test_attention.py assert_close): relative L2 of the output <= 3e-3, no element
+  off by more than 2e-2 + 2^-7 |ref| (the kernel rounds p to bf16 before p.v, an error of
+  up to 2^-9 of the largest |v| ~ 4), lse within 2e-3, a token without visible keys
+  exactly zero with lse -inf;
 * moe (nvfp4_moe): M 0-300, 1-9 local experts of 8-64 global, K and N multiples of 64,
   routing uniform or skewed onto one expert, expert maps, swiglu_limit on/off, W4A16 and
   W4A4, against dsv4.reference.nvfp4_moe (float32): relative L2 <= 1e-2 (W4A16) / 3e-2
@@ -121,8 +124,10 @@ def _attention_case(i: int, rng: random.Random) -> str | None:
     if torch.isnan(got).any():
         bad.append("NaN in output")
     err = (got.float() - ref).abs()
-    tol = 1e-3 + 2 * 2**-8 * ref.abs()
-    if not bool((err <= tol).all()):
+    rel = float((got.float() - ref).norm() / ref.norm()) if ref.norm() > 0 else float(err.max()) if err.numel() else 0.0
+    if rel > 3e-3:
+        bad.append(f"output relative L2 {rel:.3g}")
+    if err.numel() and not bool((err <= 2e-2 + 2**-7 * ref.abs()).all()):
         bad.append(f"output max err {float(err.max()):.3g}")
     e2 = empty.unsqueeze(-1).expand_as(lse)
     if bool((got[empty] != 0).any()) or bool((lse[e2] != -float("inf")).any()):

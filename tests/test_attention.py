@@ -779,3 +779,27 @@ def test_empty_batches_gpu():
                                   torch.zeros(0, 9, dtype=torch.int32, device="cuda"))
     assert out.shape == (0, 128, 512) and lse.shape == (0, 128)
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [1, 2, 69])
+def test_gpu_single_block_caches(block):
+    """A cache of one block has no block stride to align: [1, 69, 584] (shape-derived
+    'stride' 40,296 bytes) is valid and must match the reference (scripts/gpu_fuzz.py found
+    the launcher refusing it)."""
+    g = torch.Generator().manual_seed(block)
+    cache = formats.new_fp8_ds_mla_cache(1, block, fill="random", generator=g)
+    formats.write_fp8_ds_mla(cache, torch.arange(block), torch.randn(block, 512, generator=g))
+    cache = cache.contiguous()  # [1, block, 584], stride(0) = block * 584
+    big = formats.new_fp8_ds_mla_cache(64, 64)
+    formats.write_fp8_ds_mla(big, torch.arange(64 * 64), torch.randn(64 * 64, 512, generator=g))
+    q = torch.randn(3, 1, 64, 512, generator=g).to(torch.bfloat16)
+    idx = torch.randint(-1, block + 1, (3, 1, 16), generator=g, dtype=torch.int32)
+    idx2 = torch.randint(0, 64 * 64, (3, 1, 64), generator=g, dtype=torch.int32)
+    sink = torch.randn(64, generator=g)
+    ro, rl = ref_decode(q, formats.dequantize_fp8_ds_mla_cache(cache).float(), idx, None, sink, SCALE,
+                        formats.dequantize_fp8_ds_mla_cache(big).float(), idx2, None)
+    o, lse = sparse_mqa_decode(q.cuda(), cache.cuda(), idx.cuda(), None, sink.cuda(), SCALE, big.cuda(), idx2.cuda())
+    assert_close(o.cpu(), lse.cpu(), ro, rl)
+    o2, lse2 = sparse_mqa_decode(q.cuda(), big.cuda(), idx2.cuda(), None, sink.cuda(), SCALE, cache.cuda(), idx.cuda())
+    assert_close(o2.cpu(), lse2.cpu(), ro, rl)
