@@ -2,9 +2,9 @@
 // element) and e4m3 block scales [M, K/16], both row-major and dense. This is the
 // activation layout the NVFP4 MoE kernels read.
 //
-// Memory bound in bytes, but DESIGN's exact rounding rule made it instruction
-// bound: it is met with per-block bf16 thresholds (nvfp4_thresholds), which
-// roughly halves the per-element work (see docs/perf.md, quantize_nvfp4).
+// Memory bound in bytes, but the exact rounding rule (docs/design.md, section 2) made
+// it instruction bound: it is met with per-block bf16 thresholds (nvfp4_thresholds),
+// which roughly halves the per-element work (docs/perf-history/notebook-2026.md, quantize_nvfp4).
 #pragma once
 
 #include <cuda_bf16.h>
