@@ -6,6 +6,8 @@ the package installs as pure Python and only the CPU (reference) kernels work.
 
 Environment:
   DSV4_CUDA=0|1         force the pure-Python install (0) or require the CUDA build (1)
+  CUDA_HOME             the CUDA toolkit to build with (default: the toolkit that the nvcc
+                        on PATH belongs to, found through symlinks and wrapper scripts)
   DSV4_CUDA_ARCHS="90a" semicolon list of targets (default 90a: wgmma needs sm_90a)
   MAX_JOBS=N            parallel nvcc jobs (ninja)
   DSV4_PTXAS_VERBOSE=1  print registers / spills per kernel
@@ -14,24 +16,37 @@ Environment:
 
 import glob
 import os
+import re
+import shutil
+import subprocess
 import sys
 
 from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CUDA_HOME = "/usr/local/cuda"
+
+
+class BuildError(RuntimeError):
+    """A build prerequisite is missing or wrong; the message says the fix (printed
+    without a traceback, in the first seconds of the build)."""
+
+
+_FIX = ("set CUDA_HOME to the CUDA toolkit folder that holds bin/nvcc and lib64/libcudart.so "
+        "(e.g. /usr/local/cuda-13.0), or DSV4_CUDA=0 for the pure-Python install")
 
 
 def _cutlass_include() -> str:
     try:
         import cutlass_library
     except ImportError as e:
-        raise RuntimeError(
+        raise BuildError(
             "dsv4: building the CUDA extension needs the CUTLASS/CuTe headers from the "
             "'nvidia-cutlass' wheel: pip install nvidia-cutlass"
         ) from e
     inc = os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include")
     if not os.path.isdir(os.path.join(inc, "cute")):
-        raise RuntimeError(f"dsv4: nvidia-cutlass is installed but {inc} holds no CuTe headers")
+        raise BuildError(f"dsv4: nvidia-cutlass is installed but {inc} holds no CuTe headers")
     return inc
 
 
@@ -47,25 +62,94 @@ def _add_pip_cuda_headers() -> None:
         os.environ["CPATH"] = os.pathsep.join(filter(None, [os.environ.get("CPATH"), *dirs]))
 
 
+def _is_toolkit(home: str) -> bool:
+    """bin/nvcc, and libcudart where the link step looks (lib64 or targets/*/lib)."""
+    libs = glob.glob(os.path.join(home, "lib64", "libcudart.so*")) + glob.glob(
+        os.path.join(home, "targets", "*", "lib", "libcudart.so*"))
+    return os.access(os.path.join(home, "bin", "nvcc"), os.X_OK) and bool(libs)
+
+
+def _nvcc_home(nvcc: str) -> str | None:
+    """The toolkit an nvcc belongs to. torch's cpp_extension takes dirname(dirname(nvcc)),
+    which is wrong for a symlink (/usr/bin/nvcc) or a wrapper script (/usr/local/bin/nvcc
+    exec'ing the real one): the link then fails after the whole compile with
+    'cannot find -lcudart'. Follow symlinks first; else ask nvcc itself: -dryrun prints
+    the real driver's bin folder as _HERE_."""
+    home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    if _is_toolkit(home):
+        return home
+    try:
+        out = subprocess.run([nvcc, "-dryrun", "-E", "-x", "cu", os.devnull], capture_output=True, text=True,
+                             timeout=60).stderr
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"^#\$ _HERE_=(.+)$", out, re.M)
+    home = os.path.dirname(os.path.realpath(m.group(1).strip())) if m else None
+    return home if home and _is_toolkit(home) else None
+
+
+def _cuda_home() -> tuple[str | None, str]:
+    """(toolkit folder, how it was found) or (None, why none). Raises BuildError when
+    one is named or found but unusable, so the build fails in seconds, not at link."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(var)
+        if home:
+            if not _is_toolkit(home):
+                raise BuildError(f"dsv4: {var}={home} is not a CUDA toolkit (no bin/nvcc or no "
+                                   f"lib64/libcudart.so there); {_FIX}")
+            return home, f"{var}"
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        if _is_toolkit(DEFAULT_CUDA_HOME):
+            return DEFAULT_CUDA_HOME, f"{DEFAULT_CUDA_HOME} (no nvcc on PATH)"
+        return None, f"nvcc not found on PATH, no {DEFAULT_CUDA_HOME} and no CUDA_HOME"
+    home = _nvcc_home(nvcc)
+    if home is None:
+        raise BuildError(f"dsv4: found {nvcc} but not the CUDA toolkit it belongs to (no lib64/libcudart.so "
+                           f"beside the real nvcc); {_FIX}")
+    return home, f"the toolkit of {nvcc}"
+
+
+def _check_cuda_major(home: str, torch_cuda: str) -> str:
+    """nvcc's release; the extension must use the CUDA major version torch was built with."""
+    out = subprocess.run([os.path.join(home, "bin", "nvcc"), "--version"], capture_output=True, text=True,
+                         timeout=60).stdout
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    if not m:
+        raise BuildError(f"dsv4: {home}/bin/nvcc --version printed no release number; {_FIX}")
+    if m.group(1) != torch_cuda.split(".")[0]:
+        raise BuildError(f"dsv4: {home} is CUDA {m.group(1)}.{m.group(2)} but torch was built with CUDA "
+                           f"{torch_cuda}; use a CUDA {torch_cuda.split('.')[0]} toolkit (CUDA_HOME) or a torch "
+                           f"built for CUDA {m.group(1)}, or DSV4_CUDA=0 for the pure-Python install")
+    return f"{m.group(1)}.{m.group(2)}"
+
+
 def _want_cuda():
-    """Returns (build?, reason). Never guesses silently: the reason is printed."""
+    """Returns (build?, reason). Never guesses silently: the reason is printed.
+    On a build, CUDA_HOME is set before torch.utils.cpp_extension is imported (it
+    reads the variable once, at import)."""
     mode = os.environ.get("DSV4_CUDA", "auto")
     if mode == "0":
         return False, "DSV4_CUDA=0"
     try:
         import torch
-        from torch.utils.cpp_extension import CUDA_HOME
     except ImportError:
         reason = "torch is not importable in the build environment (use pip install --no-build-isolation)"
     else:
         if torch.version.cuda is None:
             reason = f"torch {torch.__version__} has no CUDA"
-        elif CUDA_HOME is None:
-            reason = "nvcc not found (set CUDA_HOME)"
         else:
-            return True, ""
+            home, how = _cuda_home()
+            if home is not None:
+                release = _check_cuda_major(home, torch.version.cuda)
+                os.environ["CUDA_HOME"] = home
+                import torch.utils.cpp_extension as cpp_extension
+
+                cpp_extension.CUDA_HOME = home  # in case it was imported before
+                return True, f"CUDA_HOME={home} ({how}), nvcc {release}, torch {torch.__version__}"
+            reason = how
     if mode == "1":
-        raise RuntimeError(f"dsv4: DSV4_CUDA=1 but the CUDA extension cannot be built: {reason}")
+        raise BuildError(f"dsv4: DSV4_CUDA=1 but the CUDA extension cannot be built: {reason}")
     return False, reason
 
 
@@ -80,6 +164,8 @@ def _extensions():
 
     archs = os.environ.get("DSV4_CUDA_ARCHS", "90a").split(";")
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs if a]
+    print(f"dsv4: building the CUDA extension dsv4._C for sm_{','.join(a for a in archs if a)} with {reason}",
+          file=sys.stderr)
     nvcc = [
         "-O3",
         "-std=c++20",
@@ -110,7 +196,10 @@ def _extensions():
     return [ext], {"build_ext": BuildExtension}
 
 
-ext_modules, cmdclass = _extensions()
+try:
+    ext_modules, cmdclass = _extensions()
+except BuildError as e:
+    sys.exit(str(e))
 setup(
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -2,7 +2,7 @@
 
 One KV head (K = V, 512 dims) serves all 64 or 128 query heads. Each query token
 attends to the rows named by its index list(s); the softmax has a per-head sink logit
-that only adds to the denominator. Conventions (DESIGN.md section 1, dsv4.reference):
+that only adds to the denominator. Conventions (docs/design.md section 1, dsv4.reference):
 
 * entry ``e`` of a token's list is used iff ``e < topk_length[b]`` (all ``topk`` entries
   when ``topk_length`` is None) and ``0 <= index < number of slots``; ``-1`` padding and

@@ -1,6 +1,6 @@
 """Dense masked FMHA over ``[compressed | window]`` KV per sequence: ``dsv4.fmha``.
 
-Semantics are those of :func:`dsv4.reference.dense_fmha` (DESIGN section 3B): per
+Semantics are those of :func:`dsv4.reference.dense_fmha` (docs/design.md 3B): per
 sequence the kv rows are ``[n_comp compressed entries | L_w window entries]``; query i of
 a sequence with ``Tq_s`` queries sits at position ``p = start + L_w - Tq_s + i``
 (bottom-right aligned to the window part), window entry j at ``start + j``. Causal: the

@@ -1,6 +1,6 @@
 """NVFP4 routed-expert MoE: ``dsv4.prepare_nvfp4_moe_weights`` and ``dsv4.nvfp4_moe``.
 
-Math (DESIGN.md sections 1-3): per token m and slot j with local expert e,
+Math (docs/design.md sections 1-3): per token m and slot j with local expert e,
 ``y = W2_e @ swiglu(W1_e x, W3_e x)`` with ``swiglu(g, u) = silu(min(g, L)) *
 clamp(u, -L, L)`` (L = swiglu_limit; plain ``silu(g) * u`` without it), and
 ``out[m] = sum_j topk_weights[m, j] * y``. Weights are NVFP4 (e2m1 codes, e4m3
@@ -31,8 +31,8 @@ would not fill the GPU once (few tokens), the GEMMs run split-K on a persistent 
 bulk-copy producer, three dequantizing consumer warpgroups sharing each token tile,
 optionally 2-CTA clusters multicasting it). No host sync, no value-dependent
 allocation: CUDA-graph capturable. Switches for A/B runs and tests (read per call):
-DSV4_MOE_SPLITK, DSV4_MOE_PDL, DSV4_MOE_DIRECT_X, DSV4_MOE_WS = 0/1 (docs/perf.md,
-nvfp4_moe v4b and v5). CPU: the float32 reference
+DSV4_MOE_SPLITK, DSV4_MOE_PDL, DSV4_MOE_DIRECT_X, DSV4_MOE_WS = 0/1 (README.md,
+'Development overrides'). CPU: the float32 reference
 (``dsv4.reference.nvfp4_moe``) on the un-prepared weights.
 """
 
@@ -220,7 +220,7 @@ def prepare_nvfp4_moe_weights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scal
     """One-time conversion of vLLM's stacked ModelOpt NVFP4 expert weights into the
     layout the dsv4 MoE kernels read (a pure byte permutation; no value changes).
 
-    Args (vLLM layout, DESIGN.md section 2; E experts, hidden K, intermediate N;
+    Args (vLLM layout, docs/design.md section 2; E experts, hidden K, intermediate N;
     K and N multiples of 64):
         w13: uint8 [E, 2N, K/2] (gate rows 0..N-1, up rows N..2N-1; low nibble = even element).
         w13_scale: float8_e4m3fn [E, 2N, K/16].
@@ -455,7 +455,7 @@ def nvfp4_moe(
             with single CTAs or with pairs of CTAs that share each token tile by
             multicast; "auto" runs it with single CTAs (pairs measured 0.97-0.99x of
             them) from 60 expected tokens per local expert and the one-warpgroup
-            kernel below 60 (docs/perf.md, nvfp4_moe v5b). Decode sizes (up to 24)
+            kernel below 60 (docs/perf-history/notebook-2026.md, nvfp4_moe). Decode sizes (up to 24)
             always run the small-batch kernels, whatever the mode.
         out: optional bf16 [M, K] output buffer.
         check_ids: check the id ranges on the host (one device sync; skipped while

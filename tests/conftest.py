@@ -1,28 +1,50 @@
 import pytest
 import torch
 
+import dsv4
 import dsv4._ops
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 def _gpu_ready() -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "no CUDA device"
-    if not dsv4._ops.HAS_CUDA_EXTENSION:
-        return False, f"dsv4._C not built ({dsv4._ops.EXTENSION_ERROR})"
     major, _ = torch.cuda.get_device_capability()
     if major != 9:
         return False, f"kernels target sm_90a, device is sm_{major}x"
+    if not dsv4._ops.HAS_CUDA_EXTENSION:
+        return False, f"dsv4._C not built ({dsv4._ops.EXTENSION_ERROR})"
     return True, ""
+
+
+def pytest_report_header(config):
+    ext = "loaded" if dsv4._ops.HAS_CUDA_EXTENSION else f"NOT loaded ({dsv4._ops.EXTENSION_ERROR})"
+    ready, why = _gpu_ready()
+    return [f"dsv4 {dsv4.__file__}: CUDA extension {ext}; GPU tests {'run' if ready else 'skip: ' + why}"]
 
 
 def pytest_collection_modifyitems(config, items):
     ready, why = _gpu_ready()
-    if ready:
+    if ready or _hopper():  # on a Hopper GPU without the extension they fail: see pytest_runtest_setup
         return
     skip = pytest.mark.skip(reason=f"GPU test skipped: {why}")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    """A Hopper GPU is here but dsv4._C did not load (a pure-Python install, or the tests
+    importing a checkout that has no built extension): every GPU test fails with the
+    reason, instead of the whole GPU suite skipping quietly."""
+    if "gpu" in item.keywords and not dsv4._ops.HAS_CUDA_EXTENSION and _hopper():
+        pytest.fail(f"dsv4: a Hopper GPU is present but the CUDA extension dsv4._C did not load "
+                    f"({dsv4._ops.EXTENSION_ERROR}); dsv4 imported from {dsv4.__file__}. Build it: "
+                    "bash scripts/install.sh (README.md, first screen)", pytrace=False)
 
 
 @pytest.fixture

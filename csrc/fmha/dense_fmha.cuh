@@ -1,4 +1,4 @@
-// Dense masked FMHA over [compressed | window] KV per sequence (DESIGN 3B) for head
+// Dense masked FMHA over [compressed | window] KV per sequence (docs/design.md 3B) for head
 // dims 64-256 with GQA/MQA: the masks are computed in the kernel from positions, so
 // the KV rows are read as contiguous tiles (no index lists). One CTA = one sequence x
 // 64 query rows x one query head; 4 warps of 16 rows; mma.sync m16n8k16 (bf16 in,

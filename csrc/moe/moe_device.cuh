@@ -135,7 +135,8 @@ __device__ __forceinline__ void dequant_tile(const uint4 codes, const uint2 sc, 
 
 // The fast division (2 ulp) instead of the IEEE one, whose refinement steps and range
 // check cost 8 % of GEMM1's time in the prefill kernel: its three consumer warpgroups
-// run the epilogue at once while the tensor cores idle (docs/perf.md, stop 18). A
+// run the epilogue at once while the tensor cores idle (docs/perf-history/notebook-2026.md,
+// nvfp4_moe, where the prefill kernel's time goes). A
 // denominator past 2^126 (v below about -87) gives 0, the limit of silu there.
 __device__ __forceinline__ float silu(float v) { return __fdividef(v, 1.0f + __expf(-v)); }
 

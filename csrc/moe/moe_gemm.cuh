@@ -483,9 +483,9 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
 // Register caps of the split-K kernel at decode tiles: without them the unit loop's
 // state pushed GEMM1 to ~83-121 registers (5 or fewer CTAs per SM instead of the
 // classic kernel's 7). The caps are the tightest that ptxas meets without spills. They
-// were set for the 8-step ring; the 16-step ring this grid runs since stop 16 fits 4
-// CTAs per SM by shared memory (3 for 16-token tiles), so they are tighter than
-// occupancy needs (kept as measured: the stop-16 A/B ran with them).
+// were set for the 8-step ring; the 16-step ring this grid runs now fits 4 CTAs per
+// SM by shared memory (3 for 16-token tiles), so they are tighter than occupancy needs
+// (kept as measured: the A/B that adopted the 16-step ring ran with them).
 template <int BN, bool kGemm1>
 constexpr int kSplitMinCtas = BN <= 8 ? (kGemm1 ? 6 : 7) : (BN <= 16 ? 6 : 1);
 

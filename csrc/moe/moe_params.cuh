@@ -1,4 +1,4 @@
-// NVFP4 MoE (kernel family C of DESIGN.md): the one parameter struct shared by the
+// NVFP4 MoE (kernel family C of docs/design.md): the one parameter struct shared by the
 // routing, gather, grouped-GEMM and combine kernels, and the prepared weight layout.
 //
 // Prepared weight layout (dsv4.moe.prepare_nvfp4_moe_weights writes it):

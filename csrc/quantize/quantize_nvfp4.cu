@@ -42,7 +42,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_nvfp4(const at::Tensor& x, const at:
   p.x_row_stride = M > 1 ? x.stride(0) : K;
 
   // 512 x 1 with 2 resident CTAs per SM (56 registers) was the fastest of the
-  // thread/unroll/grid combinations measured for v7 (docs/perf.md)
+  // thread/unroll/grid combinations measured with the threshold encoder
+  // (docs/perf-history/notebook-2026.md, quantize_nvfp4)
   constexpr int kThreads = 512, kUnroll = 1;
   const int64_t per_cta = int64_t(kThreads) * kUnroll;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;

@@ -2,10 +2,10 @@
 // element) and e4m3 block scales [M, K/16], both row-major and dense. This is the
 // activation layout the NVFP4 MoE kernels read.
 //
-// Numerics: the Blackwell rule of common/nvfp4.cuh (DESIGN section 2). Memory
+// Numerics: the Blackwell rule of common/nvfp4.cuh (docs/design.md, section 2). Memory
 // bound in bytes, but exact e2m1 rounding in software is instruction bound per
 // element: the codes come from per-block bf16 thresholds (nvfp4_thresholds), which
-// roughly halves the per-element work (see docs/perf.md, quantize_nvfp4).
+// roughly halves the per-element work (docs/perf-history/notebook-2026.md, quantize_nvfp4).
 #pragma once
 
 #include <cuda_bf16.h>

@@ -1,0 +1,119 @@
+"""setup.py finds the CUDA toolkit that nvcc belongs to, or fails at once with the fix.
+
+Fake toolkits (shell-script nvcc, empty libcudart.so) in a temporary folder; no build runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SETUP = os.path.join(ROOT, "setup.py")
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="shell-script nvcc stand-ins need Linux")
+
+
+@pytest.fixture
+def setup_py(monkeypatch):
+    """setup.py's functions, without running setup(): DSV4_CUDA=0 skips the CUDA probe."""
+    import setuptools
+
+    monkeypatch.setenv("DSV4_CUDA", "0")
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: None)
+    spec = importlib.util.spec_from_file_location("dsv4_setup_under_test", SETUP)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    return mod
+
+
+def script(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n" + text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def toolkit(base, release="13.0", cudart=True):
+    """A folder that looks like a CUDA toolkit: bin/nvcc answering --version and -dryrun."""
+    script(base / "bin" / "nvcc",
+           f'case "$*" in *--version*) echo "Cuda compilation tools, release {release}, V{release}.88";; '
+           '*-dryrun*) echo "#$ _HERE_=$(cd "$(dirname "$0")" && pwd)" >&2;; esac\n')
+    if cudart:
+        (base / "lib64").mkdir(parents=True, exist_ok=True)
+        (base / "lib64" / "libcudart.so").write_bytes(b"")
+    return base
+
+
+def test_wrapper_script_nvcc(setup_py, tmp_path, monkeypatch):
+    """/usr/local/bin/nvcc as `exec /usr/local/cuda-13.0/bin/nvcc "$@"`: torch would guess
+    /usr/local and fail at link; setup.py asks the wrapper where the real nvcc runs."""
+    tk = toolkit(tmp_path / "cuda-13.0")
+    script(tmp_path / "wrap" / "bin" / "nvcc", f'exec {tk}/bin/nvcc "$@"\n')
+    monkeypatch.setenv("PATH", f"{tmp_path / 'wrap' / 'bin'}:/usr/bin:/bin")
+    home, how = setup_py._cuda_home()
+    assert home == str(tk)
+    assert "wrap/bin/nvcc" in how
+
+
+def test_symlinked_nvcc(setup_py, tmp_path, monkeypatch):
+    tk = toolkit(tmp_path / "cuda-13.0")
+    (tmp_path / "links").mkdir()
+    os.symlink(tk / "bin" / "nvcc", tmp_path / "links" / "nvcc")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'links'}:/usr/bin:/bin")
+    assert setup_py._cuda_home()[0] == str(tk)
+
+
+def test_nvcc_of_no_toolkit(setup_py, tmp_path, monkeypatch):
+    """An nvcc whose folder has no libcudart: the fix, not an 11-minute compile."""
+    toolkit(tmp_path / "broken", cudart=False)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'broken' / 'bin'}:/usr/bin:/bin")
+    with pytest.raises(setup_py.BuildError, match="not the CUDA toolkit it belongs to.*set CUDA_HOME"):
+        setup_py._cuda_home()
+
+
+@pytest.mark.parametrize("var", ["CUDA_HOME", "CUDA_PATH"])
+def test_cuda_home_not_a_toolkit(setup_py, tmp_path, monkeypatch, var):
+    monkeypatch.setenv(var, str(tmp_path))
+    with pytest.raises(setup_py.BuildError, match=f"{var}=.* is not a CUDA toolkit"):
+        setup_py._cuda_home()
+
+
+def test_cuda_home_wins_over_path(setup_py, tmp_path, monkeypatch):
+    tk = toolkit(tmp_path / "chosen")
+    toolkit(tmp_path / "other")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'other' / 'bin'}:/usr/bin:/bin")
+    monkeypatch.setenv("CUDA_HOME", str(tk))
+    assert setup_py._cuda_home() == (str(tk), "CUDA_HOME")
+
+
+def test_no_nvcc_anywhere(setup_py, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(setup_py, "DEFAULT_CUDA_HOME", str(tmp_path / "none"))
+    home, why = setup_py._cuda_home()
+    assert home is None and "nvcc not found" in why
+
+
+def test_cuda_major_must_match_torch(setup_py, tmp_path):
+    tk = toolkit(tmp_path / "cuda-12.4", release="12.4")
+    assert setup_py._check_cuda_major(str(tk), "12.8") == "12.4"
+    with pytest.raises(setup_py.BuildError, match="CUDA 12.4 but torch was built with CUDA 13.0"):
+        setup_py._check_cuda_major(str(tk), "13.0")
+
+
+def test_build_fails_in_seconds_with_the_fix(tmp_path):
+    """The whole setup.py, as pip runs it, with a wrong CUDA_HOME: one dsv4 line, no traceback."""
+    env = dict(os.environ, DSV4_CUDA="1", CUDA_HOME=str(tmp_path))
+    r = subprocess.run([sys.executable, SETUP, "--name"], capture_output=True, text=True, cwd=ROOT, env=env,
+                       timeout=120)
+    assert r.returncode != 0
+    assert "dsv4:" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    # a CUDA torch names the bad folder; a CPU torch says it has no CUDA
+    assert f"CUDA_HOME={tmp_path}" in r.stderr or "has no CUDA" in r.stderr, r.stderr
