@@ -287,6 +287,16 @@ def seam_installed(model: str = "deepseek_v4") -> bool:
     return mod is not None and getattr(mod, SEAM_FUNCTION, None) is globals()[seam.selector_name]
 
 
+def __getattr__(name):
+    # The attention classes live in attention_v4 / attention_v41 (they import vLLM's
+    # model code); keep their earlier import path working without importing it here.
+    if name in ("DSV4FlashMLAAttention", "DSV4AttentionBackend"):
+        from . import attention_v4
+
+        return getattr(attention_v4, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "BACKEND_NAME",
     "DSV4UnavailableError",
