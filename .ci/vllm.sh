@@ -4,7 +4,8 @@
 # From scratch: a venv with vllm==0.33.0 (pulls its CUDA torch 2.14.0 and CUDA
 # wheels, ~5 min / ~9 GB on a 2-core machine), dsv4 installed as pure Python
 # (DSV4_CUDA=0: the CPU kernels are all the plugin tests need), then
-# pytest tests/plugin. vLLM's compiled extensions cannot load without a GPU
+# pytest tests/plugin (~2-3 min on 2 cores: it builds vLLM's tiny V4 / V4.1 models
+# a few times). vLLM's compiled extensions cannot load without a GPU
 # driver; vLLM tolerates that and the tests do not need them.
 set -euo pipefail
 cd "$(dirname "$0")/.."

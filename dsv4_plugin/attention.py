@@ -254,7 +254,7 @@ def install_attention_seams() -> None:
     A model whose vLLM source differs still gets the selector, in its refusing
     form (see the module docstring); one warning is logged for it here.
     """
-    for key, seam in SEAMS.items():
+    for seam in SEAMS.values():
         selector = globals()[seam.selector_name]
         try:
             model = importlib.import_module(seam.module)
@@ -267,14 +267,14 @@ def install_attention_seams() -> None:
         if current is selector:
             continue
         seam.problems = seam_problems(seam)
-        if current is None:
-            continue  # nothing to wrap; seam.problems says why
         if seam.problems:
             logger.warning(
                 "dsv4 plugin: vLLM's %s attention selection differs from vllm 0.33.0; "
                 "--attention-backend dsv4 will refuse this model (%s)",
                 seam.model, "; ".join(seam.problems),
             )
+        if current is None:
+            continue  # nothing to wrap (seam.problems names the missing function)
         selector.__dsv4_original__ = current  # type: ignore[attr-defined]
         setattr(model, SEAM_FUNCTION, selector)
 
@@ -285,6 +285,16 @@ def seam_installed(model: str = "deepseek_v4") -> bool:
     seam = SEAMS[model]
     mod = sys.modules.get(seam.module)
     return mod is not None and getattr(mod, SEAM_FUNCTION, None) is globals()[seam.selector_name]
+
+
+def __getattr__(name):
+    # The attention classes live in attention_v4 / attention_v41 (they import vLLM's
+    # model code); keep their earlier import path working without importing it here.
+    if name in ("DSV4FlashMLAAttention", "DSV4AttentionBackend"):
+        from . import attention_v4
+
+        return getattr(attention_v4, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

@@ -306,7 +306,7 @@ class DSV4NvFp4FusedMoE(ModelOptNvFp4FusedMoE):
         self.use_global_sf = False
         self.dsv4_activation = activation or activation_mode()
         if moe_config.moe_parallel_config.enable_eplb:  # also when built outside a config
-            raise _refusal(*REFUSALS[2][:2])
+            raise _refusal(*next(r[:2] for r in REFUSALS if r[0] == "EPLB"))
         logger.info_once(
             "dsv4 plugin: DeepSeek V4 NVFP4 routed experts run dsv4.moe.nvfp4_moe "
             "(activation=%s)", self.dsv4_activation

@@ -40,7 +40,7 @@ def test_cli_parses_dsv4(serve_parser, argv):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    args = serve_parser.parse_args(["--model", "m", *argv])
+    args = serve_parser.parse_args(["--model", EXAMPLE, *argv])
     engine_args = AsyncEngineArgs.from_cli_args(args)
     # Same resolution as EngineArgs.create_engine_config.
     if engine_args.attention_backend is not None:
@@ -53,7 +53,7 @@ def test_cli_parses_dsv4(serve_parser, argv):
 def test_cli_unknown_backend_is_still_an_error(serve_parser):
     from vllm.config import AttentionConfig
 
-    args = serve_parser.parse_args(["--model", "m", "--attention-backend", "dsv5"])
+    args = serve_parser.parse_args(["--model", EXAMPLE, "--attention-backend", "dsv5"])
     with pytest.raises(ValueError, match="Unknown attention backend: 'DSV5'.*DSV4"):
         AttentionConfig.validate_backend_before(args.attention_backend)
 

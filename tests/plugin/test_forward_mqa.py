@@ -11,10 +11,12 @@ block stride. The expected output is computed independently: rows read back
 from the caches, then an explicit float64 softmax-with-sink per token over the
 slot ids in the index lists.
 
-Decode is covered for SWA-only (compress_ratio 1) and C128A (compress_ratio
-128) layers. The C4A decode path and the prefill path first run vLLM Triton
-kernels (compute_global_topk_indices_and_lens, dequantize_and_gather_k_cache,
-combine_topk_swa_indices) that need a GPU; they are not exercised here.
+Decode is covered here for SWA-only (compress_ratio 1) and C128A (compress_ratio
+128) layers; C4A and V4.1's compressed decode in test_forward_mqa_compressed.py
+(on the real models' layers, with a torch stand-in for vLLM's Triton
+compute_global_topk_indices_and_lens). The prefill path runs two more vLLM Triton
+kernels (dequantize_and_gather_k_cache, combine_topk_swa_indices) and is not
+exercised on CPU.
 """
 
 from __future__ import annotations
