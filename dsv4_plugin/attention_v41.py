@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm import envs
 from vllm.models.deepseek_v41.common.ops import (
     combine_topk_swa_indices,
     compute_global_topk_indices_and_lens,
@@ -93,6 +94,8 @@ class DSV41FlashMLAAttention(DeepseekV4FlashMLAAttention):
             extra_indices=topk_indices,
             extra_topk_length=topk_lens,
             out=output.unsqueeze(1),
+            # vLLM's batch-invariant mode: bitwise the same result whatever the batch
+            batch_invariant=envs.VLLM_BATCH_INVARIANT,
         )
 
     def _forward_prefill(

@@ -70,7 +70,20 @@ def _make_layer(cls, compress_ratio, swa_cache, comp_cache, sink):
 
 
 @pytest.mark.parametrize("compress_ratio", [1, 128])
-def test_forward_mqa_decode_matches_independent_math(plugin, compress_ratio):
+@pytest.mark.parametrize("invariant", [False, True])
+def test_forward_mqa_decode_matches_independent_math(plugin, compress_ratio, invariant, monkeypatch):
+    import dsv4.attention
+
+    # VLLM_BATCH_INVARIANT=1 must reach the kernel as batch_invariant=True
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1" if invariant else "0")
+    seen = []
+    real = dsv4.attention.sparse_mqa_decode
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("batch_invariant"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dsv4.attention, "sparse_mqa_decode", spy)
     from vllm.config import VllmConfig
     from vllm.forward_context import set_forward_context
     from vllm.models.deepseek_v4.sparse_mla import DeepseekV4FlashMLAMetadata
@@ -164,6 +177,7 @@ def test_forward_mqa_decode_matches_independent_math(plugin, compress_ratio):
     with set_forward_context(attn_metadata, VllmConfig()):
         layer.forward_mqa(q, None, torch.tensor([L - 1 for L in seq_lens]), output)
 
+    assert seen == [invariant]
     expected = _expected(q, rows, lists, sink)
     torch.testing.assert_close(output.double(), expected, atol=2e-2, rtol=2e-2)
     if compress_ratio == 128:
