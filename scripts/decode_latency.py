@@ -38,11 +38,9 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import dsv4  # noqa: E402
-import dsv4._ops  # noqa: E402
-from dsv4 import latency as L  # noqa: E402
+import dsv4
+import dsv4._ops
+from dsv4 import latency as L
 
 GPU_DEFAULTS = dict(batch=[1, 8, 32, 64, 128], context=[4096, 32768, 131072], iters=50)
 # --cpu-reference: tiny shapes so the float32 reference kernels finish in seconds.
