@@ -17,6 +17,7 @@ import torch
 
 from . import formats
 from .attention import sparse_mqa_decode
+from .bench.inputs import random_nvfp4_experts
 from .moe import nvfp4_moe, prepare_nvfp4_moe_weights
 
 HEAD_DIM = 512
@@ -238,22 +239,6 @@ def attention_traffic(batch: int, heads: int, keys: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------
 # MoE
 # --------------------------------------------------------------------------------------
-
-
-def random_nvfp4_experts(E: int, N: int, K: int, device, gen: torch.Generator) -> dict:
-    """Random NVFP4 experts in the vLLM layout, drawn directly as codes and scales (the
-    timing does not depend on the values; quantizing float weights for 384 experts of
-    Pro would take longer than the whole sweep). Values stay O(0.02) like real weights."""
-
-    def codes(*shape):
-        return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen, device=device)
-
-    def scales(*shape):  # e4m3 block scales in [16, 64)
-        return (16 + 48 * torch.rand(shape, generator=gen, device=device)).to(torch.float8_e4m3fn)
-
-    g = torch.full((E,), 2e-4, dtype=torch.float32, device=device)
-    return dict(w13=codes(E, 2 * N, K // 2), w13_scale=scales(E, 2 * N, K // 16), w13_scale_2=g,
-                w2=codes(E, K, N // 2), w2_scale=scales(E, K, N // 16), w2_scale_2=g.clone())
 
 
 @dataclass

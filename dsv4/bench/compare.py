@@ -351,7 +351,7 @@ def main(argv=None) -> int:
     gpu = torch.cuda.is_available()
     anchors = find_anchors(args.anchors.split(":") if args.anchors else None, load=gpu and not args.dry_run)
     line = anchors.summary()
-    if not anchors.flashmla or anchors.humming is None and gpu and not args.dry_run:
+    if (not anchors.flashmla or anchors.humming is None) and gpu and not args.dry_run:
         line += " -> the missing incumbents' columns stay empty (dsv4 runs alone there)"
     if args.dry_run or not gpu:
         rows = []

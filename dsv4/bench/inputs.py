@@ -35,7 +35,8 @@ import torch
 from .. import formats
 
 __all__ = ["AttnModel", "ATTN_MODELS", "MoeModel", "MOE_MODELS", "SWA_BLOCK", "C4A_BLOCK", "C128A_BLOCK",
-           "WINDOW", "c128a_width", "DecodePools", "decode_case", "prefill_case", "moe_experts", "moe_routing"]
+           "WINDOW", "c128a_width", "DecodePools", "decode_case", "prefill_case", "random_nvfp4_experts",
+           "moe_experts", "moe_routing"]
 
 HEAD_DIM = 512
 WINDOW = 128
@@ -181,12 +182,11 @@ def prefill_case(model: AttnModel, tokens: int, kv_rows: int, gen: torch.Generat
                 sink=torch.randn(model.heads, generator=gen, device=device), topk=topk)
 
 
-def moe_experts(m: MoeModel, device, seed: int = 1) -> dict:
-    """Random ModelOpt NVFP4 experts of one EP rank in vLLM's stacked layout, drawn
-    directly as codes and e4m3 block scales (values O(0.02), like real weights; timing
-    does not depend on them). Equal gate/up global scales."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    E, N, K = m.E_local, m.N, m.K
+def random_nvfp4_experts(E: int, N: int, K: int, device, gen: torch.Generator) -> dict:
+    """Random ModelOpt NVFP4 experts in vLLM's stacked layout, drawn directly as codes and
+    e4m3 block scales (timing does not depend on the values, and quantizing float weights
+    for 384 experts of Pro would take longer than a sweep). Values stay O(0.02) like real
+    weights; equal gate/up global scales."""
 
     def codes(*shape):
         return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen, device=device)
@@ -197,6 +197,11 @@ def moe_experts(m: MoeModel, device, seed: int = 1) -> dict:
     g = torch.full((E,), 2e-4, dtype=torch.float32, device=device)
     return dict(w13=codes(E, 2 * N, K // 2), w13_scale=scales(E, 2 * N, K // 16), w13_scale_2=g,
                 w2=codes(E, K, N // 2), w2_scale=scales(E, K, N // 16), w2_scale_2=g.clone())
+
+
+def moe_experts(m: MoeModel, device, seed: int = 1) -> dict:
+    """:func:`random_nvfp4_experts` for the local experts of one EP rank of ``m``."""
+    return random_nvfp4_experts(m.E_local, m.N, m.K, device, torch.Generator(device=device).manual_seed(seed))
 
 
 def moe_routing(m: MoeModel, M: int, device, seed: int) -> dict:
