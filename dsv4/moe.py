@@ -297,9 +297,8 @@ def unprepare_nvfp4_moe_weights(weights: Nvfp4MoeWeights) -> dict:
 # --------------------------------------------------------------------------------------
 
 
-def _check_call(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
-                a13_scale, a2_scale, expert_map, swiglu_limit, activation, cta_mode):
-    """Shape/dtype rules of csrc/moe/nvfp4_moe.cu, for CPU and fake calls."""
+def _check_tokens(x, topk_ids, topk_weights) -> tuple[int, int, int]:
+    """Token and routing rules shared by the NVFP4 and MXFP4 MoE ops: (M, K, k)."""
     if x.dtype != torch.bfloat16:
         raise ValueError(f"dsv4: x must have dtype torch.bfloat16, got {x.dtype}")
     if x.dim() != 2:
@@ -315,6 +314,13 @@ def _check_call(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_s
     if tuple(topk_weights.shape) != (M, k):
         raise ValueError(f"dsv4: topk_weights must have shape [M={M}, k={k}] like topk_ids, got "
                          f"{tuple(topk_weights.shape)}")
+    return M, K, k
+
+
+def _check_call(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
+                a13_scale, a2_scale, expert_map, swiglu_limit, activation, cta_mode):
+    """Shape/dtype rules of csrc/moe/nvfp4_moe.cu, for CPU and fake calls."""
+    M, K, k = _check_tokens(x, topk_ids, topk_weights)
     E, N, Kw = _check_prepared(Nvfp4MoeWeights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2))
     if Kw != K:
         raise ValueError(f"dsv4: w13 has K/64 = {Kw // 64} tiles but x has K = {K}")
@@ -682,21 +688,7 @@ def _check_mxfp4_call(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, e
     """Shape/dtype rules of dsv4::mxfp4_moe, for CPU and fake calls."""
     from . import mxfp4
 
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"dsv4: x must have dtype torch.bfloat16, got {x.dtype}")
-    if x.dim() != 2:
-        raise ValueError(f"dsv4: x must be 2-D [M, K], got shape {tuple(x.shape)}")
-    M, K = x.shape
-    if topk_ids.dtype != torch.int32:
-        raise ValueError(f"dsv4: topk_ids must have dtype torch.int32, got {topk_ids.dtype}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != M or topk_ids.shape[1] < 1:
-        raise ValueError(f"dsv4: topk_ids must have shape [M={M}, k], got {tuple(topk_ids.shape)}")
-    k = topk_ids.shape[1]
-    if topk_weights.dtype != torch.float32:
-        raise ValueError(f"dsv4: topk_weights must have dtype torch.float32, got {topk_weights.dtype}")
-    if tuple(topk_weights.shape) != (M, k):
-        raise ValueError(f"dsv4: topk_weights must have shape [M={M}, k={k}] like topk_ids, got "
-                         f"{tuple(topk_weights.shape)}")
+    M, K, k = _check_tokens(x, topk_ids, topk_weights)
     for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
         if t.dtype != torch.uint8:
             raise ValueError(f"dsv4: {name} must have dtype torch.uint8 (e8m0 bytes){_MX_HINT}, got {t.dtype}")
