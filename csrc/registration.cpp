@@ -1,7 +1,8 @@
-// The one place where dsv4's op schemas are defined. Each kernel family's launcher
-// binds its CUDA entries next to its argument checks (TORCH_LIBRARY_IMPL in
-// csrc/<family>/*.cu). dsv4/_ops.py mirrors these strings for installs without the
-// extension; tests/test_ops_registry.py checks that the two agree.
+// The one place where dsv4's op schemas are defined (test-only ops are in their own
+// dsv4_testing library, csrc/testing/). Each kernel family's launcher binds its CUDA
+// entries next to its argument checks (TORCH_LIBRARY_IMPL in csrc/<family>/*.cu).
+// dsv4/_ops.py mirrors these strings for installs without the extension;
+// tests/test_ops_registry.py checks that the two agree.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -22,10 +23,6 @@ TORCH_LIBRARY(dsv4, m) {
       "Tensor w13_scale_2, Tensor w2, Tensor w2_scale, Tensor w2_scale_2, Tensor? a13_scale, "
       "Tensor? a2_scale, Tensor? expert_map, float? swiglu_limit, str activation, int cta_mode, "
       "Tensor(a!) out) -> ()");
-  m.def(
-      "nvfp4_moe_gemm1_debug(Tensor x, Tensor topk_ids, Tensor w13, Tensor w13_scale, "
-      "Tensor w13_scale_2, Tensor? a13_scale, Tensor? a2_scale, Tensor? expert_map, "
-      "float? swiglu_limit, str activation, int cta_mode) -> (Tensor, Tensor, Tensor, Tensor)");
   // MXFP4 W4A8 MoE (CUDA: csrc/moe/mxfp4_moe.cu)
   m.def(
       "mxfp4_moe(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w13_scale, Tensor w2, "

@@ -21,11 +21,6 @@ SCHEMAS = {
         "Tensor? a2_scale, Tensor? expert_map, float? swiglu_limit, str activation, int cta_mode, "
         "Tensor(a!) out) -> ()"
     ),
-    "nvfp4_moe_gemm1_debug": (
-        "(Tensor x, Tensor topk_ids, Tensor w13, Tensor w13_scale, "
-        "Tensor w13_scale_2, Tensor? a13_scale, Tensor? a2_scale, Tensor? expert_map, "
-        "float? swiglu_limit, str activation, int cta_mode) -> (Tensor, Tensor, Tensor, Tensor)"
-    ),
     "mxfp4_moe": (
         "(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w13_scale, Tensor w2, "
         "Tensor w2_scale, Tensor? expert_map, float? swiglu_limit, str activation, bool ue8m0, "

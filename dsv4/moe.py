@@ -30,9 +30,10 @@ would not fill the GPU once (few tokens), the GEMMs run split-K on a persistent 
 (deterministic fixup). Prefill sizes run a warp-specialized persistent kernel (a
 bulk-copy producer, three dequantizing consumer warpgroups sharing each token tile,
 optionally 2-CTA clusters multicasting it). No host sync, no value-dependent
-allocation: CUDA-graph capturable. Switches for A/B runs and tests (read per call):
-DSV4_MOE_SPLITK, DSV4_MOE_PDL, DSV4_MOE_DIRECT_X, DSV4_MOE_WS = 0/1 (README.md,
-'Development overrides'). CPU: the float32 reference
+allocation: CUDA-graph capturable. Development overrides of the kernel choice for A/B
+runs and tests, read once per process: DSV4_MOE_SPLITK, DSV4_MOE_PDL, DSV4_MOE_DIRECT_X,
+DSV4_MOE_WS = 0/1, and DSV4_PRINT_CONFIG=1 prints each call's choice (README.md,
+'Environment variables'). CPU: the float32 reference
 (``dsv4.reference.nvfp4_moe``) on the un-prepared weights.
 """
 
@@ -377,14 +378,6 @@ def _(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_s
     out.copy_(y.to(torch.bfloat16))
 
 
-@torch.library.register_fake("dsv4::nvfp4_moe_gemm1_debug")
-def _(x, topk_ids, w13, w13_scale, w13_scale_2, a13_scale, a2_scale, expert_map, swiglu_limit, activation, cta_mode):
-    S = topk_ids.shape[0] * topk_ids.shape[1]
-    N = w13.shape[1] * 32
-    return (x.new_empty((S, N), dtype=torch.float32), x.new_empty((S, N // 2), dtype=torch.uint8),
-            x.new_empty((S, N // 16), dtype=torch.float8_e4m3fn), x.new_empty((S,), dtype=torch.bool))
-
-
 # --------------------------------------------------------------------------------------
 # wrapper
 # --------------------------------------------------------------------------------------
@@ -509,21 +502,6 @@ def nvfp4_moe(
     op("nvfp4_moe")(x, topk_ids.contiguous(), topk_weights.contiguous(), *w, a13, a2, expert_map, limit,
                     activation, modes[cta_mode], out)
     return out
-
-
-def _gemm1_debug(x, topk_ids, weights: Nvfp4MoeWeights, *, swiglu_limit=None, activation="bf16", a13_scale=None,
-                 a2_scale=None, expert_map=None, cta_mode="auto"):
-    """Test hook (CUDA): GEMM1 + epilogue only. Returns per (token, slot), flattened
-    to M*k rows: fp32 SwiGLU output [M*k, N] as the epilogue computed it, its NVFP4
-    codes [M*k, N/2] and e4m3 scales [M*k, N/16] (nvfp4 mode; zeros otherwise), and
-    a bool [M*k] mask of local slots."""
-    modes = {"auto": 0, 0: 0, 1: 1, 2: 2}
-    nvfp4 = activation == "nvfp4"
-    return op("nvfp4_moe_gemm1_debug")(
-        x, topk_ids.to(torch.int32), weights.w13, weights.w13_scale, weights.w13_scale_2,
-        _scale_tensor(a13_scale, x.device) if nvfp4 else None, _scale_tensor(a2_scale, x.device) if nvfp4 else None,
-        None if expert_map is None else expert_map.to(torch.int32),
-        None if swiglu_limit is None else float(swiglu_limit), activation, modes[cta_mode])
 
 
 # --------------------------------------------------------------------------------------

@@ -22,9 +22,10 @@ Usage: python scripts/bench_moe.py [--quick] [--activation bf16|nvfp4|both] [--m
 split-K persistent GEMM grid off/on; pdl -> DSV4_MOE_PDL: programmatic dependent launch off/on;
 dx -> DSV4_MOE_DIRECT_X: bf16 decode GEMM1 reading x itself instead of a gather kernel;
 ws -> DSV4_MOE_WS: 0 runs the previous one-warpgroup prefill GEMMs instead of the
-warp-specialized ones), in
-the same process; without it the library's defaults run. --profile prints per-kernel device
-times (torch.profiler) of the first model's decode sizes under each variant.
+warp-specialized ones; README.md, "Environment variables"). The library reads them once per
+process, so each variant runs in a child process of its own and the rows are merged; without
+--variants the library's defaults run. --profile prints per-kernel device times
+(torch.profiler) of the first model's decode sizes under each variant.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -92,13 +95,66 @@ def baseline(inp, w13, w2, E, N):
 SWITCHES = {"sk": "DSV4_MOE_SPLITK", "pdl": "DSV4_MOE_PDL", "dx": "DSV4_MOE_DIRECT_X", "ws": "DSV4_MOE_WS"}
 
 
-def set_variant(v):
-    """Sets the DSV4_MOE_* switches of one variant ('' = library defaults)."""
-    for env in SWITCHES.values():
-        os.environ.pop(env, None)
-    for kv in filter(None, v.split(",")):
-        k, val = kv.split("=")
-        os.environ[SWITCHES[k.strip()]] = val.strip()
+def variant_env(v: str) -> dict[str, str]:
+    """The DSV4_MOE_* switches of one variant, e.g. 'sk=0,pdl=1' ('' = library defaults)."""
+    env = {}
+    for kv in filter(None, (p.strip() for p in v.split(","))):
+        k, sep, val = (s.strip() for s in kv.partition("="))
+        if k not in SWITCHES or not sep or val not in ("0", "1"):
+            raise ValueError(f"bench_moe: variant item {kv!r} must be k=0 or k=1 with k one of {sorted(SWITCHES)}")
+        env[SWITCHES[k]] = val
+    return env
+
+
+def child_argv(argv: list[str], variant: str, json_path: str) -> list[str]:
+    """argv for the child process that runs one variant: the same options, one --variants, its own --json."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--variants", "--json"):
+            skip = True
+        elif not a.startswith(("--variants=", "--json=")):
+            out.append(a)
+    return out + ["--variants", variant, "--json", json_path]
+
+
+def run_variants(argv: list[str], variants: list[str], json_out: str | None) -> int:
+    """One child process per variant (the switches are read once per process); merged table."""
+    rows, ceilings = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, v in enumerate(variants):
+            path = os.path.join(tmp, f"variant{i}.json")
+            print(f"\n=== variant {v or 'default'}: {variant_env(v) or 'library defaults'}", flush=True)
+            subprocess.run([sys.executable, os.path.abspath(__file__), *child_argv(argv, v, path)], check=True)
+            with open(path) as f:
+                data = json.load(f)
+            rows += data["rows"]
+            ceilings.append((data["copy_tbps"], data["gemm_tflops"]))
+    copy_tbps, gemm_tflops = min(c[0] for c in ceilings), min(c[1] for c in ceilings)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(dict(copy_tbps=copy_tbps, gemm_tflops=gemm_tflops, rows=rows), f, indent=1)
+    print("\n=== all variants (each row's % uses its own process's ceilings)")
+    print_table(rows, copy_tbps, gemm_tflops)
+    return 0
+
+
+def print_table(rows, copy_tbps, gemm_tflops):
+    print()
+    print(f"copy ceiling {copy_tbps:.2f} TB/s, bf16 GEMM ceiling {gemm_tflops:.0f} TFLOP/s (same process)")
+    print("us = eager call (host overhead included); graph = CUDA-graph replay (decode rows); TB/s, TFLOP/s")
+    print("and % use graph time where measured. speedup = eager baseline us / dsv4 us (graph where measured).")
+    hdr = (f"{'model':9} {'M':>6} {'act':5} {'variant':15} {'cta':4} {'us':>9} {'graph us':>9} {'TB/s':>6} {'%copy':>6} "
+           f"{'TFLOP/s':>8} {'%gemm':>6} {'base us':>9} {'base TB/s':>9} {'speedup':>7} {'eager x':>7} {'2cta/1cta':>9}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        tv = f"{r['two_vs_one']:.2f}x" if r["two_vs_one"] else ""
+        gu = f"{r['graph_us']:.1f}" if r["graph_us"] is not None else ""
+        print(f"{r['model']:9} {r['M']:>6} {r['act']:5} {r['variant'] or 'default':15} {r['cta']:4} {r['us']:>9.1f} {gu:>9} {r['tbps']:>6.2f} "
+              f"{r['pct_copy']:>5.0f}% {r['tflops']:>8.1f} {r['pct_gemm']:>5.0f}% {r['base_us']:>9.1f} "
+              f"{r['base_tbps']:>9.2f} {r['speedup']:>6.2f}x {r['speedup_eager']:>6.2f}x {tv:>9}")
 
 
 def profile_kernels(name, M, variant, fn, iters=20):
@@ -127,7 +183,8 @@ def profile_kernels(name, M, variant, fn, iters=20):
     print(f"profile {name} M={M} [{variant or 'default'}]: sum {sum(times.values()):.1f} us: {parts}", flush=True)
 
 
-def main():
+def main(argv: list[str] | None = None):
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="short run: a few decode and one prefill size")
     ap.add_argument("--activation", default="bf16", choices=["bf16", "nvfp4", "both"])
@@ -141,7 +198,7 @@ def main():
     ap.add_argument("--vs", choices=["vllm"], default=None,
                     help="side by side with Humming W4A16 (python -m dsv4.bench.compare; --anchors / DSV4_ANCHORS)")
     ap.add_argument("--anchors", default=None, help="with --vs vllm: anchor folders (see scripts/fetch_anchors.py)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.vs:
         from dsv4.bench import compare
 
@@ -159,6 +216,14 @@ def main():
     if args.prefill is not None:
         prefill = [int(v) for v in args.prefill.split(",") if v]
     variants = [v.strip() for v in args.variants.split(";")] if args.variants else [""]
+    for v in variants:
+        variant_env(v)  # a bad item fails here, before any timing
+    if len(variants) > 1:
+        return run_variants(argv, variants, args.json)
+    variant = variants[0]
+    for env in SWITCHES.values():  # '' = the library's defaults, whatever the shell exported
+        os.environ.pop(env, None)
+    os.environ.update(variant_env(variant))  # before the first dsv4 call, which reads them
 
     copy_tbps = copy_bandwidth_tbps()
     gemm_tflops = bf16_gemm_tflops()
@@ -183,8 +248,7 @@ def main():
                 print(f"baseline failed at M={M}: {ex}", flush=True)
                 base_us = float("nan")
             modes = ["auto"] if M in decode else ["auto", 1, 2]
-            for act, var in [(a, v) for a in acts for v in variants]:
-                set_variant(var)
+            for act in acts:
                 kw = dict(swiglu_limit=LIMIT, activation=act, check_ids=False)
                 if act == "nvfp4":
                     kw.update(a13_scale=w["w13_input_scale"], a2_scale=w["w2_input_scale"])
@@ -213,7 +277,7 @@ def main():
                     t_us = graph_us if graph_us is not None else us
                     tbps = touched * fp4_bytes / (t_us * 1e-6) / 1e12
                     tflops = flops / (t_us * 1e-6) / 1e12
-                    row = dict(model=f"{name}-{E}", M=M, act=act, variant=var, cta=str(cta), us=us, graph_us=graph_us,
+                    row = dict(model=f"{name}-{E}", M=M, act=act, variant=variant, cta=str(cta), us=us, graph_us=graph_us,
                                tbps=tbps, pct_copy=100 * tbps / copy_tbps, tflops=tflops,
                                pct_gemm=100 * tflops / gemm_tflops, base_us=base_us,
                                base_tbps=touched * bf16_bytes / (base_us * 1e-6) / 1e12,
@@ -221,39 +285,22 @@ def main():
                                two_vs_one=(res[1] / res[2]) if (cta == 2 and 1 in res) else None)
                     rows.append(row)
                     print(row, flush=True)
-            set_variant("")
         if args.profile:
             for M in decode:
                 inp = make_inputs(m, M, 0)
-                for v in variants:
-                    set_variant(v)
-                    try:
-                        profile_kernels(name, M, v, lambda: nvfp4_moe(inp["x"], inp["ids"], inp["tw"], prepared,
-                                                                        expert_map=inp["emap"], swiglu_limit=LIMIT,
-                                                                        check_ids=False))
-                    except Exception as ex:  # keep the timings if the profiler cannot run here
-                        print(f"profile failed at M={M}: {ex}", flush=True)
-            set_variant("")
+                try:
+                    profile_kernels(name, M, variant, lambda: nvfp4_moe(inp["x"], inp["ids"], inp["tw"], prepared,
+                                                                          expert_map=inp["emap"], swiglu_limit=LIMIT,
+                                                                          check_ids=False))
+                except Exception as ex:  # keep the timings if the profiler cannot run here
+                    print(f"profile failed at M={M}: {ex}", flush=True)
         del w, prepared, w13, w2
         torch.cuda.empty_cache()
 
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(copy_tbps=copy_tbps, gemm_tflops=gemm_tflops, rows=rows), f, indent=1)
-    print()
-    print(f"copy ceiling {copy_tbps:.2f} TB/s, bf16 GEMM ceiling {gemm_tflops:.0f} TFLOP/s (same process)")
-    print("us = eager call (host overhead included); graph = CUDA-graph replay (decode rows); TB/s, TFLOP/s")
-    print("and % use graph time where measured. speedup = eager baseline us / dsv4 us (graph where measured).")
-    hdr = (f"{'model':9} {'M':>6} {'act':5} {'variant':15} {'cta':4} {'us':>9} {'graph us':>9} {'TB/s':>6} {'%copy':>6} "
-           f"{'TFLOP/s':>8} {'%gemm':>6} {'base us':>9} {'base TB/s':>9} {'speedup':>7} {'eager x':>7} {'2cta/1cta':>9}")
-    print(hdr)
-    print("-" * len(hdr))
-    for r in rows:
-        tv = f"{r['two_vs_one']:.2f}x" if r["two_vs_one"] else ""
-        gu = f"{r['graph_us']:.1f}" if r["graph_us"] is not None else ""
-        print(f"{r['model']:9} {r['M']:>6} {r['act']:5} {r['variant'] or 'default':15} {r['cta']:4} {r['us']:>9.1f} {gu:>9} {r['tbps']:>6.2f} "
-              f"{r['pct_copy']:>5.0f}% {r['tflops']:>8.1f} {r['pct_gemm']:>5.0f}% {r['base_us']:>9.1f} "
-              f"{r['base_tbps']:>9.2f} {r['speedup']:>6.2f}x {r['speedup_eager']:>6.2f}x {tv:>9}")
+    print_table(rows, copy_tbps, gemm_tflops)
 
 
 if __name__ == "__main__":

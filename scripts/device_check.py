@@ -36,7 +36,7 @@ FAMILIES = {
     "attention": (["tests/test_attention.py", "tests/test_batch_invariant.py", "tests/test_reference.py"],
                   "scripts/bench_attention.py", ["--skip-fmha"]),
     "fmha": (["tests/test_fmha.py"], "scripts/bench_attention.py", ["--only-fmha"]),
-    "moe": (["tests/test_moe.py", "tests/test_mxfp4.py"], "scripts/bench_moe.py", []),
+    "moe": (["tests/test_moe.py", "tests/test_moe_config.py", "tests/test_mxfp4.py"], "scripts/bench_moe.py", []),
     "checks": (["tests/test_value_checks.py", "tests/test_ops_registry.py"], None, []),
     "incumbents": (["tests/test_incumbents.py"], None, []),
 }

@@ -8,7 +8,6 @@ import dsv4._ops
 from dsv4 import formats, reference
 from dsv4.moe import (
     Nvfp4MoeWeights,
-    _gemm1_debug,
     nvfp4_moe,
     prepare_nvfp4_moe_weights,
     unprepare_nvfp4_moe_weights,
@@ -435,6 +434,22 @@ def _explained_code_differences(codes, x, g) -> int:
     return int(differ.sum())
 
 
+def _gemm1_debug(x, topk_ids, weights: Nvfp4MoeWeights, *, swiglu_limit=None, activation="bf16", a13_scale=None,
+                 a2_scale=None, expert_map=None, cta_mode=0):
+    """The test-only op dsv4_testing::nvfp4_moe_gemm1_debug (csrc/moe/nvfp4_moe.cu): the
+    chain up to GEMM1's epilogue. Returns per (token, slot), flattened to M*k rows: the
+    fp32 SwiGLU output [M*k, N] as the epilogue computed it, its NVFP4 codes [M*k, N/2]
+    and e4m3 scales [M*k, N/16] (nvfp4 mode; zeros otherwise), and a bool [M*k] mask of
+    local slots. Scales are float32 tensors ([1] or [E])."""
+    nvfp4 = activation == "nvfp4"
+    a13 = a13_scale.float().reshape(-1).contiguous() if nvfp4 else None
+    a2 = a2_scale.float().reshape(-1).contiguous() if nvfp4 else None
+    return torch.ops.dsv4_testing.nvfp4_moe_gemm1_debug(
+        x, topk_ids.to(torch.int32), weights.w13, weights.w13_scale, weights.w13_scale_2, a13, a2,
+        None if expert_map is None else expert_map.to(torch.int32),
+        None if swiglu_limit is None else float(swiglu_limit), activation, cta_mode)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("M", [3, 300, 2048])
@@ -641,49 +656,14 @@ def test_gpu_odd_k_steps(activation, M):
         assert err <= (5e-3 if activation == "bf16" else 2e-2), f"relative L2 {err:.3e}"
 
 
-# Split-K (persistent grid, items cut into K chunks, the last-arriving chunk's CTA adds
-# the partials in chunk order) against the classic grid, forced either way with
-# DSV4_MOE_SPLITK for every token tile: decode tiles of 8 and 16 tokens (the default
-# when the classic grid would not fill one wave; M=512 gives 16-token tiles), the
-# prefill tiles (64 and the cta_mode=2 128: one chunk per item, persistent), items split
-# 6-8 ways (M=1, 2: chunks of odd length at M=2) and odd K-step counts. The determinism
-# check in test_gpu_vs_reference matters here: routing places rows in tiles in atomics
-# order, and a row's sums must not depend on it.
-SPLITK_CASES = [
-    (FLASH, 1, "uniform", True, 10.0, "bf16", "auto"),
-    (FLASH, 2, "uniform", True, 10.0, "nvfp4", "auto"),
-    (FLASH, 64, "uniform", True, 10.0, "nvfp4", "auto"),
-    (FLASH, 512, "uniform", True, 10.0, "bf16", "auto"),
-    (FLASH, 3, "skewed", False, None, "bf16", "auto"),
-    (FLASH, 2048, "uniform", False, 10.0, "nvfp4", 1),
-    (FLASH, 4096, "uniform", False, 10.0, "bf16", 2),
-    (PRO, 64, "uniform", True, 10.0, "nvfp4", "auto"),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("splitk", ["0", "1"])
-@pytest.mark.parametrize("shape,M,routing,use_map,limit,activation,cta", SPLITK_CASES)
-def test_gpu_splitk_forced(monkeypatch, splitk, shape, M, routing, use_map, limit, activation, cta):
-    monkeypatch.setenv("DSV4_MOE_SPLITK", splitk)
-    test_gpu_vs_reference(shape, M, routing, use_map, limit, activation, cta)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("activation", ["bf16", "nvfp4"])
-def test_gpu_splitk_odd_k_steps(monkeypatch, activation):
-    monkeypatch.setenv("DSV4_MOE_SPLITK", "1")
-    for M in (5, 20, 200):
-        test_gpu_odd_k_steps(activation, M)
-
-
 # Prefill sizes run the warp-specialized kernel (moe_gemm_ws.cuh): units of 32 to 192
-# token rows x 192 weight rows, one or two CTAs per cluster. Both cluster modes and
-# the previous one-warpgroup kernel (DSV4_MOE_WS=0) on the same inputs: each against
-# the reference, and the two cluster modes bit-identical (same per-row math). Skewed
-# routing gives one expert many full groups, the ladder every tail size (32 .. 160
-# rows) and experts of several groups; the odd-K test (test_gpu_odd_k_steps) covers
-# consumers and whole CTAs without weight rows (2N or K not a multiple of 192 / 384).
+# token rows x 192 weight rows, one or two CTAs per cluster. Both cluster modes on the
+# same inputs: each against the reference, and the two bit-identical (same per-row
+# math); tests/test_moe_config.py runs the same cases on the previous one-warpgroup
+# kernel (DSV4_MOE_WS=0, in a child process) and compares. Skewed routing gives one
+# expert many full groups, the ladder every tail size (32 .. 160 rows) and experts of
+# several groups; the odd-K test (test_gpu_odd_k_steps) covers consumers and whole
+# CTAs without weight rows (2N or K not a multiple of 192 / 384).
 WS_CASES = [
     (FLASH, 2048, "uniform", True, 10.0, "bf16"),
     (FLASH, 2048, "skewed", False, None, "nvfp4"),
@@ -693,25 +673,25 @@ WS_CASES = [
 ]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape,M,routing,use_map,limit,activation", WS_CASES)
-def test_gpu_prefill_kernels_agree(monkeypatch, shape, M, routing, use_map, limit, activation):
+def _prefill_case(shape, M, routing, use_map, limit, activation):
+    """(inputs, call kwargs, reference, tolerance) of one WS_CASES case."""
     w, p = _gpu_model(shape)
     x, ids, tw, emap = _case(shape, M, routing, use_map, seed=M + 29)
     kw = _call_kwargs(w, activation, limit, emap)
-    ref = _ref(x, ids, tw, w, **kw)
-    tol = 5e-3 if activation == "bf16" else 2e-2
+    return (x, ids, tw, p), kw, _ref(x, ids, tw, w, **kw), 5e-3 if activation == "bf16" else 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,M,routing,use_map,limit,activation", WS_CASES)
+def test_gpu_prefill_kernels_agree(shape, M, routing, use_map, limit, activation):
+    args, kw, ref, tol = _prefill_case(shape, M, routing, use_map, limit, activation)
     got = {}
     for cta in (1, 2):
         out = torch.full((M, shape["K"]), float("nan"), dtype=torch.bfloat16, device="cuda")
-        got[cta] = nvfp4_moe(x, ids, tw, p, cta_mode=cta, out=out, **kw)
+        got[cta] = nvfp4_moe(*args, cta_mode=cta, out=out, **kw)
         assert torch.isfinite(got[cta]).all()
         assert _rel_l2(got[cta], ref) <= tol
     assert torch.equal(got[1], got[2])
-    monkeypatch.setenv("DSV4_MOE_WS", "0")
-    old = nvfp4_moe(x, ids, tw, p, **kw)
-    assert _rel_l2(old, ref) <= tol
-    assert _rel_l2(old, got[2]) <= 1e-2  # same math, different fp32 summation order only
 
 
 @pytest.mark.gpu
@@ -734,21 +714,3 @@ def test_gpu_prefill_cuda_graph_replay(cta):
         tw.copy_(tw2)
         graph.replay()
         assert torch.equal(out, nvfp4_moe(x, ids, tw, p, **kw))
-
-
-@pytest.mark.gpu
-def test_gpu_without_pdl(monkeypatch):
-    """The chain launched without programmatic dependent launch (DSV4_MOE_PDL=0)."""
-    monkeypatch.setenv("DSV4_MOE_PDL", "0")
-    test_gpu_vs_reference(FLASH, 64, "uniform", True, 10.0, "bf16", "auto")
-    test_gpu_vs_reference(FLASH, 4096, "uniform", False, 10.0, "nvfp4", 1)
-    test_gpu_cuda_graph_replay("bf16")
-
-
-@pytest.mark.gpu
-def test_gpu_gather_kernel_bf16_decode(monkeypatch):
-    """bf16 decode tiles with the gather kernel instead of GEMM1's direct x loads."""
-    monkeypatch.setenv("DSV4_MOE_DIRECT_X", "0")
-    test_gpu_vs_reference(FLASH, 64, "uniform", True, 10.0, "bf16", "auto")
-    test_gpu_vs_reference(FLASH, 1, "uniform", True, None, "bf16", "auto")
-    test_gpu_odd_k_steps("bf16", 5)

@@ -1,18 +1,24 @@
-// C++ entry of the MXFP4 W4A8 MoE: dsv4::mxfp4_moe (CUDA). Validates every argument,
-// sizes the workspace from shapes only, and launches on the current stream: routing
-// (moe_route_kernel of the NVFP4 MoE, 8-token tiles) -> FP8 quantization of x -> GEMM1
+// C++ entry of the MXFP4 W4A8 MoE: dsv4::mxfp4_moe (CUDA). Laid out as the NVFP4 entry
+// (nvfp4_moe.cu): (a) checks, (b) the launch configuration (get_best_config; the kernels
+// are the small-batch path only, 8-token tiles at every M for now; DSV4_PRINT_CONFIG=1
+// prints it), (c) a workspace laid out by one function that counts, then carves one
+// allocation (common/workspace.h; sized from shapes only), (d) the launch on the current
+// stream: routing (moe_route_kernel of the NVFP4 MoE) -> FP8 quantization of x -> GEMM1
 // with the SwiGLU + FP8 epilogue -> GEMM2 -> the weighted combine (moe_combine_kernel).
-// No host sync, no value-dependent allocation: CUDA-graph capturable. The kernels
-// (moe/mxfp4_w4a8.cuh) are the small-batch path only, used at every M for now.
+// No host sync, no value-dependent allocation: CUDA-graph capturable.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <optional>
+#include <string>
 
 #include "common/checks.h"
+#include "common/env.h"
+#include "common/workspace.h"
 #include "moe/moe_params.cuh"
 #include "moe/mxfp4_w4a8.cuh"
 
@@ -30,10 +36,18 @@ namespace {
 
 namespace w4a8 = moe::w4a8;
 
-void mxfp4_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights, const at::Tensor& w13,
-               const at::Tensor& w13_scale, const at::Tensor& w2, const at::Tensor& w2_scale,
-               const std::optional<at::Tensor>& expert_map, std::optional<double> swiglu_limit,
-               c10::string_view activation, bool ue8m0, const at::Tensor& out) {
+// ---------------------------------------------------------------------------------
+// (a) checks
+// ---------------------------------------------------------------------------------
+
+struct Checked {
+  int64_t M, K, N, E, E_global, topk;
+};
+
+Checked check_inputs(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                     const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w2,
+                     const at::Tensor& w2_scale, const std::optional<at::Tensor>& expert_map,
+                     std::optional<double> swiglu_limit, c10::string_view activation, const at::Tensor& out) {
   const char* prep = " (pass the output of dsv4.prepare_moe_weights(..., activation='fp8'))";
   check_cuda(x, "x");
   check_dtype(x, at::kBFloat16, "x");
@@ -91,53 +105,101 @@ void mxfp4_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor
   check_contiguous(out, "out");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == K, "dsv4: out must have shape [M=", M, ", K=", K,
               "], got ", out.sizes());
-  if (M == 0) return;
+  return Checked{M, K, N, E, E_global, topk};
+}
+
+// ---------------------------------------------------------------------------------
+// (b) launch configuration
+// ---------------------------------------------------------------------------------
+
+struct Mxfp4Config {
+  int max_tiles;     // bound on the 8-token tiles (GEMM grids, workspace)
+  int combine_ctas;
+};
+
+Mxfp4Config get_best_config(const Checked& c) {
+  constexpr int BN = w4a8::kBN;
+  const int64_t S = c.M * c.topk;
+  // Every local slot in a tile; at most one partly filled tile per busy expert.
+  const int64_t max_tiles = std::max<int64_t>(1, (S + std::min<int64_t>(c.E, S) * (BN - 1)) / BN);
+  TORCH_CHECK(max_tiles <= 65535, "dsv4: mxfp4_moe's GEMM grid takes at most 65535 token tiles, got ", max_tiles,
+              " (M * k = ", S, " slots); call it on fewer tokens at a time");
+  return Mxfp4Config{int(max_tiles), int(std::min<int64_t>(c.M, 4096))};
+}
+
+void print_config(const Checked& c, const Mxfp4Config& cfg, int64_t workspace_bytes) {
+  const std::string line = c10::str("dsv4 config mxfp4_moe: M=", c.M, " K=", c.K, " N=", c.N, " E=", c.E,
+                                    " E_global=", c.E_global, " topk=", c.topk, " activation=fp8 -> block_n=",
+                                    w4a8::kBN, " max_tiles=", cfg.max_tiles, " workspace_bytes=", workspace_bytes);
+  std::fprintf(stderr, "%s\n", line.c_str());
+  std::fflush(stderr);
+}
+
+// ---------------------------------------------------------------------------------
+// (c) workspace
+// ---------------------------------------------------------------------------------
+
+// ints (slot_pos | row_slot | tile_expert | num_tiles | error_flag | group_ready) |
+// xq | xs | hq | hs | y. rp: the fields that routing and combine read.
+void layout_workspace(Carver& w, moe::MoeParams& rp, w4a8::W4A8Params& p, const Checked& c, int64_t max_tiles) {
+  const int64_t S = c.M * c.topk, rows = max_tiles * w4a8::kBN, G1 = c.K / 128, G2 = (c.N + 127) / 128;
+  rp.slot_pos = w.region<int>(S);
+  rp.row_slot = w.next<int>(rows);
+  rp.tile_expert = w.next<int>(max_tiles);
+  rp.num_tiles = w.next<int>(1);
+  rp.error_flag = w.next<int>(1);
+  rp.group_ready = w.next<int>(max_tiles);
+  p.xq = w.region<uint8_t>(c.M * c.K);
+  p.xs = w.region<float>(c.M * G1);
+  p.hq = w.region<uint8_t>(rows * c.N);
+  p.hs = w.region<float>(rows * G2);
+  p.y = w.region<__nv_bfloat16>(rows * c.K);
+}
+
+// ---------------------------------------------------------------------------------
+// (d) the op: parameters and launch
+// ---------------------------------------------------------------------------------
+
+void mxfp4_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights, const at::Tensor& w13,
+               const at::Tensor& w13_scale, const at::Tensor& w2, const at::Tensor& w2_scale,
+               const std::optional<at::Tensor>& expert_map, std::optional<double> swiglu_limit,
+               c10::string_view activation, bool ue8m0, const at::Tensor& out) {
+  const Checked c = check_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map, swiglu_limit,
+                                 activation, out);
+  if (c.M == 0) return;
 
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  constexpr int BN = w4a8::kBN;
-  const int64_t S = M * topk;
-  const int64_t max_tiles = std::max<int64_t>(1, (S + std::min<int64_t>(E, S) * (BN - 1)) / BN);
-  TORCH_CHECK(max_tiles <= 65535, "dsv4: mxfp4_moe's GEMM grid takes at most 65535 token tiles, got ", max_tiles,
-              " (M * k = ", S, " slots); call it on fewer tokens at a time");
-  const int64_t max_rows = max_tiles * BN, G1 = K / 128, G2 = (N + 127) / 128;
-
-  // One allocation: ints (slot_pos | row_slot | tile_expert | num_tiles | error_flag |
-  // group_ready) | xq | xs | hq | hs | y, each part 256-byte aligned.
-  auto up = [](int64_t b) { return (b + 255) / 256 * 256; };
-  const int64_t n_ints = S + max_rows + max_tiles + 2 + max_tiles;
-  const int64_t b_ints = up(n_ints * 4), b_xq = up(M * K), b_xs = up(M * G1 * 4), b_hq = up(max_rows * N),
-                b_hs = up(max_rows * G2 * 4), b_y = up(max_rows * K * 2);
-  at::Tensor ws = at::empty({b_ints + b_xq + b_xs + b_hq + b_hs + b_y}, x.options().dtype(at::kByte));
-  uint8_t* base = ws.data_ptr<uint8_t>();
-  int* ip = reinterpret_cast<int*>(base);
+  const env::Switches& sw = env::switches();
+  const Mxfp4Config cfg = get_best_config(c);
 
   moe::MoeParams rp{};  // the fields routing and combine read
-  rp.M = int(M);
-  rp.topk = int(topk);
-  rp.E = int(E);
-  rp.E_global = int(E_global);
-  rp.K = int(K);
-  rp.N = int(N);
-  rp.block_n = BN;
-  rp.max_tiles = int(max_tiles);
-  rp.max_rows = int(max_rows);
+  rp.M = int(c.M);
+  rp.topk = int(c.topk);
+  rp.E = int(c.E);
+  rp.E_global = int(c.E_global);
+  rp.K = int(c.K);
+  rp.N = int(c.N);
+  rp.block_n = w4a8::kBN;
+  rp.max_tiles = cfg.max_tiles;
+  rp.max_rows = cfg.max_tiles * w4a8::kBN;
   rp.topk_ids = topk_ids.data_ptr<int>();
   rp.topk_weights = topk_weights.data_ptr<float>();
   rp.expert_map = expert_map.has_value() ? expert_map->data_ptr<int>() : nullptr;
-  rp.slot_pos = ip;
-  rp.row_slot = ip + S;
-  rp.tile_expert = rp.row_slot + max_rows;
-  rp.num_tiles = rp.tile_expert + max_tiles;
-  rp.error_flag = rp.num_tiles + 1;
-  rp.group_ready = rp.error_flag + 1;
-  uint8_t* cur = base + b_ints;
 
   w4a8::W4A8Params p{};
-  p.M = int(M);
-  p.topk = int(topk);
-  p.K = int(K);
-  p.N = int(N);
+  at::Tensor ws;
+  const int64_t ws_bytes = count_then_carve([&](Carver& w) { layout_workspace(w, rp, p, c, cfg.max_tiles); },
+                                            [&](int64_t bytes) {
+                                              ws = at::empty({bytes}, x.options().dtype(at::kByte));
+                                              return ws.data_ptr<uint8_t>();
+                                            });
+  if (sw.print_config) print_config(c, cfg, ws_bytes);
+
+  p.M = int(c.M);
+  p.topk = int(c.topk);
+  p.K = int(c.K);
+  p.N = int(c.N);
   p.ue8m0 = ue8m0 ? 1 : 0;
   p.has_limit = swiglu_limit.has_value() ? 1 : 0;
   p.swiglu_limit = swiglu_limit.has_value() ? float(*swiglu_limit) : 0.0f;
@@ -149,27 +211,18 @@ void mxfp4_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor
   p.w13_scale = w13_scale.data_ptr<uint8_t>();
   p.w2 = w2.data_ptr<uint8_t>();
   p.w2_scale = w2_scale.data_ptr<uint8_t>();
-  p.xq = cur;
-  cur += b_xq;
-  p.xs = reinterpret_cast<float*>(cur);
-  cur += b_xs;
-  p.hq = cur;
-  cur += b_hq;
-  p.hs = reinterpret_cast<float*>(cur);
-  cur += b_hs;
-  p.y = reinterpret_cast<__nv_bfloat16*>(cur);
   rp.y = p.y;
   rp.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
 
-  const size_t route_smem = size_t(4 * E + 1) * sizeof(int);  // see moe_route_kernel
+  const size_t route_smem = size_t(4 * c.E + 1) * sizeof(int);  // see moe_route_kernel
   if (route_smem > 48 * 1024)
     C10_CUDA_CHECK(cudaFuncSetAttribute(moe::moe_route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         int(route_smem)));
   moe::moe_route_kernel<<<1, moe::kW4a8RouteThreads, route_smem, stream>>>(rp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  w4a8::launch_w4a8_decode(p, int(max_tiles), stream);
+  w4a8::launch_w4a8_decode(p, cfg.max_tiles, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  moe::moe_combine_kernel<<<unsigned(std::min<int64_t>(M, 4096)), 256, 0, stream>>>(rp);
+  moe::moe_combine_kernel<<<unsigned(cfg.combine_ctas), 256, 0, stream>>>(rp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -1,0 +1,55 @@
+// The environment variables that the CUDA entries read: development overrides of the
+// kernel choice and one debug switch. All are read here and only here, once per process
+// (at the first call of an op that reads them), and validated: a value other than the
+// documented ones is an error naming the variable, on every call, never a silent default.
+// README.md, "Environment variables", lists the same variables; tests/test_moe_config.py
+// checks that the two lists agree.
+#pragma once
+
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+
+namespace dsv4 {
+namespace env {
+
+// A switch: unset or empty -> std::nullopt (the library decides), "0" -> false,
+// "1" -> true; anything else is an error.
+inline std::optional<bool> parse_switch(const char* name, const char* value) {
+  if (value == nullptr || value[0] == '\0') return std::nullopt;
+  TORCH_CHECK(std::strcmp(value, "0") == 0 || std::strcmp(value, "1") == 0, "dsv4: environment variable ", name,
+              " must be 0 or 1 (or unset), got \"", value, "\"");
+  return value[0] == '1';
+}
+
+struct Switches {
+  // NVFP4 MoE kernel choice (csrc/moe/nvfp4_moe.cu, get_best_config); unset: automatic.
+  std::optional<bool> moe_ws;        // DSV4_MOE_WS: the warp-specialized prefill GEMMs at 64-token tiles
+  std::optional<bool> moe_splitk;    // DSV4_MOE_SPLITK: the split-K persistent GEMM grid
+  std::optional<bool> moe_direct_x;  // DSV4_MOE_DIRECT_X: 0 keeps the gather kernel in bf16 decode
+  std::optional<bool> moe_pdl;       // DSV4_MOE_PDL: programmatic dependent launches
+  bool print_config;                 // DSV4_PRINT_CONFIG=1: each MoE call prints its config to stderr
+};
+
+inline Switches read_switches() {
+  auto get = [](const char* name) { return parse_switch(name, std::getenv(name)); };
+  Switches s;
+  s.moe_ws = get("DSV4_MOE_WS");
+  s.moe_splitk = get("DSV4_MOE_SPLITK");
+  s.moe_direct_x = get("DSV4_MOE_DIRECT_X");
+  s.moe_pdl = get("DSV4_MOE_PDL");
+  s.print_config = get("DSV4_PRINT_CONFIG").value_or(false);
+  return s;
+}
+
+// Read on the first call. A bad value throws from the initializer, which C++ then runs
+// again on the next call: the error repeats instead of leaving a half-read state.
+inline const Switches& switches() {
+  static const Switches s = read_switches();
+  return s;
+}
+
+}  // namespace env
+}  // namespace dsv4

@@ -1,0 +1,372 @@
+"""The MoE launchers' host side (csrc/moe/nvfp4_moe.cu, mxfp4_moe.cu): the kernel choice
+(get_best_config), its environment variables (csrc/common/env.h: read once per process,
+validated), the workspace (one layout that counts, then carves) and the test-only op kept
+out of the public schema.
+
+CPU: the variable lists of env.h and README.md agree, nothing else in csrc reads the
+environment, the debug op is not a dsv4 op, bench_moe's variants map to the variables.
+GPU (and dsv4._C): the parser and the read-once rule through test-only ops; in child
+processes (the variables are read once per process), the configuration printed under
+DSV4_PRINT_CONFIG=1 against the documented rules for a range of shapes, and every
+override against the reference on the cases of tests/test_moe.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import dsv4
+import dsv4._ops
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+OVERRIDES = ("DSV4_MOE_WS", "DSV4_MOE_SPLITK", "DSV4_MOE_DIRECT_X", "DSV4_MOE_PDL")
+VARIABLES = OVERRIDES + ("DSV4_PRINT_CONFIG",)
+
+
+# ---------------------------------------------------------------- CPU ---------
+
+
+def _readme_variables() -> dict[str, list[str]]:
+    """Rows of README.md's 'Environment variables' table: name -> [values, default, effect]."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("\n## Environment variables\n")
+    section = text[start + 1:text.index("\n## ", start + 1)]
+    rows = {}
+    for line in section.splitlines():
+        m = re.match(r"\| `(DSV4_[A-Z_]+)` \|(.*)\|$", line)
+        if m:
+            rows[m.group(1)] = [c.strip() for c in m.group(2).split("|")]
+    return rows
+
+
+def test_env_h_and_readme_list_the_same_variables():
+    env_h = (ROOT / "csrc/common/env.h").read_text()
+    read = re.findall(r'get\("(DSV4_[A-Z_]+)"\)', env_h)
+    assert sorted(read) == sorted(VARIABLES)
+    rows = _readme_variables()
+    assert sorted(rows) == sorted(VARIABLES)
+    for name, cells in rows.items():
+        assert len(cells) == 3 and all(cells), f"README row {name}: values | default | effect, got {cells}"
+        assert cells[0] == "`0`, `1`", f"README row {name}: env.h's switches take 0 or 1, the row says {cells[0]}"
+
+
+def test_only_env_h_reads_the_environment():
+    readers = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").rglob("*"))
+               if p.suffix in (".cu", ".cuh", ".cpp", ".h") and "getenv" in p.read_text()]
+    assert readers == ["csrc/common/env.h"]
+
+
+def test_debug_op_is_not_in_the_public_schema():
+    name = "nvfp4_moe_gemm1_debug"
+    assert name not in dsv4._ops.SCHEMAS
+    registration = (ROOT / "csrc/registration.cpp").read_text()
+    assert name not in registration
+    assert not hasattr(torch.ops.dsv4, name)  # with or without the extension loaded
+    testing = (ROOT / "csrc/testing/testing_ops.cpp").read_text()
+    assert "TORCH_LIBRARY_FRAGMENT(dsv4_testing, m)" in testing and f'"{name}(Tensor x' in testing
+    launcher = (ROOT / "csrc/moe/nvfp4_moe.cu").read_text()
+    binds = re.findall(r"TORCH_LIBRARY_IMPL\((\w+), CUDA, m\) \{([^}]*)\}", launcher)
+    assert [(lib, name in body) for lib, body in binds] == [("dsv4", False), ("dsv4_testing", True)]
+    assert not hasattr(dsv4.moe, "_gemm1_debug")
+
+
+def _bench_moe():
+    spec = importlib.util.spec_from_file_location("bench_moe", ROOT / "scripts/bench_moe.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_moe_variants_map_to_the_overrides():
+    b = _bench_moe()
+    assert sorted(b.SWITCHES.values()) == sorted(OVERRIDES)
+    assert b.variant_env("") == {}
+    assert b.variant_env(" sk=1, pdl=0 ") == {"DSV4_MOE_SPLITK": "1", "DSV4_MOE_PDL": "0"}
+    assert b.variant_env("dx=0,ws=1") == {"DSV4_MOE_DIRECT_X": "0", "DSV4_MOE_WS": "1"}
+    for bad in ("sk=2", "sk", "xx=1", "pdl=", "sk=yes"):
+        with pytest.raises(ValueError, match="bench_moe: variant item"):
+            b.variant_env(bad)
+    argv = ["--quick", "--variants", "sk=0;sk=1", "--json", "a.json", "--decode=1,64", "--variants=x"]
+    assert b.child_argv(argv, "sk=1", "/t/v.json") == ["--quick", "--decode=1,64", "--variants", "sk=1",
+                                                        "--json", "/t/v.json"]
+
+
+# ---------------------------------------------------- GPU / extension ---------
+
+
+def _child(env: dict[str, str], fn: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """Runs test_moe_config.<fn>(*args) in a fresh interpreter with exactly these dsv4
+    variables set (others removed), importing the dsv4 this process imported."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_moe_config as c; "
+            "getattr(c, sys.argv[2])(*sys.argv[3:])")
+    full = {k: v for k, v in os.environ.items() if k not in VARIABLES}
+    full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(dsv4.__file__).parent.parent),
+                                                       os.environ.get("PYTHONPATH")]))
+    full.update(env)
+    proc = subprocess.run([sys.executable, "-c", code, str(TESTS), fn, *args], env=full, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, (f"{fn}{args} under {env} failed (rc {proc.returncode}):\n"
+                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def _configs(stderr: str) -> list[dict]:
+    """The DSV4_PRINT_CONFIG lines: op name, then key=value fields (ints where numeric)."""
+    out = []
+    for m in re.finditer(r"^dsv4 config (\w+): (.*)$", stderr, re.M):
+        fields = dict(kv.split("=", 1) for kv in m.group(2).replace(" -> ", " ").split())
+        out.append({"op": m.group(1), **{k: int(v) if re.fullmatch(r"-?\d+", v) else v for k, v in fields.items()}})
+    return out
+
+
+@pytest.mark.gpu
+def test_parse_env_switch():
+    parse = torch.ops.dsv4_testing.parse_env_switch
+    assert parse("DSV4_MOE_PDL", None) == -1
+    assert parse("DSV4_MOE_PDL", "") == -1
+    assert parse("DSV4_MOE_PDL", "0") == 0
+    assert parse("DSV4_MOE_PDL", "1") == 1
+    for bad in ("yes", "2", " 1", "1 ", "01", "true", "-1"):
+        with pytest.raises(RuntimeError, match=f'dsv4: environment variable DSV4_MOE_PDL must be 0 or 1 '
+                                               f'\\(or unset\\), got "{re.escape(bad)}"'):
+            parse("DSV4_MOE_PDL", bad)
+
+
+def child_read_once() -> None:
+    first = torch.ops.dsv4_testing.env_switches()
+    os.environ["DSV4_MOE_PDL"] = "1"  # the process already read its switches: no effect
+    os.environ["DSV4_MOE_SPLITK"] = "1"
+    print(json.dumps([first, torch.ops.dsv4_testing.env_switches()]))
+
+
+@pytest.mark.gpu
+def test_switches_are_read_once_per_process():
+    out = _child({"DSV4_MOE_WS": "1", "DSV4_MOE_PDL": "0", "DSV4_PRINT_CONFIG": "1"}, "child_read_once")
+    first, again = json.loads(out.stdout.strip().splitlines()[-1])
+    assert first == again == [1, -1, -1, 0, 1]  # WS, SPLITK, DIRECT_X, PDL, PRINT_CONFIG
+
+
+def child_bad_value() -> None:
+    import test_moe as t
+
+    w = t._weights(2, 64, 128, seed=1, device="cuda")
+    p = t.prepare_nvfp4_moe_weights(*(w[k] for k in t.KEYS))
+    x = torch.randn(3, 128, device="cuda").to(torch.bfloat16)
+    ids = torch.zeros(3, 1, dtype=torch.int32, device="cuda")
+    for _ in range(2):  # an error on every call, not only the first
+        try:
+            t.nvfp4_moe(x, ids, torch.ones(3, 1, device="cuda"), p)
+        except RuntimeError as e:
+            print("ERROR:", str(e).splitlines()[0])
+        else:
+            print("no error")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", OVERRIDES + ("DSV4_PRINT_CONFIG",))
+def test_bad_value_is_an_error(name):
+    out = _child({name: "yes"}, "child_bad_value")
+    msg = f'ERROR: dsv4: environment variable {name} must be 0 or 1 (or unset), got "yes"'
+    assert out.stdout.strip().splitlines()[-2:] == [msg, msg]
+
+
+# The kernel choice printed under DSV4_PRINT_CONFIG=1, against the rules documented in
+# nvfp4_moe.cu (section (b)), evaluated here on the printed device facts (SMs, resident
+# classic GEMM1 CTAs per SM), and the workspace size against the layout written out
+# (ints | xg | h | [hq | hs] | [y] | [split-K partials], each part 256-byte aligned).
+PRINT_CASES = [  # (model, M, activation, cta_mode, expert_map?)
+    ("FLASH", 1, "bf16", "auto", True),
+    ("FLASH", 1, "nvfp4", "auto", True),
+    ("FLASH", 7, "bf16", "auto", False),
+    ("FLASH", 64, "bf16", "auto", True),
+    ("FLASH", 512, "bf16", "auto", True),
+    ("FLASH", 1024, "nvfp4", "auto", True),
+    ("FLASH", 2048, "bf16", "auto", True),
+    ("FLASH", 2048, "bf16", 1, True),
+    ("FLASH", 2048, "nvfp4", 2, True),
+    ("FLASH", 4096, "bf16", "auto", True),
+    ("PRO", 1, "nvfp4", "auto", True),
+    ("PRO", 16384, "bf16", "auto", True),
+]
+
+
+def _expected_config(c: dict) -> dict:
+    M, topk, E, Eg, K, N = c["M"], c["topk"], c["E"], c["E_global"], c["K"], c["N"]
+    S, per_expert = M * topk, M * topk / Eg
+    bn = 8 if per_expert <= 4 else 16 if per_expert <= 24 else 64
+    touched = E * (1 - (1 - 1 / E) ** (S * E / Eg))
+    splitk = bn <= 16 and touched * (2 * N // 64) < c["classic1"] * c["sms"]
+    ws = bn == 64 and not splitk and (c["cta_mode"] != 0 or per_expert >= 60)
+    return dict(block_n=bn, max_tiles=max(1, (S + min(E, S) * (bn - 1)) // bn), multi_cta_route=int(S > 8192),
+                splitk=int(splitk), direct_x=int(c["activation"] == "bf16" and bn <= 16), ws=int(ws),
+                cluster=c["cta_mode"] if ws and c["cta_mode"] else 1, pdl=int(bn <= 16))
+
+
+def _expected_workspace(c: dict, full: bool = True) -> int:
+    up = lambda b: (b + 255) // 256 * 256  # noqa: E731
+    S, rows, tiles, E = c["M"] * c["topk"], c["max_tiles"] * c["block_n"], c["max_tiles"], c["E"]
+    n_ints = S + rows + tiles + 2 + (2 * E + 1 if c["multi_cta_route"] else 0) + 2 * c["sk_ctas"] + 2 * tiles + 1
+    nvfp4 = c["activation"] == "nvfp4"
+    return (up(4 * n_ints) + (0 if c["direct_x"] else up(rows * c["K"] * 2)) + up(rows * c["N"] * 2)
+            + (up(rows * c["N"] // 2) + up(rows * c["N"] // 16) if nvfp4 else 0)
+            + (up(rows * c["K"] * 2) if full else 0) + up(c["sk_ctas"] * 64 * c["block_n"] * 4))
+
+
+def child_print_cases() -> None:
+    import test_moe as t
+
+    for model, M, activation, cta, use_map in PRINT_CASES:
+        shape = getattr(t, model)
+        w, p = t._gpu_model(shape)
+        x, ids, tw, emap = t._case(shape, M, "uniform", use_map, seed=M)
+        t.nvfp4_moe(x, ids, tw, p, cta_mode=cta, **t._call_kwargs(w, activation, 10.0, emap))
+    w, p = t._gpu_model(t.FLASH)  # the debug op prints its (GEMM1-only) config too
+    x, ids, _, emap = t._case(t.FLASH, 300, "uniform", True, seed=3)
+    t._gemm1_debug(x, ids, p, activation="nvfp4", a13_scale=w["w13_input_scale"], a2_scale=w["w2_input_scale"],
+                   expert_map=emap)
+    import test_mxfp4 as mx  # and the MXFP4 W4A8 op
+
+    wm = mx._weights(4, 128, 256, seed=5, device="cuda")
+    pm = mx.prepare_moe_weights(*(wm[k] for k in mx.MX), activation="fp8")
+    gen = torch.Generator().manual_seed(5)
+    ids, tw = mx._routing(9, 2, 4, gen, "cuda")
+    mx.routed_moe(torch.randn(9, 256, generator=gen).to(torch.bfloat16).cuda(), ids, tw, pm)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_printed_config_follows_the_rules():
+    configs = _configs(_child({"DSV4_PRINT_CONFIG": "1"}, "child_print_cases").stderr)
+    assert [c["op"] for c in configs] == ["nvfp4_moe"] * len(PRINT_CASES) + ["nvfp4_moe_gemm1_debug", "mxfp4_moe"]
+    for (model, M, activation, cta, use_map), c in zip(PRINT_CASES, configs):
+        assert (c["M"], c["activation"], c["cta_mode"]) == (M, activation, 0 if cta == "auto" else cta)
+        got = {k: c[k] for k in _expected_config(c)}
+        assert got == _expected_config(c), f"{model} M={M} {activation} cta={cta}: {c}"
+        assert c["workspace_bytes"] == _expected_workspace(c), f"{model} M={M}: {c}"
+        assert c["sk_ctas"] > 0 if c["splitk"] else c["sk_ctas"] == 0
+        if c["ws"] and c["cluster"] == 1:
+            assert c["ws_ctas"] == c["sms"]
+        elif c["ws"]:  # the 2-CTA clusters that fit at once
+            assert c["ws_ctas"] % 2 == 0 and 0 < c["ws_ctas"] <= c["sms"]
+    by_case = {(model, M, activation, cta): c for (model, M, activation, cta, _), c in zip(PRINT_CASES, configs)}
+    # the rules' plain cases, stated outright
+    assert by_case["FLASH", 1, "bf16", "auto"]["splitk"] == 1 and by_case["FLASH", 1, "bf16", "auto"]["direct_x"] == 1
+    assert by_case["FLASH", 1, "nvfp4", "auto"]["direct_x"] == 0
+    assert by_case["FLASH", 2048, "bf16", "auto"]["ws"] == 0  # 48 expected tokens per expert < 60
+    assert (by_case["FLASH", 2048, "bf16", 1]["ws"], by_case["FLASH", 2048, "bf16", 1]["cluster"]) == (1, 1)
+    assert (by_case["FLASH", 2048, "nvfp4", 2]["ws"], by_case["FLASH", 2048, "nvfp4", 2]["cluster"]) == (1, 2)
+    assert by_case["FLASH", 4096, "bf16", "auto"]["ws"] == 1
+    assert by_case["PRO", 16384, "bf16", "auto"]["multi_cta_route"] == 1
+    debug, mx = configs[-2], configs[-1]
+    assert {k: debug[k] for k in _expected_config(debug)} == _expected_config(debug)
+    assert debug["workspace_bytes"] == _expected_workspace(debug, full=False)
+    up = lambda b: (b + 255) // 256 * 256  # noqa: E731
+    S, tiles = 9 * 2, max(1, (9 * 2 + min(4, 18) * 7) // 8)
+    rows = tiles * 8
+    assert (mx["block_n"], mx["max_tiles"], mx["N"], mx["K"]) == (8, tiles, 128, 256)
+    assert mx["workspace_bytes"] == (up(4 * (S + rows + 2 * tiles + 2)) + up(9 * 256) + up(9 * 2 * 4) + up(rows * 128)
+                                     + up(rows * 1 * 4) + up(rows * 256 * 2))
+
+
+# Every override on the cases it changes, against the reference (the test functions of
+# tests/test_moe.py), in a child process with that one variable set; every printed
+# config shows the override in effect.
+def _splitk_cases(t):
+    """Split-K (persistent grid, items cut into K chunks, the last-arriving chunk's CTA
+    adds the partials in chunk order) or the classic grid, forced at every token tile:
+    decode tiles of 8 and 16 tokens (M=512: 16), the prefill tiles (one chunk per item,
+    persistent), items split 6-8 ways (M=1, 2: chunks of odd length at M=2). The
+    determinism check of test_gpu_vs_reference matters here: routing places rows in
+    tiles in atomics order, and a row's sums must not depend on it."""
+    F, P = t.FLASH, t.PRO
+    return [(F, 1, "uniform", True, 10.0, "bf16", "auto"), (F, 2, "uniform", True, 10.0, "nvfp4", "auto"),
+            (F, 64, "uniform", True, 10.0, "nvfp4", "auto"), (F, 512, "uniform", True, 10.0, "bf16", "auto"),
+            (F, 3, "skewed", False, None, "bf16", "auto"), (F, 2048, "uniform", False, 10.0, "nvfp4", 1),
+            (F, 4096, "uniform", False, 10.0, "bf16", 2), (P, 64, "uniform", True, 10.0, "nvfp4", "auto")]
+
+
+def child_override(which: str) -> None:
+    import test_moe as t
+
+    F, P = t.FLASH, t.PRO
+    vs_ref = t.test_gpu_vs_reference
+    if which == "splitk":  # forced either way
+        for case in _splitk_cases(t):
+            vs_ref(*case)
+        for activation in ("bf16", "nvfp4"):
+            for M in (5, 20, 200):  # odd K-step counts, every token tile
+                t.test_gpu_odd_k_steps(activation, M)
+    elif which == "ws1":  # the warp-specialized kernel below its auto threshold (48 tokens per expert)
+        vs_ref(F, 2048, "uniform", True, 10.0, "bf16", "auto")
+        vs_ref(F, 2048, "uniform", True, None, "nvfp4", "auto")
+        vs_ref(P, 2048, "uniform", True, 10.0, "bf16", "auto")
+    elif which == "pdl0":
+        vs_ref(F, 64, "uniform", True, 10.0, "bf16", "auto")
+        vs_ref(F, 4096, "uniform", False, 10.0, "nvfp4", 1)
+        t.test_gpu_cuda_graph_replay("bf16")
+    elif which == "pdl1":  # also at prefill, where it is off by default
+        vs_ref(F, 2048, "uniform", True, 10.0, "bf16", "auto")
+        vs_ref(F, 4096, "uniform", False, 10.0, "nvfp4", 2)
+        t.test_gpu_prefill_cuda_graph_replay(1)
+    elif which == "direct_x":  # bf16 decode tiles (the only ones it applies to)
+        vs_ref(F, 64, "uniform", True, 10.0, "bf16", "auto")
+        vs_ref(F, 1, "uniform", True, None, "bf16", "auto")
+        t.test_gpu_odd_k_steps("bf16", 5)
+    else:
+        raise ValueError(which)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("env,which,expect", [
+    ({"DSV4_MOE_SPLITK": "1"}, "splitk", {"splitk": 1}),
+    ({"DSV4_MOE_SPLITK": "0"}, "splitk", {"splitk": 0}),
+    ({"DSV4_MOE_WS": "1"}, "ws1", {"ws": 1, "block_n": 64}),
+    ({"DSV4_MOE_PDL": "0"}, "pdl0", {"pdl": 0}),
+    ({"DSV4_MOE_PDL": "1"}, "pdl1", {"pdl": 1}),
+    ({"DSV4_MOE_DIRECT_X": "0"}, "direct_x", {"direct_x": 0}),
+    ({"DSV4_MOE_DIRECT_X": "1"}, "direct_x", {"direct_x": 1}),
+], ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else None)
+def test_override_vs_reference(env, which, expect):
+    configs = _configs(_child({**env, "DSV4_PRINT_CONFIG": "1"}, "child_override", which).stderr)
+    assert configs
+    for c in configs:
+        assert {k: c[k] for k in expect} == expect, c
+
+
+def child_ws_off(path: str) -> None:
+    """WS_CASES of tests/test_moe.py on the one-warpgroup GEMMs, against the reference;
+    the outputs go to `path` for the comparison with the warp-specialized kernel."""
+    import test_moe as t
+
+    outs = []
+    for case in t.WS_CASES:
+        args, kw, ref, tol = t._prefill_case(*case)
+        out = t.nvfp4_moe(*args, **kw)
+        assert t._rel_l2(out, ref) <= tol
+        outs.append(out.cpu())
+    torch.save(outs, path)
+
+
+@pytest.mark.gpu
+def test_ws_off_matches_the_prefill_kernel(tmp_path):
+    import test_moe as t
+
+    path = tmp_path / "ws0.pt"
+    configs = _configs(_child({"DSV4_MOE_WS": "0", "DSV4_PRINT_CONFIG": "1"}, "child_ws_off", str(path)).stderr)
+    assert len(configs) == len(t.WS_CASES) and all(c["ws"] == 0 and c["block_n"] == 64 for c in configs)
+    for case, old in zip(t.WS_CASES, torch.load(path)):
+        args, kw, ref, tol = t._prefill_case(*case)
+        new = t.nvfp4_moe(*args, cta_mode=2, **kw)
+        assert t._rel_l2(new, ref) <= tol, case
+        assert t._rel_l2(old.cuda(), new) <= 1e-2, case  # same math, different fp32 summation order only
