@@ -15,10 +15,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import formats
+from . import formats, mxfp4, nvfp4_moe, prepare_moe_weights, prepare_nvfp4_moe_weights, routed_moe
 from .attention import sparse_mqa_decode
-from .bench.inputs import random_nvfp4_experts
-from .moe import nvfp4_moe, prepare_nvfp4_moe_weights
+from .bench.inputs import MOE_FORMATS
 
 HEAD_DIM = 512
 SOFTMAX_SCALE = HEAD_DIM**-0.5
@@ -245,7 +244,8 @@ def attention_traffic(batch: int, heads: int, keys: int) -> tuple[int, int]:
 class MoeSetup:
     shape: ModelShape
     ep: int
-    weights: object  # Nvfp4MoeWeights (prepared)
+    fmt: str  # the experts' format: "nvfp4" or "mxfp4" (dsv4.bench.inputs.MOE_FORMATS)
+    weights: dict  # activation mode -> the prepared weights (Nvfp4MoeWeights for NVFP4, MoeWeights for MXFP4)
     w13_bf16: Optional[torch.Tensor]  # [E_local, 2N, K] dequantized, None if it did not fit
     w2_bf16: Optional[torch.Tensor]  # [E_local, K, N]
     note: str = ""
@@ -256,24 +256,39 @@ class MoeSetup:
         return self.shape.n_experts // self.ep
 
     @staticmethod
-    def build(shape: ModelShape, ep: int, device, seed: int = 1, keep_raw: bool = False) -> "MoeSetup":
+    def build(shape: ModelShape, ep: int, device, fmt: str = "nvfp4", acts=("bf16",), seed: int = 1,
+              keep_raw: bool = False) -> "MoeSetup":
+        """Random experts of ``fmt`` in vLLM's stacked layout, prepared for each activation
+        mode in ``acts`` (NVFP4: "bf16", "nvfp4", one layout; MXFP4: "fp8", "bf16"), and
+        their bf16 dequantization for the torch baseline."""
+        if fmt not in MOE_FORMATS:
+            raise ValueError(f"dsv4: fmt must be one of {', '.join(MOE_FORMATS)}, got {fmt!r}")
         E, N, K = shape.n_experts // ep, shape.moe_inter, shape.hidden
         gen = torch.Generator(device=device).manual_seed(seed)
-        w = random_nvfp4_experts(E, N, K, device, gen)
-        weights = prepare_nvfp4_moe_weights(*(w[k] for k in VLLM_KEYS))
+        w = MOE_FORMATS[fmt][0](E, N, K, device, gen)
+        if fmt == "nvfp4":
+            nv = prepare_nvfp4_moe_weights(*(w[k] for k in VLLM_KEYS))
+            weights = {act: nv for act in acts}
+        else:
+            weights = {act: prepare_moe_weights(w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], format=fmt,
+                                                activation=act) for act in acts}
         w13_bf16 = w2_bf16 = None
         note = ""
-        try:  # the baseline's bf16 weights are 3.6x the NVFP4 ones: dequantize per expert
+        try:  # the baseline's bf16 weights are ~3.6x the FP4 ones: dequantize per expert
             w13_bf16 = torch.empty(E, 2 * N, K, dtype=torch.bfloat16, device=device)
             w2_bf16 = torch.empty(E, K, N, dtype=torch.bfloat16, device=device)
             for e in range(E):
                 s = slice(e, e + 1)
-                w13_bf16[s] = formats.dequantize_experts(w["w13"][s], w["w13_scale"][s], w["w13_scale_2"][s])
-                w2_bf16[s] = formats.dequantize_experts(w["w2"][s], w["w2_scale"][s], w["w2_scale_2"][s])
+                if fmt == "nvfp4":
+                    w13_bf16[s] = formats.dequantize_experts(w["w13"][s], w["w13_scale"][s], w["w13_scale_2"][s])
+                    w2_bf16[s] = formats.dequantize_experts(w["w2"][s], w["w2_scale"][s], w["w2_scale_2"][s])
+                else:
+                    w13_bf16[s] = mxfp4.dequantize_mxfp4_experts(w["w13"][s], w["w13_scale"][s])
+                    w2_bf16[s] = mxfp4.dequantize_mxfp4_experts(w["w2"][s], w["w2_scale"][s])
         except torch.OutOfMemoryError:
             w13_bf16 = w2_bf16 = None
             note = f"bf16 baseline skipped: {E} bf16 experts do not fit in device memory"
-        return MoeSetup(shape, ep, weights, w13_bf16, w2_bf16, note, w if keep_raw else None)
+        return MoeSetup(shape, ep, fmt, weights, w13_bf16, w2_bf16, note, w if keep_raw else None)
 
     def expert_map(self, device) -> torch.Tensor:
         """Rank 0 of EP: global experts [0, E_local) are local, the rest -1."""
@@ -299,11 +314,17 @@ def moe_act_scales(device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dsv4_moe(inp: dict, setup: MoeSetup, activation: str, out: torch.Tensor, act_scales=None) -> None:
+    """One routed-MoE call: dsv4.nvfp4_moe for NVFP4 experts (``act_scales`` are W4A4's
+    activation global scales), dsv4.routed_moe for MXFP4 ones (W4A8 with vLLM's default
+    UE8M0 GEMM1 scales, or W4A16)."""
+    common = dict(swiglu_limit=setup.shape.swiglu_limit, expert_map=inp["emap"], out=out, check_ids=False)
+    if setup.fmt == "mxfp4":
+        routed_moe(inp["x"], inp["ids"], inp["tw"], setup.weights[activation], **common)
+        return
     kw = {}
     if activation == "nvfp4":
         kw = dict(a13_scale=act_scales[0], a2_scale=act_scales[1])
-    nvfp4_moe(inp["x"], inp["ids"], inp["tw"], setup.weights, swiglu_limit=setup.shape.swiglu_limit,
-              activation=activation, expert_map=inp["emap"], out=out, check_ids=False, **kw)
+    nvfp4_moe(inp["x"], inp["ids"], inp["tw"], setup.weights[activation], activation=activation, **common, **kw)
 
 
 def moe_bf16_baseline(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -342,10 +363,11 @@ def moe_touched(inp: dict, e_local: int) -> tuple[int, int]:
     return int(torch.unique(local).numel()), int(local.numel())
 
 
-def moe_expert_bytes(shape: ModelShape, bf16: bool) -> int:
-    """Weight bytes of one expert: 3*N*K elements; NVFP4 = 1/2 B codes + 1/16 B scales."""
+def moe_expert_bytes(shape: ModelShape, fmt: str) -> float:
+    """Weight bytes of one expert: 3*N*K elements; "bf16" 2 B each, "nvfp4" / "mxfp4" the
+    codes + block scales (dsv4.bench.inputs.MOE_FORMATS: 9/16 B, 17/32 B)."""
     n = 3 * shape.moe_inter * shape.hidden
-    return n * 2 if bf16 else n * 9 // 16
+    return n * 2 if fmt == "bf16" else n * MOE_FORMATS[fmt][1]
 
 
 # --------------------------------------------------------------------------------------

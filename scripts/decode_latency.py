@@ -5,19 +5,23 @@ Measures, for each model, batch size and context length:
   * attention of one layer of each type (sparse MQA decode over the fp8 paged cache):
     SWA (128 window keys), CSA (window + indexer top-k compressed entries, ratio 4),
     HCA (window + all context // 128 compressed entries);
-  * the routed-expert MoE of one layer (NVFP4 weights of the E/ep local experts, random
-    top-6 routing over all experts, the others masked by an expert map);
+  * the routed-expert MoE of one layer (the E/ep local experts, random top-6 routing
+    over all experts, the others masked by an expert map), for each expert format asked
+    for: NVFP4 (W4A16 / W4A4) and DeepSeek V4's native MXFP4 (W4A8, vLLM 0.33.0's Hopper
+    numerics, and W4A16);
   * baselines: torch bf16 sparse MQA over gathered rows of a bf16 cache, and the bf16
     grouped-GEMM MoE (torch._grouped_mm);
 and estimates one decode step as the sum over the model's layer schedule.
 
 Timing: each input set's call captured in a CUDA graph, median of --iters replays with
 L2 evicted before each one (dsv4.bench.timing, the one timer). --vs vllm also times the kernels
-vLLM 0.33.0 runs (FlashMLA SM90, Humming W4A16) on the same inputs. Writes a table (console
+vLLM 0.33.0 runs (FlashMLA SM90; Humming W4A16 for NVFP4 W4A16, Humming W4A8 for MXFP4
+W4A8) on the same inputs. Writes a table (console
 and .txt/.md), a JSON file and two PNG plots into --out-dir.
 
 Usage: python scripts/decode_latency.py [--model flash|pro|both] [--batch 1,8,32,64,128]
-       [--context 4K,32K,128K] [--ep 8] [--activation bf16|nvfp4|both] [--out-dir DIR]
+       [--context 4K,32K,128K] [--ep 8] [--moe-format nvfp4,mxfp4-w4a8,mxfp4-w4a16]
+       [--activation bf16|nvfp4|both] [--out-dir DIR]
        [--iters 50] [--layers pro=0,30,31] [--cpu-reference]
 """
 
@@ -41,6 +45,8 @@ import torch
 import dsv4
 import dsv4._ops
 from dsv4 import latency as L
+from dsv4.bench import inputs as I
+from dsv4.bench.incumbents import MOE_INCUMBENTS
 
 GPU_DEFAULTS = dict(batch=[1, 8, 32, 64, 128], context=[4096, 32768, 131072], iters=50)
 # --cpu-reference: tiny shapes so the float32 reference kernels finish in seconds.
@@ -49,7 +55,7 @@ N_SETS_GPU = 4  # rotating input sets per case
 N_SETS_CPU = 2
 KINDS = ("swa", "csa", "hca")
 KIND_LABEL = {"swa": "SWA attn", "csa": "CSA attn", "hca": "HCA attn", "moe": "routed MoE"}
-ACT_LABEL = {"bf16": "W4A16", "nvfp4": "W4A4"}
+MOE_LABEL = I.MOE_LABELS  # (format, activation mode) -> "NVFP4 W4A16", "MXFP4 W4A8", ...
 
 
 # --------------------------------------------------------------------------------------
@@ -101,8 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--context", type=context_list, default=None,
                     help="context lengths, K = 1024 (default 4K,32K,128K; --cpu-reference: 512,2K)")
     ap.add_argument("--ep", type=int, default=8, help="expert-parallel size: this GPU holds n_experts/ep experts")
-    ap.add_argument("--activation", choices=["bf16", "nvfp4", "both"], default="bf16",
-                    help="MoE activation mode: bf16 (W4A16) or nvfp4 (W4A4); the step estimate uses each")
+    ap.add_argument("--moe-format", type=I.moe_format_list, default=["nvfp4"],
+                    help="MoE expert formats, comma-separated: nvfp4 (in the --activation modes), mxfp4-w4a8 "
+                         "(DeepSeek V4's MXFP4 experts, FP8 activations: vLLM 0.33.0's Hopper numerics), mxfp4-w4a16; "
+                         "default nvfp4. The step estimate uses each")
+    ap.add_argument("--activation", choices=["bf16", "nvfp4", "both"], default=None,
+                    help="NVFP4 MoE activation mode: bf16 (W4A16, the default) or nvfp4 (W4A4)")
     ap.add_argument("--out-dir", default="decode_latency_results",
                     help="where the JSON, table and plots go (the default is in .gitignore)")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per case (default 50; CPU: 3)")
@@ -110,8 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="override a model's layer schedule (default: the checkpoints' config.json, "
                          "see dsv4/latency.py LAYER_SCHEDULE)")
     ap.add_argument("--vs", choices=["vllm"], default=None,
-                    help="also time the kernels vLLM 0.33.0 runs on Hopper (FlashMLA SM90 attention, Humming W4A16 "
-                         "MoE) on the same inputs, in the same timer call (see scripts/fetch_anchors.py)")
+                    help="also time the kernels vLLM 0.33.0 runs on Hopper (FlashMLA SM90 attention; Humming W4A16 "
+                         "for the NVFP4 W4A16 MoE, Humming W4A8 for MXFP4 W4A8) on the same inputs, in the same timer "
+                         "call (see scripts/fetch_anchors.py)")
     ap.add_argument("--anchors", default=None,
                     help="with --vs vllm: folders holding the incumbents (os.pathsep-separated; else $DSV4_ANCHORS "
                          "or an installed vllm==0.33.0 / humming-kernels==0.1.19)")
@@ -132,7 +143,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.iters < 1:
         ap.error(f"--iters must be >= 1, got {args.iters}")
     args.models = ["flash", "pro"] if args.model == "both" else [args.model]
-    args.acts = ["bf16", "nvfp4"] if args.activation == "both" else [args.activation]
+    if args.activation is not None and "nvfp4" not in args.moe_format:
+        ap.error(f"--activation picks the NVFP4 MoE modes, but --moe-format {','.join(args.moe_format)} has no nvfp4")
+    activation = args.activation or "bf16"
+    args.moe = I.moe_cases(args.moe_format, ["bf16", "nvfp4"] if activation == "both" else [activation])
     for m in args.models:
         n = L.MODELS[m].n_experts
         if args.ep < 1 or n % args.ep:
@@ -222,7 +236,7 @@ class Sweep:
 
     def n_cases(self) -> int:
         b, c = len(self.args.batch), len(self.args.context)
-        return len(self.args.models) * (len(self.args.acts) * b + b * (1 + 2 * c))
+        return len(self.args.models) * (len(self.args.moe) * b + b * (1 + 2 * c))
 
     def mem_budget(self) -> int:
         """Bytes the torch attention baseline may take for its temporaries."""
@@ -240,9 +254,10 @@ class Sweep:
             pools = L.KvPools.build(1 << 18, max(1 << 21, 2 * max_span), self.device)
         for m in a.models:
             shape = self.shapes[m]
-            progress(f"{shape.name}: building {shape.n_experts // a.ep} NVFP4 experts", 0)
-            self.run_moe(m, shape, progress)
-            self.free()
+            for fmt in dict.fromkeys(f for f, _ in a.moe):
+                progress(f"{shape.name}: building {shape.n_experts // a.ep} {fmt.upper()} experts", 0)
+                self.run_moe(m, shape, fmt, [act for f, act in a.moe if f == fmt], progress)
+                self.free()
             for kind in KINDS:
                 for ctx in ([None] if kind == "swa" else a.context):
                     for b in a.batch:
@@ -254,7 +269,9 @@ class Sweep:
             self.free()
         self.free()
         order = {"attn_swa": 0, "attn_csa": 1, "attn_hca": 2, "moe": 3}
-        self.rows.sort(key=lambda r: (a.models.index(r["model"]), order[r["component"]], r.get("activation") or "",
+        moe_order = {c: i for i, c in enumerate(a.moe)}
+        self.rows.sort(key=lambda r: (a.models.index(r["model"]), order[r["component"]],
+                                      moe_order.get((r.get("format"), r.get("activation")), -1),
                                       r["context"] or 0, r["batch"]))
 
     def safe(self, fn, ident: dict) -> dict:
@@ -302,37 +319,51 @@ class Sweep:
             row["max_abs_diff"] = num((outs[0].float() - ref.float()).abs().max().item())
         return row
 
-    def run_moe(self, m, shape, progress) -> None:
+    def run_moe(self, m, shape, fmt, acts, progress) -> None:
         a = self.args
-        want_humming = self.anchors is not None and self.anchors.humming is not None
+        ident = dict(model=m, component="moe", format=fmt, batch=None, context=None)
+        cases = [(fmt, act) for act in acts if (fmt, act) in MOE_INCUMBENTS]  # at most one per format
+        why = self.incumbent_missing(cases[0]) if cases else "no incumbent"
+        wanted = [MOE_INCUMBENTS[c] for c in cases]
         try:
-            setup = L.MoeSetup.build(shape, a.ep, self.device, keep_raw=want_humming)
+            setup = L.MoeSetup.build(shape, a.ep, self.device, fmt=fmt, acts=acts, keep_raw=why is None)
         except Exception as ex:
-            for act in a.acts:
+            for act in acts:
                 for b in a.batch:
-                    self.rows.append(dict(model=m, component="moe", activation=act, batch=b, context=None,
-                                          dsv4_us=None, torch_us=None, error=f"{type(ex).__name__}: {ex}"[:300]))
+                    self.rows.append(dict(ident, activation=act, batch=b, dsv4_us=None, torch_us=None,
+                                          error=f"{type(ex).__name__}: {ex}"[:300]))
                     progress(f"{shape.name} MoE failed", 1)
             return
         emap = setup.expert_map(self.device)
         scales = L.moe_act_scales(self.device)
         self.humming = None
-        if want_humming:
-            from dsv4.bench.incumbents import HummingW4A16
+        if wanted and why is None:
+            from dsv4.bench.incumbents import HummingW4A8, HummingW4A16
 
             try:
-                self.humming = HummingW4A16(setup.raw, shape.n_experts, shape.swiglu_limit)
+                cls = HummingW4A16 if fmt == "nvfp4" else HummingW4A8
+                self.humming = cls(setup.raw, shape.n_experts, shape.swiglu_limit)
             except Exception as ex:  # the comparison is missing, dsv4's numbers are kept
-                self.vs_line += f"; Humming conversion failed for {shape.name}: {type(ex).__name__}: {ex}"[:300]
+                self.vs_line += f"; {wanted[0]} conversion failed for {shape.name}: {type(ex).__name__}: {ex}"[:300]
             setup.raw = None
+        elif wanted and self.anchors is not None and why not in self.vs_line:
+            self.vs_line += f"; {wanted[0]} missing: {why}"
         baseline: dict = {}  # per batch: the bf16 baseline does not depend on the activation mode
-        for act in a.acts:
+        for act in acts:
             for b in a.batch:
-                label = f"{shape.name} MoE {ACT_LABEL[act]} EP{a.ep} B={b}"
+                label = f"{shape.name} MoE {MOE_LABEL[(fmt, act)]} EP{a.ep} B={b}"
                 progress(label, 0)
                 self.rows.append(self.safe(lambda: self.moe_case(m, setup, act, b, emap, scales, baseline),
-                                           dict(model=m, component="moe", activation=act, batch=b, context=None)))
+                                           dict(ident, activation=act, batch=b)))
                 progress(label, 1)
+
+    def incumbent_missing(self, case):
+        """Why the incumbent of MoE ``case`` cannot run here (None: it can)."""
+        if self.anchors is None:
+            return "CPU reference run" if self.cpu else "no --vs vllm"
+        from dsv4.bench.incumbents import moe_incumbent_missing
+
+        return moe_incumbent_missing(self.anchors, case)
 
     def moe_case(self, m, setup, act, b, emap, scales, baseline) -> dict:
         shape = setup.shape
@@ -340,24 +371,26 @@ class Sweep:
         sets = [L.moe_inputs(setup, b, gen, emap) for _ in range(self.n_sets)]
         outs = [torch.empty_like(s["x"]) for s in sets]
         theirs, plans = None, None
-        if act == "bf16" and self.humming is not None:  # W4A16 vs Humming W4A16
+        incumbent = MOE_INCUMBENTS.get((setup.fmt, act))
+        if incumbent is not None and self.humming is not None:  # the same numerics on both sides
             plans = [self.humming.plan(s["ids"], s["emap"]) for s in sets]
             theirs = [functools.partial(self.humming.experts, s["x"], pl) for s, pl in zip(sets, plans)]
         us, how, vllm_us = self.timed([functools.partial(L.dsv4_moe, s, setup, act, o, scales)
                                        for s, o in zip(sets, outs)], theirs)
         touched, slots = zip(*(L.moe_touched(s, setup.e_local) for s in sets))
         touched, slots = sum(touched) / len(sets), sum(slots) / len(sets)
-        nbytes = touched * L.moe_expert_bytes(shape, bf16=False)
+        nbytes = touched * L.moe_expert_bytes(shape, setup.fmt)
         flops = slots * 6 * shape.moe_inter * shape.hidden
-        row = dict(model=m, component="moe", activation=act, batch=b, context=None, ep=self.args.ep,
-                   local_experts=setup.e_local, local_slots=slots, touched_experts=touched, dsv4_us=us,
-                   dsv4_timing=how, flops=flops, bytes=nbytes, tflops=flops / us / 1e6, tbps=nbytes / us / 1e6,
-                   torch_us=None, vllm_us=vllm_us)
+        row = dict(model=m, component="moe", format=setup.fmt, activation=act, batch=b, context=None,
+                   ep=self.args.ep, local_experts=setup.e_local, local_slots=slots, touched_experts=touched,
+                   dsv4_us=us, dsv4_timing=how, flops=flops, bytes=nbytes, tflops=flops / us / 1e6,
+                   tbps=nbytes / us / 1e6, torch_us=None, vllm_us=vllm_us)
         if vllm_us is not None:
-            # Humming's time covers its two GEMMs and the activation; routing prep and the
-            # weighted sum (vLLM's own kernels) are not in it; dsv4's covers the whole op
+            # Humming's time covers its two GEMMs, the activation and (W4A8) vLLM's GEMM1
+            # input quantization; routing prep and the weighted sum (vLLM's own kernels)
+            # are not in it; dsv4's covers the whole op
             ref = self.humming(sets[0]["x"], sets[0]["tw"], plans[0]).float()
-            row.update(vllm_kernel="Humming W4A16", vllm_ratio=vllm_us / us,
+            row.update(vllm_kernel=incumbent, vllm_ratio=vllm_us / us,
                        vllm_rel_diff=num(((outs[0].float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
                                          .item()))
         if setup.w13_bf16 is None:
@@ -369,7 +402,7 @@ class Sweep:
                                            shape.swiglu_limit)
             baseline[b] = self.timer([functools.partial(base, s) for s in sets]) + (base,)
         row["torch_us"], row["torch_timing"], base = baseline[b]
-        row["torch_bytes"] = touched * L.moe_expert_bytes(shape, bf16=True)
+        row["torch_bytes"] = touched * L.moe_expert_bytes(shape, "bf16")
         ref = base(sets[0]).float()
         L.dsv4_moe(sets[0], setup, act, outs[0], scales)
         row["rel_diff"] = num(((outs[0].float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item())
@@ -401,17 +434,17 @@ def step_rows(sweep: Sweep) -> list[dict]:
     a = sweep.args
     for m in a.models:
         layers = sweep.shapes[m].layers
-        for act in a.acts:
+        for fmt, act in a.moe:
             for ctx in a.context:
                 for b in a.batch:
-                    row = dict(model=m, activation=act, batch=b, context=ctx, layers=dict(layers))
+                    row = dict(model=m, format=fmt, activation=act, batch=b, context=ctx, layers=dict(layers))
                     for impl in ("dsv4", "torch", "vllm"):
                         attn = {}
                         for kind in KINDS:
                             r = find(sweep.rows, model=m, component="attn_" + kind, batch=b,
                                      context=None if kind == "swa" else ctx)
                             attn[kind] = r.get(impl + "_us") if r else None
-                        moe = find(sweep.rows, model=m, component="moe", activation=act, batch=b)
+                        moe = find(sweep.rows, model=m, component="moe", format=fmt, activation=act, batch=b)
                         row[impl] = L.step_estimate(layers, attn, moe.get(impl + "_us") if moe else None)
                     d, t, v = row["dsv4"], row["torch"], row["vllm"]
                     row["speedup"] = t["total_us"] / d["total_us"] if d and t else None
@@ -439,7 +472,8 @@ def fmt_ms(x) -> str:
 def component_label(sweep, r) -> str:
     s = sweep.shapes[r["model"]]
     if r["component"] == "moe":
-        return f"MoE {ACT_LABEL[r['activation']]}, EP{sweep.args.ep} ({s.n_experts // sweep.args.ep} local)"
+        return (f"MoE {MOE_LABEL[(r['format'], r['activation'])]}, EP{sweep.args.ep} "
+                f"({s.n_experts // sweep.args.ep} local)")
     kind = r["component"][5:]
     k_win, k_comp = L.attention_keys(kind, s, r["context"] or max(sweep.args.context))
     keys = f"{k_win}" if kind == "swa" else f"{k_win}+{k_comp}"
@@ -474,18 +508,18 @@ def build_tables(sweep: Sweep, steps: list[dict], copy_tbps) -> tuple[list, list
         summary.append((f"{s.name}: one layer, {unit}, dsv4 / torch baseline (speedup)",
                         ["component"] + [f"B={b}" for b in a.batch], rows, None))
         lay = s.layers
-        for act in a.acts:
+        for case in a.moe:
             rows = []
             for ctx in a.context:
                 cells = [fmt_ctx(ctx)]
                 for b in a.batch:
-                    st = find(steps, model=m, activation=act, batch=b, context=ctx)
+                    st = find(steps, model=m, format=case[0], activation=case[1], batch=b, context=ctx)
                     d, t = st["dsv4"], st["torch"]
                     cells.append(f"{fmt_ms(d and d['total_us'])} / {fmt_ms(t and t['total_us'])}"
                                  + (f" ({fmt_ratio(st['speedup'])})" if st["speedup"] else ""))
                 rows.append(cells)
             summary.append((f"{s.name}: decode step estimate, ms{' (CPU)' if sweep.cpu else ''}, dsv4 / torch "
-                            f"(speedup), MoE {ACT_LABEL[act]}",
+                            f"(speedup), MoE {MOE_LABEL[case]}",
                             ["context"] + [f"B={b}" for b in a.batch], rows,
                             f"{lay['swa']} SWA + {lay['csa']} CSA + {lay['hca']} HCA attention layers, "
                             f"{sum(lay.values())} routed-MoE layers; kernels only (see 'not included')"))
@@ -501,19 +535,24 @@ def build_tables(sweep: Sweep, steps: list[dict], copy_tbps) -> tuple[list, list
                 rows.append(cells)
             summary.append((f"{s.name}: one layer, us, dsv4 / vLLM 0.33 kernels (ratio = vLLM / dsv4)",
                             ["component"] + [f"B={b}" for b in a.batch], rows,
-                            "vLLM 0.33 kernels: FlashMLA SM90 sparse decode (attention), Humming W4A16 (MoE, its "
-                            "GEMMs + activation only); same inputs, same timer call"))
-            if "bf16" in a.acts:
+                            "vLLM 0.33 kernels: FlashMLA SM90 sparse decode (attention); Humming W4A16 (NVFP4 "
+                            "W4A16) and Humming W4A8 (MXFP4 W4A8, with vLLM's GEMM1 input quantization) for the MoE, "
+                            "their GEMMs + activation only; same inputs, same timer call"))
+            for case in a.moe:
+                if not any(r.get("vllm_us") for r in sweep.rows if r["model"] == m and r["component"] == "moe"
+                           and (r["format"], r["activation"]) == case):
+                    continue
                 rows = []
                 for ctx in a.context:
                     cells = [fmt_ctx(ctx)]
                     for b in a.batch:
-                        st = find(steps, model=m, activation="bf16", batch=b, context=ctx)
+                        st = find(steps, model=m, format=case[0], activation=case[1], batch=b, context=ctx)
                         d, v = st["dsv4"], st["vllm"]
                         cells.append(f"{fmt_ms(d and d['total_us'])} / {fmt_ms(v and v['total_us'])}"
                                      + (f" ({st['vllm_ratio']:.2f}x)" if st["vllm_ratio"] else ""))
                     rows.append(cells)
-                summary.append((f"{s.name}: decode step estimate, ms, dsv4 / vLLM 0.33 kernels (ratio), MoE W4A16",
+                summary.append((f"{s.name}: decode step estimate, ms, dsv4 / vLLM 0.33 kernels (ratio), MoE "
+                                f"{MOE_LABEL[case]} vs {MOE_INCUMBENTS[case]}",
                                 ["context"] + [f"B={b}" for b in a.batch], rows,
                                 "the same sum over the layer schedule with each layer's incumbent time"))
         rows = []
@@ -535,7 +574,7 @@ def build_tables(sweep: Sweep, steps: list[dict], copy_tbps) -> tuple[list, list
         detail.append((f"{s.name}: all cases", ["component", "B", f"dsv4 {unit}", "TB/s", "% copy", "TFLOP/s",
                                                 f"torch {unit}", "speedup", "diff", "vLLM us", "vs vLLM", "note"],
                        rows,
-                       "TB/s = bytes read (cache rows / touched NVFP4 experts) + q/out per time; % of the device "
+                       "TB/s = bytes read (cache rows / touched FP4 experts) + q/out per time; % of the device "
                        "copy bandwidth measured in this run; diff = max |dsv4 - torch| (attention) or max |diff| / "
                        "max |torch| (MoE)"))
     return summary, detail
@@ -582,6 +621,11 @@ def notes(sweep: Sweep) -> list[str]:
     out.append(f"MoE: one token per sequence (B tokens per call), random top-6 routing over all experts, expert map = rank 0 of "
                f"EP{a.ep} (~6/{a.ep} local slots per token); torch baseline = bf16 torch._grouped_mm MoE over "
                "the dequantized local experts.")
+    if any(f == "mxfp4" for f, _ in a.moe):
+        out.append("MXFP4 experts: DeepSeek V4's native format in vLLM's layout (e2m1 codes, one e8m0 scale per 32), "
+                   "random codes and scales; W4A8 quantizes GEMM1's input and the SwiGLU output to FP8 per token and "
+                   "128 elements (GEMM1 scales rounded up to powers of two, vLLM 0.33.0's Hopper default), W4A16 "
+                   "keeps bf16 activations.")
     if sweep.vs_line:
         out.append(sweep.vs_line)
     out.append("step estimate = sum over the layer schedule of one attention call per layer (its type) + one "
@@ -603,7 +647,7 @@ def plot_components(sweep: Sweep, path: str) -> None:
         for j, comp in enumerate(comps):
             ax = axes[i][j]
             if comp == "moe":
-                series = [(ACT_LABEL[act], dict(component=comp, activation=act)) for act in a.acts]
+                series = [(MOE_LABEL[(f, act)], dict(component=comp, format=f, activation=act)) for f, act in a.moe]
             elif comp == "attn_swa":
                 series = [("any ctx", dict(component=comp, context=None))]
             else:
@@ -612,7 +656,7 @@ def plot_components(sweep: Sweep, path: str) -> None:
                 rs = [find(sweep.rows, model=m, batch=b, **key) for b in a.batch]
                 for impl, style in (("dsv4", "o-"), ("torch", "s--")):
                     if comp == "moe" and impl == "torch" and k > 0:
-                        continue  # one baseline line: it does not depend on the activation mode
+                        continue  # one baseline line: it does not depend on the format or activation mode
                     pts = [(b, r[impl + "_us"]) for b, r in zip(a.batch, rs) if r and r.get(impl + "_us")]
                     if pts:
                         name = f"dsv4 {lab}" if impl == "dsv4" else (f"torch {lab}" if comp != "moe" else
@@ -651,7 +695,8 @@ def plot_vllm_ratio(sweep: Sweep, path: str) -> bool:
         series = [("SWA", dict(component="attn_swa", context=None))]
         series += [(f"{k.upper()} {fmt_ctx(c)}", dict(component="attn_" + k, context=c))
                    for k in ("csa", "hca") for c in a.context]
-        series += [("MoE W4A16", dict(component="moe", activation="bf16"))]
+        series += [(f"MoE {MOE_LABEL[c]}", dict(component="moe", format=c[0], activation=c[1]))
+                   for c in a.moe if c in MOE_INCUMBENTS]
         for lab, key in series:
             pts = [(b, r["vllm_us"] / r["dsv4_us"]) for b in a.batch
                    for r in [find(sweep.rows, model=m, batch=b, **key)] if r and r.get("vllm_us") and r.get("dsv4_us")]
@@ -662,7 +707,7 @@ def plot_vllm_ratio(sweep: Sweep, path: str) -> bool:
         ax.set_xticks(a.batch, [str(b) for b in a.batch])
         ax.set_xlabel("batch (sequences decoding)")
         ax.set_ylabel("vLLM 0.33 kernel time / dsv4 time")
-        ax.set_title(f"{sweep.shapes[m].name}: > 1 = dsv4 faster (FlashMLA SM90, Humming W4A16)", fontsize=10)
+        ax.set_title(f"{sweep.shapes[m].name}: > 1 = dsv4 faster (FlashMLA SM90, Humming)", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -686,7 +731,7 @@ def plot_steps(sweep: Sweep, steps: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     a = sweep.args
-    act = a.acts[0]
+    case = a.moe[0]
     parts = [("swa_us", "SWA attn"), ("csa_us", "CSA attn"), ("hca_us", "HCA attn"), ("moe_us", "routed MoE")]
     colors = ["#8da0cb", "#66c2a5", "#fc8d62", "#e78ac3"]
     fig, axes = plt.subplots(len(a.models), 1, figsize=(max(10, 1.1 * len(a.batch) * len(a.context) + 2),
@@ -695,7 +740,7 @@ def plot_steps(sweep: Sweep, steps: list[dict], path: str) -> None:
         ax = axes[i][0]
         labels, totals = [], []
         for x, (ctx, b) in enumerate((c, b) for c in a.context for b in a.batch):
-            st = find(steps, model=m, activation=act, batch=b, context=ctx)
+            st = find(steps, model=m, format=case[0], activation=case[1], batch=b, context=ctx)
             labels.append(f"B={b}\n{fmt_ctx(ctx)}")
             for impl, dx, hatch in (("dsv4", -0.2, None), ("torch", 0.2, "//")):
                 est = st[impl]
@@ -718,7 +763,7 @@ def plot_steps(sweep: Sweep, steps: list[dict], path: str) -> None:
                       + (", log scale" if scale == "log" else ""))
         lay = sweep.shapes[m].layers
         ax.set_title(f"{sweep.shapes[m].name}: estimated decode step, left bar dsv4, right (hatched) bar torch\n"
-                     f"MoE {ACT_LABEL[act]} EP{a.ep}; {lay['swa']} SWA + {lay['csa']} CSA + {lay['hca']} HCA layers; "
+                     f"MoE {MOE_LABEL[case]} EP{a.ep}; {lay['swa']} SWA + {lay['csa']} CSA + {lay['hca']} HCA layers; "
                      "kernels only", fontsize=9)
         if scale == "linear":
             ax.margins(y=0.12)
@@ -786,7 +831,7 @@ def run(args) -> int:
     if sweep.vs_line:
         console.print(sweep.vs_line, highlight=False)
     console.print(f"{' + '.join(sweep.shapes[m].name for m in args.models)}: batch {args.batch}, context "
-                  f"{[fmt_ctx(c) for c in args.context]}, EP{args.ep}, MoE {'/'.join(ACT_LABEL[a] for a in args.acts)}, "
+                  f"{[fmt_ctx(c) for c in args.context]}, EP{args.ep}, MoE {'/'.join(MOE_LABEL[c] for c in args.moe)}, "
                   f"{sweep.n_cases()} cases", highlight=False)
     with Progress(TextColumn("[bold]decode latency"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=Console(stderr=True)) as bar:
@@ -804,7 +849,9 @@ def run(args) -> int:
               ("components_png", "latency_vs_batch.png"), ("steps_png", "step_breakdown.png"))}
     meta = dict(mode="cpu-reference" if sweep.cpu else "cuda", started=t0.isoformat(timespec="seconds"),
                 seconds=round((datetime.datetime.now() - t0).total_seconds(), 1), argv=args.argv,
-                batch=args.batch, context=args.context, ep=args.ep, activation=args.acts, iters=args.iters,
+                batch=args.batch, context=args.context, ep=args.ep, moe_format=args.moe_format,
+                moe_cases=[dict(format=f, activation=act, label=MOE_LABEL[(f, act)]) for f, act in args.moe],
+                iters=args.iters,
                 input_sets=sweep.n_sets, copy_tbps=copy_tbps, device=device_info(sweep), notes=notes(sweep),
                 not_included=L.NOT_INCLUDED,
                 layer_schedule_source="compress_ratios of each checkpoint's HF config.json "

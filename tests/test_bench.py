@@ -1,9 +1,12 @@
-"""CPU tests of the benchmark package (dsv4.bench): the incumbents' finder degrades
-cleanly, the fetch script's extraction, the input builder's shapes and strides against
-what FlashMLA's interface documents, the comparison CLI's dry run."""
+"""CPU tests of the benchmark package (dsv4.bench) and scripts/bench_moe.py: the
+incumbents' finder degrades cleanly, the fetch script's extraction, the input builders'
+shapes and strides against what FlashMLA's interface and vLLM's MoE layouts document, the
+MoE format cases (NVFP4, MXFP4 W4A8 / W4A16) on the CPU reference path, the comparison
+CLI's dry run."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import stat
@@ -12,7 +15,7 @@ import zipfile
 import pytest
 import torch
 
-from dsv4 import formats
+from dsv4 import formats, mxfp4
 from dsv4.bench import anchors as A
 from dsv4.bench import compare
 from dsv4.bench import inputs as I
@@ -27,7 +30,7 @@ def test_find_anchors_without_anything_names_every_missing_incumbent(no_env, tmp
     a = A.find_anchors([str(tmp_path)], load=False)
     assert not a.flashmla and a.humming is None
     if A._installed_version("vllm") != A.VLLM_VERSION:
-        assert set(a.missing) >= {"flashmla", "moe_c"}
+        assert set(a.missing) >= {"flashmla", "moe_c", "vllm_c"}
         assert "flashmla" in a.summary() and "missing" in a.summary()
     if A._installed_version("humming-kernels") != A.HUMMING_VERSION:
         assert "humming" in a.missing
@@ -91,16 +94,20 @@ def test_fetch_from_a_wheel_folder_writes_manifests(tmp_path):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     _fake_wheel(wheels / f"vllm-{A.VLLM_VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl",
-                {f: b"x" * 10 for f in A.FLASHMLA_FILES + A.MOE_C_FILES})
+                {f: b"x" * 10 for f in A.FLASHMLA_FILES + A.MOE_C_FILES + A.VLLM_C_FILES})
     _fake_wheel(wheels / f"humming_kernels-{A.HUMMING_VERSION}-cp310-abi3-manylinux_2_28_x86_64.whl",
                 {"humming/__init__.py": b"", "humming/forward.py": b"y" * 3})
-    taken = A.fetch(str(tmp_path / "a"), moe_c_dest=str(tmp_path / "m"), wheel_dir=str(wheels))
+    taken = A.fetch(str(tmp_path / "a"), moe_c_dest=str(tmp_path / "m"), vllm_c_dest=str(tmp_path / "c"),
+                    wheel_dir=str(wheels))
     assert {(os.path.basename(d), n) for d, n, _ in taken} >= {("a", A.FLASHMLA_FILES[0]), ("m", A.MOE_C_FILES[0]),
-                                                              ("a", "humming/forward.py")}
+                                                              ("c", A.VLLM_C_FILES[0]), ("a", "humming/forward.py")}
     man = json.loads((tmp_path / "a" / A.MANIFEST).read_text())
     assert man["versions"] == {"vllm": A.VLLM_VERSION, "humming-kernels": A.HUMMING_VERSION}
-    assert not (tmp_path / "a" / A.MOE_C_FILES[0]).exists()  # the 46 MB library goes to its own folder
-    assert A.find_anchors([str(tmp_path / "a")], load=False).sources.get("flashmla")
+    for big in A.MOE_C_FILES + A.VLLM_C_FILES:  # the 46 MB and 92 MB libraries go to folders of their own
+        assert not (tmp_path / "a" / big).exists()
+    assert json.loads((tmp_path / "c" / A.MANIFEST).read_text())["versions"] == {"vllm": A.VLLM_VERSION}
+    found = A.find_anchors([str(tmp_path / "a"), str(tmp_path / "c")], load=False)
+    assert found.sources.get("flashmla") and found.vllm_c and found.sources["vllm_c"].startswith(str(tmp_path / "c"))
     with pytest.raises(ValueError, match="must hold"):
         A.fetch(str(tmp_path / "b"), wheel_dir=str(tmp_path / "a"))
 
@@ -181,7 +188,7 @@ def test_align_routes_semantics():
 def test_compare_dry_run_prints_cases_and_the_missing_incumbents(no_env, capsys):
     assert compare.main(["--dry-run", "--batch", "1,4", "--context", "4K", "--moe-m", "1", "--tokens", "16"]) == 0
     out = capsys.readouterr().out
-    assert "V4-Pro CSA 4K B=4" in out and "V4.1-Flash local-48 M=1" in out and "prefill" in out
+    assert "V4-Pro CSA 4K B=4" in out and "V4.1-Flash local-48 NVFP4 W4A16 M=1" in out and "prefill" in out
     if A._installed_version("vllm") != A.VLLM_VERSION:
         assert "missing" in out and "flashmla" in out
 
@@ -197,3 +204,155 @@ def test_compare_rejects_bad_lists(no_env, bad, capsys):
 def test_compare_rejects_unknown_names(no_env, capsys):
     assert compare.main(["--dry-run", "--models", "flash,nope"]) == 2
     assert "--models takes flash, pro; got nope" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------
+# MoE formats: NVFP4, MXFP4 W4A8 / W4A16
+# --------------------------------------------------------------------------------------
+
+
+def test_random_mxfp4_experts_are_vllms_deepseek_v4_layout():
+    m = I.MoeModel("tiny", 128, 96, 16, 3)
+    w = I.moe_experts(m, "cpu", fmt="mxfp4")
+    assert set(w) == {"w13", "w13_scale", "w2", "w2_scale"}
+    shapes = {"w13": (3, 192, 64), "w13_scale": (3, 192, 4), "w2": (3, 128, 48), "w2_scale": (3, 128, 3)}
+    for k, shape in shapes.items():
+        assert w[k].dtype == torch.uint8 and tuple(w[k].shape) == shape, (k, w[k].dtype, w[k].shape)
+    assert 118 <= int(w["w13_scale"].min()) and int(w["w2_scale"].max()) <= 122
+    vals = mxfp4.dequantize_mxfp4_experts(w["w13"], w["w13_scale"])
+    assert bool(torch.isfinite(vals).all()) and 0.005 < float(vals.abs().mean()) < 0.1  # O(0.02), like real weights
+    again = I.moe_experts(m, "cpu", fmt="mxfp4")
+    assert all(torch.equal(w[k], again[k]) for k in w)  # seeded
+    assert not torch.equal(w["w13"], I.moe_experts(m, "cpu", seed=2, fmt="mxfp4")["w13"])
+    with pytest.raises(ValueError, match="fmt must be one of nvfp4, mxfp4"):
+        I.moe_experts(m, "cpu", fmt="mxfp8")
+    assert I.MOE_FORMATS["nvfp4"][1] == 9 / 16 and I.MOE_FORMATS["mxfp4"][1] == 17 / 32
+
+
+def test_moe_format_names_and_cases():
+    assert I.moe_format_list("mxfp4-w4a8, nvfp4,mxfp4-w4a8") == ["mxfp4-w4a8", "nvfp4"]
+    for bad in ("fp8", "nvfp4,", "mxfp4"):
+        with pytest.raises(Exception, match="nvfp4, mxfp4-w4a8, mxfp4-w4a16"):
+            I.moe_format_list(bad)
+    assert I.moe_cases(["nvfp4", "mxfp4-w4a8", "mxfp4-w4a16"]) == [("nvfp4", "bf16"), ("mxfp4", "fp8"),
+                                                                   ("mxfp4", "bf16")]
+    assert I.moe_cases(["mxfp4-w4a16", "nvfp4"], ["bf16", "nvfp4"]) == [("mxfp4", "bf16"), ("nvfp4", "bf16"),
+                                                                         ("nvfp4", "nvfp4")]
+    assert {I.MOE_LABELS[c] for c in I.moe_cases(["mxfp4-w4a8", "mxfp4-w4a16"])} == {"MXFP4 W4A8", "MXFP4 W4A16"}
+
+
+def test_compare_dry_run_lists_the_w4a8_row_set(no_env, capsys):
+    argv = ["--dry-run", "--only", "moe", "--moe-models", "flash,v41flash", "--moe-m", "1,64"]
+    assert compare.main(argv) == 0
+    out = capsys.readouterr().out
+    for model in ("V4-Flash local-32", "V4.1-Flash local-48"):
+        for M in (1, 64):  # the W4A8 rows at the same models and M as the W4A16 ones
+            assert f"{model} NVFP4 W4A16 M={M}" in out and f"{model} MXFP4 W4A8 M={M}" in out
+    assert "Humming W4A8" in out and "8 cases listed" in out
+    assert compare.main(argv + ["--moe-format", "nvfp4"]) == 0
+    out = capsys.readouterr().out
+    assert "MXFP4" not in out and "4 cases listed" in out
+    assert compare.main(argv + ["--moe-format", "mxfp4-w4a8"]) == 0
+    assert "NVFP4" not in capsys.readouterr().out
+
+
+def test_compare_rejects_moe_formats_without_an_incumbent(no_env, capsys):
+    assert compare.main(["--dry-run", "--moe-format", "mxfp4-w4a16"]) == 2
+    assert "--moe-format takes nvfp4, mxfp4-w4a8; got mxfp4-w4a16" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        compare.main(["--dry-run", "--moe-format", "w4a8"])
+    assert e.value.code == 2
+
+
+def test_markdown_has_one_moe_table_per_format():
+    rows = [dict(op="moe", model="V4-Flash local-32", kind=kind, batch=1, dsv4_us=10.0, tflops=1.0, tbps=1.0,
+                 incumbent=inc, incumbent_us=12.0, ratio=1.2, rel_l2=1e-2)
+            for kind, inc in (("NVFP4 W4A16", "Humming W4A16"), ("MXFP4 W4A8", "Humming W4A8"))]
+    md = compare.markdown(rows)
+    assert "Routed-expert MoE (NVFP4 W4A16), dsv4 vs Humming W4A16" in md
+    assert "Routed-expert MoE (MXFP4 W4A8), dsv4 vs Humming W4A8" in md
+    assert md.count("| V4-Flash local-32 | 1 | 10.0 | 12.0 | 1.20x |") == 2
+
+
+def test_humming_w4a8_needs_vllms_quantizer():
+    from dsv4.bench.incumbents import HummingW4A8
+
+    if hasattr(torch.ops._C, "per_token_group_fp8_quant"):
+        pytest.skip("vLLM's kernel library is loaded in this process")
+    with pytest.raises(RuntimeError, match="per_token_group_fp8_quant.*vllm_c"):
+        HummingW4A8({}, 256, 10.0)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def bench_moe():
+    spec = importlib.util.spec_from_file_location("bench_moe", os.path.join(ROOT, "scripts", "bench_moe.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_moe_vs_vllm_passes_the_formats_to_compare(no_env, bench_moe, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # compare lists the cases, times nothing
+    base = ["--vs", "vllm", "--models", "flash", "--decode", "1", "--prefill", ""]
+    assert bench_moe.main(base) == 0
+    out = capsys.readouterr().out
+    assert "V4-Flash local-32 NVFP4 W4A16 M=1" in out and "V4-Flash local-32 MXFP4 W4A8 M=1" in out
+    assert "2 cases listed" in out  # --prefill '' adds none
+    assert bench_moe.main(base + ["--moe-format", "mxfp4-w4a8"]) == 0
+    out = capsys.readouterr().out
+    assert "MXFP4 W4A8 M=1" in out and "NVFP4" not in out
+
+
+@pytest.mark.parametrize("argv", [["--moe-format", "mxfp4-w4a8", "--activation", "nvfp4"],
+                                  ["--moe-format", "nvfp4,fp8"]])
+def test_bench_moe_rejects_bad_formats(bench_moe, argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_moe.main(argv)
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt,act,tol", [("nvfp4", "bf16", 0.02), ("mxfp4", "bf16", 0.02), ("mxfp4", "fp8", 0.1)])
+def test_bench_moe_cases_on_the_cpu_reference_path(bench_moe, fmt, act, tol):
+    """make_weights + moe_call of every MoE case (the CPU kernels are the float32
+    references) against the script's bf16 baseline on the same dequantized weights:
+    W4A16 within bf16 rounding, W4A8 within its FP8 activation rounding (e4m3, up to
+    2^-4 relative per element at GEMM1's and GEMM2's inputs) and visibly above W4A16's
+    difference (the FP8 mode really ran)."""
+    m = dict(K=256, N=128, E_global=16, E_local=10)  # two chunks of the 8-expert builder
+    w, prepared, w13, w2 = bench_moe.make_weights(m, fmt, [act], device="cpu")
+    assert w13.shape == (10, 256, 256) and w2.shape == (10, 256, 128) and w13.dtype == torch.bfloat16
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(12, 256, generator=gen).to(torch.bfloat16)
+    tw, ids = torch.rand(12, 16, generator=gen).topk(6, dim=1)
+    emap = torch.full((16,), -1, dtype=torch.int32)
+    emap[:10] = torch.arange(10, dtype=torch.int32)
+    s = dict(x=x, ids=ids.to(torch.int32), tw=(tw / tw.sum(1, keepdim=True)).float(), emap=emap)
+    out = torch.full((12, 256), float("nan"), dtype=torch.bfloat16)
+    bench_moe.moe_call(fmt, act, prepared[act], s, out)
+    ref = bench_moe.baseline(s, w13, w2, 10, 128).float()
+    diff = float((out.float() - ref).abs().max() / ref.abs().max())
+    assert diff < tol, diff
+    if act == "fp8":
+        w16, p16, _, _ = bench_moe.make_weights(m, fmt, ["bf16"], device="cpu")
+        out16 = torch.empty_like(out)
+        bench_moe.moe_call(fmt, "bf16", p16["bf16"], s, out16)
+        assert float((out.float() - out16.float()).abs().max() / ref.abs().max()) > 0.02
+
+
+def test_moe_incumbent_missing_names_what_each_case_needs():
+    from dsv4.bench.incumbents import MOE_INCUMBENTS, moe_incumbent_missing
+
+    assert MOE_INCUMBENTS == {("nvfp4", "bf16"): "Humming W4A16", ("mxfp4", "fp8"): "Humming W4A8"}
+    everything = A.Anchors(flashmla=True, humming=object(), vllm_c=True)
+    assert moe_incumbent_missing(everything, ("nvfp4", "bf16")) is None
+    assert moe_incumbent_missing(everything, ("mxfp4", "fp8")) is None
+    no_c = A.Anchors(missing={"vllm_c": "not in .anchors"})
+    assert moe_incumbent_missing(no_c, ("nvfp4", "bf16")) is None  # W4A16 does not need it
+    assert moe_incumbent_missing(no_c, ("mxfp4", "fp8")) == "vllm_c: not in .anchors"
+    neither = A.Anchors(missing={"humming": "h", "vllm_c": "c"})
+    assert moe_incumbent_missing(neither, ("mxfp4", "fp8")) == "humming: h; vllm_c: c"
+    assert "no incumbent" in moe_incumbent_missing(everything, ("mxfp4", "bf16"))

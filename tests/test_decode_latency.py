@@ -70,14 +70,14 @@ def test_cpu_reference_step_is_the_schedule_sum(tmp_path):
     assert rc == 0
     data = check_outputs(tmp_path)
     assert data["models"]["pro"]["layers"] == {"swa": 1, "csa": 2, "hca": 3}
-    comp = {(r["component"], r.get("activation")): r for r in data["components"]}
+    comp = {(r["component"], r.get("format"), r.get("activation")): r for r in data["components"]}
     assert len(comp) == 5  # SWA, CSA, HCA, MoE W4A16, MoE W4A4
     assert len(data["steps"]) == 2
     for step in data["steps"]:
-        moe = comp[("moe", step["activation"])]
+        moe = comp[("moe", step["format"], step["activation"])]
         for impl in ("dsv4", "torch"):
-            want = (comp[("attn_swa", None)][impl + "_us"] + 2 * comp[("attn_csa", None)][impl + "_us"]
-                    + 3 * comp[("attn_hca", None)][impl + "_us"] + 6 * moe[impl + "_us"])
+            want = (comp[("attn_swa", None, None)][impl + "_us"] + 2 * comp[("attn_csa", None, None)][impl + "_us"]
+                    + 3 * comp[("attn_hca", None, None)][impl + "_us"] + 6 * moe[impl + "_us"])
             assert step[impl]["total_us"] == pytest.approx(want)
 
 
@@ -93,7 +93,8 @@ def test_without_gpu_one_line_and_nonzero_exit(tmp_path):
 @pytest.mark.parametrize("argv", [
     ["--ep", "3"], ["--ep", "0"], ["--batch", "0"], ["--batch", "a,b"], ["--context", "64"], ["--context", "2M"],
     ["--context", "4G"], ["--iters", "0"], ["--layers", "pro=1,2"], ["--layers", "qwen=1,2,3"],
-    ["--layers", "pro=0,0,0"], ["--model", "v3"], ["--activation", "fp8"],
+    ["--layers", "pro=0,0,0"], ["--model", "v3"], ["--activation", "fp8"], ["--moe-format", "fp8"],
+    ["--moe-format", "nvfp4,"], ["--moe-format", "mxfp4"], ["--moe-format", "mxfp4-w4a8", "--activation", "nvfp4"],
     ["--batch", "1,,2"], ["--batch", "1,2,"], ["--batch", ",1"], ["--batch", ""], ["--batch", "1;2"],
     ["--batch", "1.5"], ["--batch", "-1"], ["--batch", "1_0"], ["--context", "4K,,32K"], ["--context", "4K,"],
 ])
@@ -176,9 +177,13 @@ def test_argument_parsing():
     a = dl.parse_args(["--context", "4K,32k,128K,1M", "--batch", "8,1,8", "--ep", "128"])
     assert a.context == [4096, 32768, 131072, 1 << 20]
     assert a.batch == [1, 8]
-    assert a.models == ["flash", "pro"] and a.acts == ["bf16"] and a.iters == 50
+    assert a.models == ["flash", "pro"] and a.moe == [("nvfp4", "bf16")] and a.iters == 50
     a = dl.parse_args(["--cpu-reference", "--model", "flash"])
     assert (a.batch, a.context, a.iters, a.models) == ([1, 2], [512, 2048], 3, ["flash"])
+    a = dl.parse_args(["--moe-format", "mxfp4-w4a8"])
+    assert a.moe == [("mxfp4", "fp8")]
+    a = dl.parse_args(["--moe-format", "nvfp4,mxfp4-w4a16,mxfp4-w4a8", "--activation", "both"])
+    assert a.moe == [("nvfp4", "bf16"), ("nvfp4", "nvfp4"), ("mxfp4", "bf16"), ("mxfp4", "fp8")]
 
 
 def test_layer_schedules_match_the_models():
@@ -226,8 +231,8 @@ def test_vllm_ratio_plot(tmp_path):
     sweep = dl.Sweep(args, "cpu")
     for b in (1, 8):
         sweep.rows.append(dict(model="flash", component="attn_swa", batch=b, context=None, dsv4_us=20.0, vllm_us=15.0))
-        sweep.rows.append(dict(model="flash", component="moe", activation="bf16", batch=b, context=None,
-                               dsv4_us=30.0, vllm_us=45.0))
+        sweep.rows.append(dict(model="flash", component="moe", format="nvfp4", activation="bf16", batch=b,
+                               context=None, dsv4_us=30.0, vllm_us=45.0))
     path = tmp_path / "r.png"
     assert dl.plot_vllm_ratio(sweep, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -248,3 +253,37 @@ def test_hca_rows_are_vllm_width_with_padding():
     out = torch.empty_like(inp["q"])
     L.dsv4_attention(inp, pools, out)
     assert float((L.torch_attention(inp, pools).float() - out.float()).abs().max()) < 0.05
+
+
+def test_cpu_reference_mxfp4_cases(tmp_path):
+    """--moe-format with the MXFP4 cases beside NVFP4 on the CPU reference path: one MoE
+    row per case, each against the bf16 baseline on its own dequantized weights, the
+    weight bytes of its format, a step estimate per case."""
+    dl = load_script()
+    rc = dl.main(["--cpu-reference", "--model", "flash", "--batch", "2", "--context", "1K", "--iters", "1",
+                  "--ep", "1", "--moe-format", "nvfp4,mxfp4-w4a8,mxfp4-w4a16", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    data = check_outputs(tmp_path)
+    assert [(c["format"], c["activation"]) for c in data["meta"]["moe_cases"]] == [
+        ("nvfp4", "bf16"), ("mxfp4", "fp8"), ("mxfp4", "bf16")]
+    moe = {(r["format"], r["activation"]): r for r in data["components"] if r["component"] == "moe"}
+    assert set(moe) == {("nvfp4", "bf16"), ("mxfp4", "fp8"), ("mxfp4", "bf16")}
+    shape = L.tiny_shape(L.MODELS["flash"])
+    for (fmt, act), r in moe.items():
+        assert r["dsv4_us"] > 0 and r["torch_us"] > 0 and not r.get("error"), r
+        assert r["local_slots"] == 12  # EP1: every route local
+        assert r["bytes"] == pytest.approx(r["touched_experts"] * L.moe_expert_bytes(shape, fmt))
+    # W4A16: bf16 rounding of the baseline only; W4A8: FP8 (e4m3) activations at GEMM1's
+    # and GEMM2's inputs, up to 2^-4 relative per element, well above the W4A16 difference
+    assert moe[("nvfp4", "bf16")]["rel_diff"] < 0.05 and moe[("mxfp4", "bf16")]["rel_diff"] < 0.05
+    assert 2 * moe[("mxfp4", "bf16")]["rel_diff"] < moe[("mxfp4", "fp8")]["rel_diff"] < 0.1
+    assert L.moe_expert_bytes(shape, "mxfp4") / L.moe_expert_bytes(shape, "nvfp4") == pytest.approx(17 / 18)
+    attn = sum(r["dsv4_us"] * shape.layers[r["component"][5:]] for r in data["components"]
+               if r["component"] != "moe")
+    assert len(data["steps"]) == 3
+    for st in data["steps"]:
+        want = attn + shape.n_layers * moe[(st["format"], st["activation"])]["dsv4_us"]
+        assert st["dsv4"]["total_us"] == pytest.approx(want)
+    md = (tmp_path / "decode_latency.md").read_text()
+    assert "MoE MXFP4 W4A8, EP1" in md and "MoE MXFP4 W4A16, EP1" in md and "MoE NVFP4 W4A16, EP1" in md
+    assert any("MXFP4 experts" in n for n in data["meta"]["notes"])

@@ -8,7 +8,10 @@ The incumbents are what vLLM 0.33.0 runs for DeepSeek V4 on Hopper:
 * ``humming``: the ``humming-kernels==0.1.19`` package (JIT through NVRTC at first use),
   vLLM's MoE kernel on compute capability 9.0;
 * ``moe_c``: ``vllm/_moe_C_stable_libtorch.abi3.so`` (Marlin's MoE GEMM and vLLM's
-  ``moe_align_block_size`` routing prep).
+  ``moe_align_block_size`` routing prep);
+* ``vllm_c``: ``vllm/_C_stable_libtorch.abi3.so`` (92 MB; vLLM's own kernels, among them
+  ``per_token_group_fp8_quant``, which quantizes the block-FP8 MoE input before Humming
+  W4A8's GEMM1).
 
 Nothing of them is part of dsv4. They are found, in this order, in
 
@@ -37,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 __all__ = ["VLLM_VERSION", "HUMMING_VERSION", "ENV_VAR", "Anchors", "find_anchors", "extract_wheel", "fetch",
-           "FLASHMLA_FILES", "MOE_C_FILES", "HUMMING_PREFIX"]
+           "FLASHMLA_FILES", "MOE_C_FILES", "VLLM_C_FILES", "HUMMING_PREFIX"]
 
 VLLM_VERSION = "0.33.0"
 HUMMING_VERSION = "0.1.19"
@@ -45,6 +48,7 @@ ENV_VAR = "DSV4_ANCHORS"
 MANIFEST = "MANIFEST.json"
 FLASHMLA_FILES = ("vllm/_flashmla_C.abi3.so", "vllm/third_party/flashmla/flash_mla_interface.py")
 MOE_C_FILES = ("vllm/_moe_C_stable_libtorch.abi3.so",)
+VLLM_C_FILES = ("vllm/_C_stable_libtorch.abi3.so",)
 HUMMING_PREFIX = "humming/"
 
 
@@ -55,6 +59,7 @@ class Anchors:
     flashmla: bool = False
     humming: object = None  # the imported humming module
     moe_c: bool = False
+    vllm_c: bool = False
     sources: dict = field(default_factory=dict)  # incumbent -> where it came from
     missing: dict = field(default_factory=dict)  # incumbent -> why it is absent
 
@@ -125,7 +130,7 @@ def find_anchors(paths=None, *, load: bool = True) -> Anchors:
     """
     a = Anchors()
     folders = _folders(paths)
-    libs = {"flashmla": FLASHMLA_FILES[0], "moe_c": MOE_C_FILES[0]}
+    libs = {"flashmla": FLASHMLA_FILES[0], "moe_c": MOE_C_FILES[0], "vllm_c": VLLM_C_FILES[0]}
     for name, rel in libs.items():
         why = []
         for d in folders:
@@ -238,11 +243,12 @@ def write_manifest(dest: str, versions: dict, taken: list) -> None:
         json.dump({"versions": {**old.get("versions", {}), **versions}, "files": files}, f, indent=1, sort_keys=True)
 
 
-def fetch(dest: str, *, moe_c_dest: Optional[str] = None, wheel_dir: Optional[str] = None,
-          pip=(sys.executable, "-m", "pip")) -> list[tuple[str, str, int]]:
+def fetch(dest: str, *, moe_c_dest: Optional[str] = None, vllm_c_dest: Optional[str] = None,
+          wheel_dir: Optional[str] = None, pip=(sys.executable, "-m", "pip")) -> list[tuple[str, str, int]]:
     """Downloads the vLLM and humming wheels (``pip download --no-deps``) unless
-    ``wheel_dir`` already holds them, and extracts FlashMLA and humming into ``dest`` and
-    vLLM's MoE library (46 MB) into ``moe_c_dest`` when given. Returns [(folder, member, size)]."""
+    ``wheel_dir`` already holds them, and extracts FlashMLA and humming into ``dest``,
+    vLLM's MoE library (46 MB) into ``moe_c_dest`` and vLLM's own kernel library (92 MB)
+    into ``vllm_c_dest`` when given. Returns [(folder, member, size)]."""
     tmp = None
     if wheel_dir is None:
         wheel_dir = tmp = tempfile.mkdtemp(prefix="dsv4-anchors-")
@@ -263,11 +269,12 @@ def fetch(dest: str, *, moe_c_dest: Optional[str] = None, wheel_dir: Optional[st
         taken = extract_wheel(os.path.join(wheel_dir, hum_whl[0]), dest, prefixes=(HUMMING_PREFIX,))
         write_manifest(dest, {"humming-kernels": HUMMING_VERSION}, taken)
         out += [(dest, n, s) for n, s in taken]
-        if moe_c_dest:
-            os.makedirs(moe_c_dest, exist_ok=True)
-            taken = extract_wheel(os.path.join(wheel_dir, vllm_whl[0]), moe_c_dest, files=MOE_C_FILES)
-            write_manifest(moe_c_dest, {"vllm": VLLM_VERSION}, taken)
-            out += [(moe_c_dest, n, s) for n, s in taken]
+        for lib_dest, files in ((moe_c_dest, MOE_C_FILES), (vllm_c_dest, VLLM_C_FILES)):
+            if lib_dest:
+                os.makedirs(lib_dest, exist_ok=True)
+                taken = extract_wheel(os.path.join(wheel_dir, vllm_whl[0]), lib_dest, files=files)
+                write_manifest(lib_dest, {"vllm": VLLM_VERSION}, taken)
+                out += [(lib_dest, n, s) for n, s in taken]
         return out
     finally:
         if tmp:

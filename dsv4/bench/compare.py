@@ -2,19 +2,22 @@
 
     python -m dsv4.bench.compare [--anchors DIR[:DIR]] [--only decode,prefill,moe]
         [--models flash,pro] [--batch 1,2,...] [--context 4K,32K,128K] [--tokens 4096,16384]
-        [--moe-models flash,pro,v41flash] [--moe-m 1,8,...] [--iters 30] [--json PATH] [--dry-run]
+        [--moe-models flash,pro,v41flash] [--moe-m 1,8,...] [--moe-format nvfp4,mxfp4-w4a8]
+        [--iters 30] [--json PATH] [--dry-run]
 
 Every case: dsv4 and the incumbent timed in the same :func:`dsv4.bench.timing.time_us`
 call (same inputs, same process, interleaved, CUDA-graph replay, cold L2), the ratio
 ``incumbent us / dsv4 us`` (> 1: dsv4 faster), and the largest output difference of the
-two on that case's first input set. Without the incumbents (see
-:mod:`dsv4.bench.anchors`) dsv4 runs alone and one line says why; ``--dry-run`` lists the
-cases and the incumbents found without a GPU.
+two on that case's first input set. MoE: NVFP4 W4A16 vs Humming W4A16 and MXFP4 W4A8
+(DeepSeek V4's native experts) vs Humming W4A8, the two paths vLLM 0.33.0 takes on
+Hopper. Without the incumbents (see :mod:`dsv4.bench.anchors`) dsv4 runs alone and one
+line says why; ``--dry-run`` lists the cases and the incumbents found without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import sys
@@ -24,6 +27,7 @@ import torch
 
 from . import inputs as I
 from .anchors import Anchors, find_anchors
+from .incumbents import MOE_INCUMBENTS
 
 SCALE = 512**-0.5
 DEFAULT_BATCH = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -157,60 +161,73 @@ def prefill_rows(anchors: Anchors, models, tokens, iters: int, copy_tbps: float)
     return rows
 
 
-def moe_rows(anchors: Anchors, models, Ms, iters: int) -> list[dict]:
-    from ..moe import nvfp4_moe, prepare_nvfp4_moe_weights
-    from .incumbents import HummingW4A16
+DEFAULT_MOE_FORMATS = ["nvfp4", "mxfp4-w4a8"]  # the --moe-format names with an incumbent
+NVFP4_KEYS = ("w13", "w13_scale", "w13_scale_2", "w2", "w2_scale", "w2_scale_2")
+
+
+def moe_rows(anchors: Anchors, models, Ms, iters: int, cases=(("nvfp4", "bf16"),)) -> list[dict]:
+    from .. import nvfp4_moe, prepare_moe_weights, prepare_nvfp4_moe_weights, routed_moe
+    from .incumbents import HummingW4A8, HummingW4A16, moe_incumbent_missing
     from .timing import time_us
 
     dev = "cuda"
     rows = []
-    for mname in models:
-        m = I.MOE_MODELS[mname]
-        w = I.moe_experts(m, dev)
-        prepared = prepare_nvfp4_moe_weights(*(w[k] for k in ("w13", "w13_scale", "w13_scale_2", "w2", "w2_scale",
-                                                              "w2_scale_2")))
-        hum, why = None, anchors.missing.get("humming")
-        if anchors.humming is not None:
-            try:
-                hum = HummingW4A16(w, m.E_global, m.swiglu_limit)
-            except Exception as e:  # report, keep dsv4's numbers
-                why = f"Humming conversion failed: {type(e).__name__}: {e}"
-                print(f"{m.name}: {why}", flush=True)
-        del w
-        for M in Ms:
-            sets = [I.moe_routing(m, M, dev, seed) for seed in range(N_SETS)]
-            outs = [torch.empty(M, m.K, dtype=torch.bfloat16, device=dev) for _ in sets]
-            variants = {"dsv4": [(lambda s=s, o=o: nvfp4_moe(s["x"], s["ids"], s["tw"], prepared, expert_map=s["emap"],
-                                                              swiglu_limit=m.swiglu_limit, check_ids=False, out=o))
-                                 for s, o in zip(sets, outs)]}
-            plans = None
-            if hum is not None:
+    for case in cases:
+        fmt, act = case
+        kind, inc_name = I.MOE_LABELS[case], MOE_INCUMBENTS[case]
+        for mname in models:
+            m = I.MOE_MODELS[mname]
+            w = I.moe_experts(m, dev, fmt=fmt)
+            if fmt == "nvfp4":
+                prepared = prepare_nvfp4_moe_weights(*(w[k] for k in NVFP4_KEYS))
+                op = nvfp4_moe
+            else:
+                prepared = prepare_moe_weights(w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], format=fmt,
+                                               activation=act)
+                op = routed_moe
+            hum, why = None, moe_incumbent_missing(anchors, case)
+            if why is None:
                 try:
-                    plans = [hum.plan(s["ids"], s["emap"]) for s in sets]
-                    variants["humming"] = [(lambda s=s, p=p: hum.experts(s["x"], p)) for s, p in zip(sets, plans)]
-                except Exception as e:
-                    why = f"Humming failed at M={M}: {type(e).__name__}: {e}"
-                    print(why, flush=True)
-                    plans = None
-            t = time_us(variants, iters=iters)
-            n_local = sum(s["n_local"] for s in sets) / N_SETS
-            touched = sum(s["touched"] for s in sets) / N_SETS
-            flops = n_local * 6 * m.K * m.N
-            wbytes = touched * 3 * m.N * m.K * 9 // 16
-            row = dict(op="moe", model=m.name, kind="NVFP4 W4A16", context=None, batch=M, keys=None,
-                       dsv4_us=t["dsv4"].us, method=t["dsv4"].method, tflops=flops / (t["dsv4"].us * 1e-6) / 1e12,
-                       tbps=wbytes / (t["dsv4"].us * 1e-6) / 1e12)
-            if "humming" in t:
-                ref = hum(sets[0]["x"], sets[0]["tw"], plans[0])
-                row.update(incumbent="Humming W4A16", incumbent_us=t["humming"].us,
-                           ratio=t["humming"].us / t["dsv4"].us, maxdiff=_maxdiff(outs[0], ref),
-                           rel_l2=float((outs[0].float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)))
-            elif why:
-                row["missing"] = why
-            rows.append(row)
-            print(_line(row), flush=True)
-        del prepared, hum
-        torch.cuda.empty_cache()
+                    hum = (HummingW4A16 if fmt == "nvfp4" else HummingW4A8)(w, m.E_global, m.swiglu_limit)
+                except Exception as e:  # report, keep dsv4's numbers
+                    why = f"{inc_name} conversion failed: {type(e).__name__}: {e}"
+                    print(f"{m.name}: {why}", flush=True)
+            del w
+            for M in Ms:
+                sets = [I.moe_routing(m, M, dev, seed) for seed in range(N_SETS)]
+                outs = [torch.empty(M, m.K, dtype=torch.bfloat16, device=dev) for _ in sets]
+                variants = {"dsv4": [(lambda s=s, o=o: op(s["x"], s["ids"], s["tw"], prepared, expert_map=s["emap"],
+                                                          swiglu_limit=m.swiglu_limit, check_ids=False, out=o))
+                                     for s, o in zip(sets, outs)]}
+                plans = None
+                if hum is not None:
+                    try:
+                        plans = [hum.plan(s["ids"], s["emap"]) for s in sets]
+                        variants["humming"] = [(lambda s=s, p=p: hum.experts(s["x"], p)) for s, p in zip(sets, plans)]
+                    except Exception as e:
+                        why = f"{inc_name} failed at M={M}: {type(e).__name__}: {e}"
+                        print(why, flush=True)
+                        plans = None
+                t = time_us(variants, iters=iters)
+                n_local = sum(s["n_local"] for s in sets) / N_SETS
+                touched = sum(s["touched"] for s in sets) / N_SETS
+                flops = n_local * 6 * m.K * m.N
+                wbytes = touched * 3 * m.N * m.K * I.MOE_FORMATS[fmt][1]
+                row = dict(op="moe", model=m.name, kind=kind, format=fmt, activation=act, context=None, batch=M,
+                           keys=None, dsv4_us=t["dsv4"].us, method=t["dsv4"].method,
+                           tflops=flops / (t["dsv4"].us * 1e-6) / 1e12, tbps=wbytes / (t["dsv4"].us * 1e-6) / 1e12)
+                if "humming" in t:
+                    ref = hum(sets[0]["x"], sets[0]["tw"], plans[0])
+                    row.update(incumbent=inc_name, incumbent_us=t["humming"].us,
+                               ratio=t["humming"].us / t["dsv4"].us, maxdiff=_maxdiff(outs[0], ref),
+                               rel_l2=float((outs[0].float() - ref.float()).norm()
+                                            / ref.float().norm().clamp_min(1e-30)))
+                elif why:
+                    row["missing"] = why
+                rows.append(row)
+                print(_line(row), flush=True)
+            del prepared, hum
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -225,7 +242,7 @@ def _fmt_case(r: dict) -> str:
         return f"{r['model']} {r['kind'].upper()}{ctx} B={r['batch']}"
     if r["op"] == "prefill":
         return f"{r['model']} prefill {r['kind']} T={r['batch']}"
-    return f"{r['model']} M={r['batch']}"
+    return f"{r['model']} {r['kind']} M={r['batch']}"
 
 
 def _line(r: dict) -> str:
@@ -251,7 +268,7 @@ def render(rows: list[dict], anchors_line: str, ceilings: Optional[dict] = None)
                       f"{r['tflops']:.0f}" if r.get("tflops") is not None else "-",
                       r.get("incumbent", "missing"), f"{r['incumbent_us']:.1f}" if have else "-",
                       f"{r['ratio']:.2f}x" if have else "-", f"{r['maxdiff']:.3g}" if have else "-")
-    console = Console(record=True, width=140)
+    console = Console(record=True, width=140, file=io.StringIO())  # the caller prints the export
     console.print(anchors_line)
     if ceilings:
         console.print("ceilings (same process): " + ", ".join(f"{k} {v:.2f}" for k, v in ceilings.items()))
@@ -265,10 +282,12 @@ def markdown(rows: list[dict], ceilings: Optional[dict] = None) -> str:
     if ceilings:
         out.append("Ceilings measured in the same process: " + ", ".join(f"{k} {v:.2f}" for k, v in ceilings.items())
                    + ".\n")
-    for op, title in (("decode", "Decode attention (s_q = 1), dsv4 vs FlashMLA SM90"),
-                      ("prefill", "Sparse prefill, dsv4 vs FlashMLA SM90"),
-                      ("moe", "Routed-expert MoE (NVFP4 W4A16), dsv4 vs Humming W4A16")):
-        sel = [r for r in rows if r["op"] == op]
+    moe_kinds = list(dict.fromkeys(r["kind"] for r in rows if r["op"] == "moe"))
+    sections = [("decode", None, "Decode attention (s_q = 1), dsv4 vs FlashMLA SM90"),
+                ("prefill", None, "Sparse prefill, dsv4 vs FlashMLA SM90")]
+    sections += [("moe", k, f"Routed-expert MoE ({k}), dsv4 vs {_moe_incumbent_label(k)}") for k in moe_kinds]
+    for op, kind, title in sections:
+        sel = [r for r in rows if r["op"] == op and (kind is None or r["kind"] == kind)]
         if not sel:
             continue
         out.append(f"#### {title}\n")
@@ -303,6 +322,10 @@ def markdown(rows: list[dict], ceilings: Optional[dict] = None) -> str:
     return "\n".join(out)
 
 
+def _moe_incumbent_label(kind: str) -> str:
+    return next((v for case, v in MOE_INCUMBENTS.items() if I.MOE_LABELS[case] == kind), "no incumbent")
+
+
 def _ratio(r: dict) -> str:
     if "ratio" not in r:
         return "-"
@@ -320,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=_list, default=DEFAULT_TOKENS)
     ap.add_argument("--moe-models", type=lambda s: _list(s, str), default=["flash", "pro", "v41flash"])
     ap.add_argument("--moe-m", type=_list, default=DEFAULT_MOE_M)
+    ap.add_argument("--moe-format", type=I.moe_format_list, default=DEFAULT_MOE_FORMATS,
+                    help="MoE row sets: nvfp4 (NVFP4 W4A16 vs Humming W4A16), mxfp4-w4a8 (MXFP4 W4A8 vs Humming "
+                         "W4A8); default both")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--batch-invariant", action="store_true",
                     help="decode: also time sparse_mqa_decode(batch_invariant=True) in the same call")
@@ -335,7 +361,8 @@ def main(argv=None) -> int:
     for name, vals, allowed in (("--only", args.only, ("decode", "prefill", "moe")),
                                 ("--models", args.models, tuple(I.ATTN_MODELS)),
                                 ("--kinds", args.kinds, ("swa", "csa", "hca")),
-                                ("--moe-models", args.moe_models, tuple(I.MOE_MODELS))):
+                                ("--moe-models", args.moe_models, tuple(I.MOE_MODELS)),
+                                ("--moe-format", args.moe_format, tuple(DEFAULT_MOE_FORMATS))):
         bad = [v for v in vals if v not in allowed]
         if bad:
             print(f"dsv4.bench.compare: {name} takes {', '.join(allowed)}; got {', '.join(bad)}", file=sys.stderr)
@@ -351,7 +378,9 @@ def main(argv=None) -> int:
     gpu = torch.cuda.is_available()
     anchors = find_anchors(args.anchors.split(":") if args.anchors else None, load=gpu and not args.dry_run)
     line = anchors.summary()
-    if (not anchors.flashmla or anchors.humming is None) and gpu and not args.dry_run:
+    w4a8 = "moe" in args.only and "mxfp4-w4a8" in args.moe_format
+    if (not anchors.flashmla or anchors.humming is None or (w4a8 and not anchors.vllm_c)) and gpu \
+            and not args.dry_run:
         line += " -> the missing incumbents' columns stay empty (dsv4 runs alone there)"
     if args.dry_run or not gpu:
         rows = []
@@ -365,8 +394,9 @@ def main(argv=None) -> int:
             rows += [dict(op="prefill", model=I.ATTN_MODELS[m].name, kind=f"topk {I.WINDOW + I.ATTN_MODELS[m].index_topk}",
                           batch=t, dsv4_us=None) for m in args.models for t in args.tokens]
         if "moe" in args.only:
-            rows += [dict(op="moe", model=I.MOE_MODELS[m].name, batch=M, dsv4_us=None)
-                     for m in args.moe_models for M in args.moe_m]
+            rows += [dict(op="moe", model=I.MOE_MODELS[m].name, kind=I.MOE_LABELS[c], batch=M, dsv4_us=None,
+                          incumbent=MOE_INCUMBENTS[c])
+                     for c in I.moe_cases(args.moe_format) for m in args.moe_models for M in args.moe_m]
         reason = "--dry-run" if args.dry_run else "no CUDA device"
         print(render(rows, f"{line}\n({reason}: {len(rows)} cases listed, nothing timed)"))
         return 0
@@ -405,7 +435,7 @@ def main(argv=None) -> int:
         rows += prefill_rows(anchors, args.models, args.tokens, iters, ceilings["copy TB/s"])
         save()
     if "moe" in args.only:
-        rows += moe_rows(anchors, args.moe_models, args.moe_m, iters)
+        rows += moe_rows(anchors, args.moe_models, args.moe_m, iters, I.moe_cases(args.moe_format))
         save()
     print(render(rows, line, ceilings))
     slower = [r for r in rows if "ratio" in r and not math.isnan(r["ratio"]) and r["ratio"] < 1.0]

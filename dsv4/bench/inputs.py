@@ -21,8 +21,9 @@ Prefill attention: q ``[T, H, 512]`` over vLLM's gathered bf16 workspace rows
 ``[rows, 512]`` with ``window + topk`` indices per token (1152 for V4-Pro, 640 for
 V4-Flash; vLLM's ``combined_topk``), int32 lengths.
 
-MoE: ModelOpt NVFP4 experts in vLLM's stacked layout (``dsv4.formats``), random top-6
-routing over the global experts and the expert map of EP rank 0.
+MoE: ModelOpt NVFP4 experts or DeepSeek V4's native MXFP4 experts, each in vLLM's stacked
+layout (``dsv4.formats``, ``dsv4.mxfp4``), random top-6 routing over the global experts and
+the expert map of EP rank 0.
 """
 
 from __future__ import annotations
@@ -30,12 +31,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import argparse
+
 import torch
 
-from .. import formats
+from .. import formats, mxfp4
 
 __all__ = ["AttnModel", "ATTN_MODELS", "MoeModel", "MOE_MODELS", "SWA_BLOCK", "C4A_BLOCK", "C128A_BLOCK",
            "WINDOW", "c128a_width", "DecodePools", "decode_case", "prefill_case", "random_nvfp4_experts",
+           "random_mxfp4_experts", "MOE_FORMATS", "MOE_LABELS", "MOE_FORMAT_NAMES", "moe_format_list", "moe_cases",
            "moe_experts", "moe_routing"]
 
 HEAD_DIM = 512
@@ -199,9 +203,58 @@ def random_nvfp4_experts(E: int, N: int, K: int, device, gen: torch.Generator) -
                 w2=codes(E, K, N // 2), w2_scale=scales(E, K, N // 16), w2_scale_2=g.clone())
 
 
-def moe_experts(m: MoeModel, device, seed: int = 1) -> dict:
-    """:func:`random_nvfp4_experts` for the local experts of one EP rank of ``m``."""
-    return random_nvfp4_experts(m.E_local, m.N, m.K, device, torch.Generator(device=device).manual_seed(seed))
+def random_mxfp4_experts(E: int, N: int, K: int, device, gen: torch.Generator) -> dict:
+    """Random MXFP4 experts in vLLM 0.33.0's DeepSeek V4 layout (``Mxfp4MoEMethod``'s
+    stacked parameters, ``dsv4.mxfp4``: ``w13`` uint8 [E, 2N, K/2] gate rows then up rows,
+    ``w13_scale`` uint8 e8m0 [E, 2N, K/32], ``w2`` uint8 [E, K, N/2], ``w2_scale`` uint8
+    [E, K, N/32]), drawn directly as codes and e8m0 bytes in [118, 122] (values O(0.02);
+    quantizing float weights would take longer than a sweep). Every block then lies
+    within 4 binades of its matrix's largest: every W4A8 path folds them exactly."""
+    return mxfp4.random_mxfp4_moe_weights(E, N, K, generator=gen, device=device, quantize=False)
+
+
+# Expert weight formats of the MoE cases: the builder and the weight bytes per element
+# (codes + block scales: NVFP4 1/2 + 1/16 B, MXFP4 1/2 + 1/32 B).
+MOE_FORMATS = {"nvfp4": (random_nvfp4_experts, 9 / 16), "mxfp4": (random_mxfp4_experts, 17 / 32)}
+
+
+# The MoE cases, (weight format, dsv4 activation mode), and their labels: NVFP4 W4A16 and
+# W4A4 (dsv4.nvfp4_moe), MXFP4 W4A8 (vLLM 0.33.0's Hopper numerics) and W4A16
+# (dsv4.routed_moe).
+MOE_LABELS = {("nvfp4", "bf16"): "NVFP4 W4A16", ("nvfp4", "nvfp4"): "NVFP4 W4A4",
+              ("mxfp4", "fp8"): "MXFP4 W4A8", ("mxfp4", "bf16"): "MXFP4 W4A16"}
+# The benchmarks' --moe-format names: "nvfp4" runs the NVFP4 activation modes asked for
+# (--activation), an MXFP4 name one mode.
+MOE_FORMAT_NAMES = {"nvfp4": None, "mxfp4-w4a8": ("mxfp4", "fp8"), "mxfp4-w4a16": ("mxfp4", "bf16")}
+
+
+def moe_format_list(text: str) -> list[str]:
+    """argparse type of --moe-format: 'nvfp4,mxfp4-w4a8' -> ['nvfp4', 'mxfp4-w4a8'] (order
+    kept, repeats dropped); every item one of :data:`MOE_FORMAT_NAMES`."""
+    items = [v.strip() for v in text.split(",")]
+    bad = [v for v in items if v not in MOE_FORMAT_NAMES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(MOE_FORMAT_NAMES)}, got "
+                                         f"{text!r}")
+    return list(dict.fromkeys(items))
+
+
+def moe_cases(names, nvfp4_acts=("bf16",)) -> list[tuple[str, str]]:
+    """--moe-format names -> the (weight format, activation mode) cases, in order: "nvfp4"
+    gives one case per NVFP4 mode in ``nvfp4_acts`` ("bf16" W4A16, "nvfp4" W4A4)."""
+    out = []
+    for name in names:
+        out += [("nvfp4", a) for a in nvfp4_acts] if name == "nvfp4" else [MOE_FORMAT_NAMES[name]]
+    return list(dict.fromkeys(out))
+
+
+def moe_experts(m: MoeModel, device, seed: int = 1, fmt: str = "nvfp4") -> dict:
+    """The random experts of ``fmt`` ("nvfp4" or "mxfp4", :data:`MOE_FORMATS`) for the
+    local experts of one EP rank of ``m``."""
+    if fmt not in MOE_FORMATS:
+        raise ValueError(f"dsv4: fmt must be one of {', '.join(MOE_FORMATS)}, got {fmt!r}")
+    build = MOE_FORMATS[fmt][0]
+    return build(m.E_local, m.N, m.K, device, torch.Generator(device=device).manual_seed(seed))
 
 
 def moe_routing(m: MoeModel, M: int, device, seed: int) -> dict:
