@@ -23,12 +23,11 @@ __device__ __forceinline__ uint4 pack_bf16x8(const float* v) {
 // A bf16x2 word as the vector type of the bf16 intrinsics.
 __device__ __forceinline__ __nv_bfloat162 as_bf16x2(uint32_t w) { return *reinterpret_cast<const __nv_bfloat162*>(&w); }
 
-// e4m3 of a float: round to nearest even, finite values saturating at +-448.
+// e4m3 of a float: round to nearest even, finite values saturating at +-448 (one
+// cvt.rn.satfinite.e4m3x2.f32 on sm_89+).
 __device__ __forceinline__ __nv_fp8_e4m3 e4m3_rn_satfinite(float v) {
-  uint16_t pair;  // input b goes to the low byte
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.0f), "f"(v));
   __nv_fp8_e4m3 s;
-  s.__x = static_cast<__nv_fp8_storage_t>(pair & 0xffu);
+  s.__x = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
   return s;
 }
 

@@ -38,6 +38,7 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include "common/cvt.cuh"
 #include "common/mma/mma_sync.cuh"
 #include "moe/moe_device.cuh"
 
@@ -78,7 +79,7 @@ struct W4A8Params {
 
 // e4m3 bits of a finite float, round to nearest even, saturating (cvt.rn.satfinite).
 __device__ __forceinline__ uint32_t e4m3_bits(float v) {
-  return uint32_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+  return uint32_t(e4m3_rn_satfinite(v).__x);
 }
 
 // Four e4m3 bytes of four e2m1 codes (nibbles of the low 16 bits, element i in nibble i)
