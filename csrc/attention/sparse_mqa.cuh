@@ -495,6 +495,8 @@ __device__ __forceinline__ void producer_loop_bf16(const SparseMqaParams& p, con
 template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __grid_constant__ SparseMqaParams p) {
   extern __shared__ uint8_t smem_raw[];
+  // (Not align_smem_1024: that form changes this kernel's code, 64 fewer instructions, so it
+  // waits for a measured change: docs/perf-history/2026-12-01-device-helpers.md.)
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* ready = reinterpret_cast<uint64_t*>(smem + kOffBar);  // [2 * buf + half]
   uint64_t* freed = ready + 4;

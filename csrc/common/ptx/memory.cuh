@@ -66,7 +66,8 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* gmem_
 // The same copy with the ignore-src predicate: zero != 0 writes 16 zero bytes instead of
 // reading src (which must still be a valid address). No memory clobber: the compiler may
 // move other memory accesses across it (the MoE GEMMs' token copies are ordered by the
-// cp.async group waits and barriers alone).
+// cp.async group waits and barriers alone). Those copies written with cp_async_16 compile
+// to different code (docs/perf-history/2026-12-01-device-helpers.md).
 __device__ __forceinline__ void cp_async_16_unordered(uint32_t smem_dst, const void* gmem_src, uint32_t zero) {
   asm volatile(
       "{\n.reg .pred z;\nsetp.ne.b32 z, %2, 0;\ncp.async.cg.shared.global [%0], [%1], 16, z;\n}\n" ::"r"(smem_dst),
