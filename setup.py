@@ -36,20 +36,6 @@ _FIX = ("set CUDA_HOME to the CUDA toolkit folder that holds bin/nvcc and lib64/
         "(e.g. /usr/local/cuda-13.0), or DSV4_CUDA=0 for the pure-Python install")
 
 
-def _cutlass_include() -> str:
-    try:
-        import cutlass_library
-    except ImportError as e:
-        raise BuildError(
-            "dsv4: building the CUDA extension needs the CUTLASS/CuTe headers from the "
-            "'nvidia-cutlass' wheel: pip install nvidia-cutlass"
-        ) from e
-    inc = os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include")
-    if not os.path.isdir(os.path.join(inc, "cute")):
-        raise BuildError(f"dsv4: nvidia-cutlass is installed but {inc} holds no CuTe headers")
-    return inc
-
-
 def _add_pip_cuda_headers() -> None:
     """torch's pip CUDA build ships cuBLAS/cuSPARSE/... headers as nvidia-* wheels that
     a bare nvcc toolkit may lack; CPATH puts them after the toolkit's own headers."""
@@ -189,7 +175,7 @@ def _extensions():
     ext = CUDAExtension(
         name="dsv4._C",
         sources=sources,
-        include_dirs=[os.path.join(ROOT, "csrc"), _cutlass_include()],
+        include_dirs=[os.path.join(ROOT, "csrc")],
         extra_compile_args={"cxx": ["-O3", "-std=c++20", "-DPy_LIMITED_API=0x030A0000"], "nvcc": nvcc},
         py_limited_api=True,
     )

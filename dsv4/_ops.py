@@ -46,7 +46,7 @@ SCHEMAS = {
 BUILD_HINT = (
     "dsv4 was installed without its CUDA extension (dsv4._C), so its CUDA kernels are "
     "unavailable. Rebuild against a CUDA-enabled torch with nvcc on PATH: "
-    "`pip install nvidia-cutlass ninja && DSV4_CUDA=1 pip install --no-build-isolation .` "
+    "`pip install ninja && DSV4_CUDA=1 pip install --no-build-isolation .` "
     "(see README.md, 'Install')."
 )
 

@@ -70,7 +70,7 @@ def tests_of(families: list[str]) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--build", action="store_true", help="build the extension here (needs nvcc + nvidia-cutlass)")
+    p.add_argument("--build", action="store_true", help="build the extension here (needs nvcc)")
     p.add_argument("--families", default=",".join(FAMILIES), help="comma list of test families")
     p.add_argument("--sanitize", default="", help="comma list of families to run under compute-sanitizer")
     p.add_argument("--sanitize-k", default=None, help="pytest -k expression for the sanitizer runs")

@@ -8,7 +8,7 @@
 # 2. setuptools and wheel (a fresh venv has no bdist_wheel), then torch if it is missing:
 #    DSV4_TORCH (pip arguments, default torch==2.14.1, the release vllm 0.33.0 pins, so the
 #    plugin can be added without replacing torch). An installed torch is kept.
-# 3. If torch has CUDA: the build prerequisites (nvidia-cutlass headers, ninja).
+# 3. If torch has CUDA: the build prerequisite ninja (parallel nvcc jobs).
 # 4. dsv4 editable with its test extras (pip install --no-build-isolation -e ".[test]").
 #    setup.py builds dsv4._C when torch has CUDA and it finds the toolkit nvcc belongs to;
 #    DSV4_CUDA=0|1 forces pure Python / requires the build. Its decision is printed here
@@ -57,8 +57,8 @@ TORCH_CUDA=$("$PY" -c 'import torch; print(torch.version.cuda or "")' 2>/dev/nul
 
 # 3. build prerequisites of the CUDA extension
 if [ -n "$TORCH_CUDA" ] && [ "${DSV4_CUDA:-}" != 0 ]; then
-  step "torch has CUDA $TORCH_CUDA: build prerequisites (nvidia-cutlass headers, ninja)"
-  pipq nvidia-cutlass ninja
+  step "torch has CUDA $TORCH_CUDA: build prerequisite (ninja)"
+  pipq ninja
 fi
 
 # 4. dsv4, editable, test extras

@@ -5,8 +5,10 @@ Fake toolkits (shell-script nvcc, empty libcudart.so) in a temporary folder; no 
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -117,3 +119,20 @@ def test_build_fails_in_seconds_with_the_fix(tmp_path):
     assert "dsv4:" in r.stderr and "Traceback" not in r.stderr, r.stderr
     # a CUDA torch names the bad folder; a CPU torch says it has no CUDA
     assert f"CUDA_HOME={tmp_path}" in r.stderr or "has no CUDA" in r.stderr, r.stderr
+
+
+def test_no_undeclared_or_unused_cutlass():
+    """No csrc file includes a CUTLASS or CuTe header, so the build requires no
+    nvidia-cutlass wheel. A kernel that starts using them fails here until the
+    dependency is declared again (setup.py's include path, install.sh, README)."""
+    include = re.compile(r'^\s*#\s*include\s*[<"](cute|cutlass)/', re.M)
+    users = []
+    for path in glob.glob(os.path.join(ROOT, "csrc", "**", "*"), recursive=True):
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                if include.search(f.read()):
+                    users.append(os.path.relpath(path, ROOT))
+    assert users == []
+    for name in ("setup.py", "pyproject.toml", os.path.join("scripts", "install.sh")):
+        with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+            assert "cutlass" not in f.read().lower(), f"{name} still asks for CUTLASS, which no kernel uses"

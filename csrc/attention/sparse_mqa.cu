@@ -11,6 +11,7 @@
 
 #include "attention/sparse_mqa.cuh"
 #include "common/checks.h"
+#include "common/dynamic_smem.h"
 
 namespace dsv4 {
 namespace {
@@ -138,12 +139,8 @@ int pick_splits(int64_t base_ctas, int64_t max_tiles, int sms) {
 
 template <bool kFp8>
 void launch_main(const SparseMqaParams& p, int64_t grid, cudaStream_t stream) {
-  auto kernel = attention::sparse_mqa_fwd_kernel<kFp8>;
-  static bool configured = false;
-  if (!configured) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, attention::kSmemBytes));
-    configured = true;
-  }
+  constexpr auto kernel = attention::sparse_mqa_fwd_kernel<kFp8>;
+  ensure_max_dynamic_smem<kernel>(attention::kSmemBytes);
   kernel<<<dim3(static_cast<unsigned>(grid)), attention::kThreads, attention::kSmemBytes, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -28,8 +28,13 @@
 
 #include <cstdint>
 
-#include "attention/sm90_utils.cuh"
 #include "attention/sparse_mqa_params.cuh"
+#include "common/cvt.cuh"
+#include "common/mma/wgmma.cuh"
+#include "common/ptx/math.cuh"
+#include "common/ptx/memory.cuh"
+#include "common/ptx/regs.cuh"
+#include "common/ptx/sync.cuh"
 
 namespace dsv4 {
 namespace attention {
@@ -79,19 +84,14 @@ __device__ __forceinline__ uint32_t tile_offset(int r, int d) {
   return c * 8192 + (r >> 3) * 1024 + (r & 7) * 128 + ((j ^ (r & 7)) << 4);
 }
 
-__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
 // 4 fp8 e4m3 (one 32-bit word) * scale -> 2 words of bf16x2 (exact for UE8M0 scales).
 __device__ __forceinline__ void fp8x4_to_bf16x4(uint32_t w, float sc, uint32_t& lo, uint32_t& hi) {
   __half2_raw h0 = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xFFFF), __NV_E4M3);
   __half2_raw h1 = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
   float2 f0 = __half22float2(*reinterpret_cast<__half2*>(&h0));
   float2 f1 = __half22float2(*reinterpret_cast<__half2*>(&h1));
-  lo = pack_bf16(f0.x * sc, f0.y * sc);
-  hi = pack_bf16(f1.x * sc, f1.y * sc);
+  lo = pack_bf16x2(f0.x * sc, f0.y * sc);
+  hi = pack_bf16x2(f1.x * sc, f1.y * sc);
 }
 
 // 16 fp8 values of one row (a quarter of a 64-column scale block) times the block's UE8M0
@@ -495,6 +495,8 @@ __device__ __forceinline__ void producer_loop_bf16(const SparseMqaParams& p, con
 template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __grid_constant__ SparseMqaParams p) {
   extern __shared__ uint8_t smem_raw[];
+  // (Not align_smem_1024: that form changes this kernel's code, 64 fewer instructions, so it
+  // waits for a measured change: docs/perf-history/2026-12-01-device-helpers.md.)
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* ready = reinterpret_cast<uint64_t*>(smem + kOffBar);  // [2 * buf + half]
   uint64_t* freed = ready + 4;
@@ -575,8 +577,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
 
   // S = Q K^T over the d columns of one half (4 blocks x 4 k-steps of 16).
   auto issue_s_half = [&](int half, bool zero) {
-    uint64_t dq = gmma_desc_sw128(q_base + 4 * half * 8192, 16, 1024);
-    uint64_t dk = gmma_desc_sw128(kv_mine + 4 * half * 8192, 16, 1024);
+    uint64_t dq = wgmma_desc_sw128(q_base + 4 * half * 8192, 16, 1024);
+    uint64_t dk = wgmma_desc_sw128(kv_mine + 4 * half * 8192, 16, 1024);
     // Descriptors advance by adding (byte offset >> 4); the opaque copies keep the compiler
     // from hoisting 32 precomputed descriptors into registers.
     asm volatile("" : "+l"(dq));
@@ -584,13 +586,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
 #pragma unroll
     for (int kk = 0; kk < 16; ++kk) {
       const uint32_t off = ((kk >> 2) * 8192 + (kk & 3) * 32) >> 4;
-      wgmma_m64n64k16_ss(s, dq + off, dk + off, (zero && kk == 0) ? 0 : 1);
+      WgmmaSS<64>::mma(s, dq + off, dk + off, (zero && kk == 0) ? 0 : 1);
     }
   };
   // Both halves of this round's S; the second half's wait overlaps the first half's GEMMs.
   auto compute_s = [&](uint32_t phase) {
-#pragma unroll
-    for (int k = 0; k < 32; ++k) fence_operand(s[k]);
+    fence_regs(s);
     mbar_wait(ready_first, phase);
     if (!kFp8) fence_proxy_async_smem();  // cp.async (generic proxy) writes -> wgmma reads
     wgmma_fence();
@@ -603,28 +604,25 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   };
   // O[:, my half] += P V, P [64 x 64 keys] from registers, V = one half of a buffer.
   auto pv_regs = [&](uint32_t kv) {
-#pragma unroll
-    for (int k = 0; k < 128; ++k) fence_operand(o[k]);
-#pragma unroll
-    for (int k = 0; k < 16; ++k) fence_operand(pa[k]);
+    fence_regs(o);
+    fence_regs(pa);
     wgmma_fence();
-    uint64_t dv = gmma_desc_sw128(kv + 4 * g * 8192, 8192, 1024);
+    uint64_t dv = wgmma_desc_sw128(kv + 4 * g * 8192, 8192, 1024);
     asm volatile("" : "+l"(dv));
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_rs_tb(o, &pa[4 * kk], dv + ((kk * 2048) >> 4));
+    for (int kk = 0; kk < 4; ++kk) WgmmaRS<256, true>::mma(o, &pa[4 * kk], dv + ((kk * 2048) >> 4), 1);
     wgmma_commit();
   };
   // Same with P from smem (the other consumer's tile).
   auto pv_smem = [&](uint32_t p_tile, uint32_t kv) {
-#pragma unroll
-    for (int k = 0; k < 128; ++k) fence_operand(o[k]);
+    fence_regs(o);
     wgmma_fence();
-    uint64_t dv = gmma_desc_sw128(kv + 4 * g * 8192, 8192, 1024);
-    uint64_t dp = gmma_desc_sw128(p_tile, 16, 1024);
+    uint64_t dv = wgmma_desc_sw128(kv + 4 * g * 8192, 8192, 1024);
+    uint64_t dp = wgmma_desc_sw128(p_tile, 16, 1024);
     asm volatile("" : "+l"(dv));
     asm volatile("" : "+l"(dp));
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_ss_tb(o, dp + ((kk * 32) >> 4), dv + ((kk * 2048) >> 4));
+    for (int kk = 0; kk < 4; ++kk) WgmmaSS<256, true>::mma(o, dp + ((kk * 32) >> 4), dv + ((kk * 2048) >> 4), 1);
     wgmma_commit();
   };
   // S -> scaled log2 logits with skipped keys at -inf; returns the row maxima of the tile.
@@ -674,16 +672,16 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   auto softmax = [&](float mn0, float mn1) {
     const float ms0 = mn0 == -INFINITY ? 0.f : mn0;
     const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
-    const float a0 = ex2(m0 - ms0), a1 = ex2(m1 - ms1);
+    const float a0 = ex2_approx_ftz(m0 - ms0), a1 = ex2_approx_ftz(m1 - ms1);
     m0 = mn0;
     m1 = mn1;
     float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      s[4 * j] = ex2(s[4 * j] - ms0);
-      s[4 * j + 1] = ex2(s[4 * j + 1] - ms0);
-      s[4 * j + 2] = ex2(s[4 * j + 2] - ms1);
-      s[4 * j + 3] = ex2(s[4 * j + 3] - ms1);
+      s[4 * j] = ex2_approx_ftz(s[4 * j] - ms0);
+      s[4 * j + 1] = ex2_approx_ftz(s[4 * j + 1] - ms0);
+      s[4 * j + 2] = ex2_approx_ftz(s[4 * j + 2] - ms1);
+      s[4 * j + 3] = ex2_approx_ftz(s[4 * j + 3] - ms1);
       sum0 += s[4 * j] + s[4 * j + 1];
       sum1 += s[4 * j + 2] + s[4 * j + 3];
     }
@@ -694,10 +692,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   auto pack_p = [&](float c0, float c1) {
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      pa[4 * kk + 0] = pack_bf16(s[8 * kk + 0] * c0, s[8 * kk + 1] * c0);
-      pa[4 * kk + 1] = pack_bf16(s[8 * kk + 2] * c1, s[8 * kk + 3] * c1);
-      pa[4 * kk + 2] = pack_bf16(s[8 * kk + 4] * c0, s[8 * kk + 5] * c0);
-      pa[4 * kk + 3] = pack_bf16(s[8 * kk + 6] * c1, s[8 * kk + 7] * c1);
+      pa[4 * kk + 0] = pack_bf16x2(s[8 * kk + 0] * c0, s[8 * kk + 1] * c0);
+      pa[4 * kk + 1] = pack_bf16x2(s[8 * kk + 2] * c1, s[8 * kk + 3] * c1);
+      pa[4 * kk + 2] = pack_bf16x2(s[8 * kk + 4] * c0, s[8 * kk + 5] * c0);
+      pa[4 * kk + 3] = pack_bf16x2(s[8 * kk + 6] * c1, s[8 * kk + 7] * c1);
     }
   };
   // pa -> my P tile in smem (K-major, 128-byte swizzle: the A operand of the other's PV).
@@ -733,8 +731,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
       }
       for (int r = 0; r < rounds; ++r) {
         const uint32_t ph = (round_base + r) & 1;
-#pragma unroll
-        for (int k = 0; k < 32; ++k) fence_operand(s[k]);
+        fence_regs(s);
         float mx0, mx1;
         mask_and_max(ph, mx0, mx1);
         const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
@@ -750,15 +747,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
         pack_p(1.f, 1.f);
         pv_regs(kv_mine);  // O_left += P_0 V_0,left
         wgmma_wait<0>();
-#pragma unroll
-        for (int k = 0; k < 128; ++k) fence_operand(o[k]);
+        fence_regs(o);
         mbar_arrive(&freed[0]);
 
         // The round's max (consumer 1's): rescale P_0 for consumer 1, and O and the sums.
         named_bar_sync(kBarMax1, 256);
         const float mf0 = smax_bw[64 * ph + r0], mf1 = smax_bw[64 * ph + r0 + 8];
-        const float c0 = ex2(t0 - (mf0 == -INFINITY ? 0.f : mf0));
-        const float c1 = ex2(t1 - (mf1 == -INFINITY ? 0.f : mf1));
+        const float c0 = ex2_approx_ftz(t0 - (mf0 == -INFINITY ? 0.f : mf0));
+        const float c1 = ex2_approx_ftz(t1 - (mf1 == -INFINITY ? 0.f : mf1));
         m0 = mf0;
         m1 = mf1;
         l0 *= c0;
@@ -772,8 +768,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
         if (r + 1 < rounds) {
           // Next S behind the PV: its left half as soon as it lands, then release buffer 1's
           // left half once the PV that reads it is done.
-#pragma unroll
-          for (int k = 0; k < 32; ++k) fence_operand(s[k]);
+          fence_regs(s);
           mbar_wait(ready_first, ph ^ 1);
           if (!kFp8) fence_proxy_async_smem();
           wgmma_fence();
@@ -790,16 +785,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
           wgmma_wait<0>();
           mbar_arrive(&freed[2]);
         }
-#pragma unroll
-        for (int k = 0; k < 128; ++k) fence_operand(o[k]);
+        fence_regs(o);
       }
     } else {
       for (int r = 0; r < rounds; ++r) {
         const uint32_t ph = (round_base + r) & 1;
         compute_s(ph);
         wgmma_wait<0>();
-#pragma unroll
-        for (int k = 0; k < 32; ++k) fence_operand(s[k]);
+        fence_regs(s);
         float mx0, mx1;
         mask_and_max(ph, mx0, mx1);
         named_bar_sync(kBarMax0, 256);
@@ -822,8 +815,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
         wgmma_wait<1>();
         mbar_arrive(&freed[3]);
         wgmma_wait<0>();
-#pragma unroll
-        for (int k = 0; k < 128; ++k) fence_operand(o[k]);
+        fence_regs(o);
         mbar_arrive(&freed[1]);
       }
     }
@@ -855,11 +847,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
       float inv0 = 0.f, inv1 = 0.f;
       if (l0 > 0.f) {
         const float sk = p.sink != nullptr ? p.sink[h0] * kLog2e : -INFINITY;
-        inv0 = 1.f / (l0 + ex2(sk - m0));
+        inv0 = 1.f / (l0 + ex2_approx_ftz(sk - m0));
       }
       if (l1 > 0.f) {
         const float sk = p.sink != nullptr ? p.sink[h1] * kLog2e : -INFINITY;
-        inv1 = 1.f / (l1 + ex2(sk - m1));
+        inv1 = 1.f / (l1 + ex2_approx_ftz(sk - m1));
       }
       // A quad holds 8 columns of each 8-column chunk j, two per lane. Lanes q and q ^ 1 swap one
       // word so that each stores 4 contiguous columns (8 bytes): even lanes of chunk j, odd lanes
@@ -871,10 +863,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
       uint16_t* o1p = ob + h1 * p.out_stride_h;
 #pragma unroll
       for (int j = 0; j < 32; j += 2) {
-        const uint32_t a0 = pack_bf16(o[4 * j] * inv0, o[4 * j + 1] * inv0);  // chunk j, row r0
-        const uint32_t b0 = pack_bf16(o[4 * j + 4] * inv0, o[4 * j + 5] * inv0);  // chunk j + 1
-        const uint32_t a1 = pack_bf16(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);  // row r0 + 8
-        const uint32_t b1 = pack_bf16(o[4 * j + 6] * inv1, o[4 * j + 7] * inv1);
+        const uint32_t a0 = pack_bf16x2(o[4 * j] * inv0, o[4 * j + 1] * inv0);  // chunk j, row r0
+        const uint32_t b0 = pack_bf16x2(o[4 * j + 4] * inv0, o[4 * j + 5] * inv0);  // chunk j + 1
+        const uint32_t a1 = pack_bf16x2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);  // row r0 + 8
+        const uint32_t b1 = pack_bf16x2(o[4 * j + 6] * inv1, o[4 * j + 7] * inv1);
         const uint32_t x0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
         const uint32_t x1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
         *reinterpret_cast<uint2*>(o0p + 8 * j) = odd ? make_uint2(x0, b0) : make_uint2(a0, x0);
@@ -938,8 +930,8 @@ __global__ void __launch_bounds__(128) sparse_mqa_combine_kernel(const __grid_co
   }
   uint16_t* op = p.out + b * p.out_stride_b + i * p.out_stride_q + h * p.out_stride_h + threadIdx.x * 4;
   uint2 packed;
-  packed.x = pack_bf16(acc.x * inv, acc.y * inv);
-  packed.y = pack_bf16(acc.z * inv, acc.w * inv);
+  packed.x = pack_bf16x2(acc.x * inv, acc.y * inv);
+  packed.y = pack_bf16x2(acc.z * inv, acc.w * inv);
   *reinterpret_cast<uint2*>(op) = packed;
   if (threadIdx.x == 0) p.lse[row] = lse;
 }

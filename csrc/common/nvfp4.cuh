@@ -17,21 +17,10 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include "common/cvt.cuh"       // as_bf16x2, e4m3_rn_satfinite
+#include "common/ptx/math.cuh"  // rcp_approx_ftz
+
 namespace dsv4 {
-
-__device__ __forceinline__ float rcp_approx_ftz(float x) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
-
-__device__ __forceinline__ __nv_fp8_e4m3 e4m3_rn_satfinite(float v) {
-  uint16_t pair;  // input b goes to the low byte
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.0f), "f"(v));
-  __nv_fp8_e4m3 s;
-  s.__x = static_cast<__nv_fp8_storage_t>(pair & 0xffu);
-  return s;
-}
 
 // The per-call constants of one global scale: G = 1/g is the IEEE reciprocal, as
 // vLLM computes it once at load (1.0 / input_scale); rcp(G) and rcp(6) are
@@ -143,8 +132,6 @@ __device__ __forceinline__ Nvfp4Thresholds nvfp4_thresholds(float d, float r) {
 }
 
 __device__ __forceinline__ bool nvfp4_thresholds_exact(float d) { return d >= 0x1p-100f && d <= 0x1p16f; }
-
-__device__ __forceinline__ __nv_bfloat162 as_bf16x2(uint32_t w) { return *reinterpret_cast<const __nv_bfloat162*>(&w); }
 
 // One bf16x2 word (elements 2i, 2i+1) -> their codes in the low byte of each half.
 // Each bound passed adds 1.0 (bf16 set-on-compare), accumulated from 128 (+8 for

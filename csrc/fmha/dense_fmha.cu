@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "common/checks.h"
+#include "common/dynamic_smem.h"
 #include "fmha/dense_fmha.cuh"
 
 namespace dsv4 {
@@ -36,11 +37,7 @@ void check_index(const at::Tensor& t, const char* name, int64_t n, const at::Ten
 template <int D>
 void launch(const fmha::DenseFmhaParams& p, int64_t q_tiles, int64_t seqs, int64_t heads, cudaStream_t stream) {
   constexpr int smem = fmha::smem_bytes<D>();
-  static const bool configured = [] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(fmha::dense_fmha_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    return true;
-  }();
-  (void)configured;
+  ensure_max_dynamic_smem<fmha::dense_fmha_kernel<D>>(smem);
   fmha::dense_fmha_kernel<D><<<dim3(unsigned(q_tiles * p.num_splits), unsigned(seqs), unsigned(heads)),
                                fmha::kThreads, smem, stream>>>(p);
   if (p.num_splits > 1)

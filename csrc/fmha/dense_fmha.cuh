@@ -13,8 +13,9 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-#include "common/async_copy.cuh"
-#include "common/mma_sync.cuh"
+#include "common/cvt.cuh"
+#include "common/mma/mma_sync.cuh"
+#include "common/ptx/memory.cuh"
 
 namespace dsv4 {
 namespace fmha {
@@ -57,11 +58,6 @@ constexpr int smem_bytes() {
 template <int D>
 __device__ __forceinline__ uint32_t tile_offset(int r, int c) {
   return uint32_t(r * (D * 2) + ((c ^ (r & 7)) << 4));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 __device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
@@ -174,8 +170,8 @@ __global__ void __launch_bounds__(kThreads) dense_fmha_kernel(const DenseFmhaPar
       for (int n2 = 0; n2 < kCols / 16; ++n2) {
         uint32_t b[4];
         ldmatrix_x4(b, k_addr + tile_offset<D>(n2 * 16 + ((lane >> 4) << 3) + (lane & 7), kb * 2 + ((lane >> 3) & 1)));
-        mma_bf16(s[2 * n2], a, b[0], b[1]);
-        mma_bf16(s[2 * n2 + 1], a, b[2], b[3]);
+        mma_m16n8k16_bf16(s[2 * n2], a, b[0], b[1]);
+        mma_m16n8k16_bf16(s[2 * n2 + 1], a, b[2], b[3]);
       }
     }
 
@@ -223,15 +219,15 @@ __global__ void __launch_bounds__(kThreads) dense_fmha_kernel(const DenseFmhaPar
     // O += P V (P straight from the S accumulators, rounded to bf16)
 #pragma unroll
     for (int kb = 0; kb < kCols / 16; ++kb) {
-      const uint32_t a[4] = {pack_bf16(s[2 * kb][0], s[2 * kb][1]), pack_bf16(s[2 * kb][2], s[2 * kb][3]),
-                             pack_bf16(s[2 * kb + 1][0], s[2 * kb + 1][1]),
-                             pack_bf16(s[2 * kb + 1][2], s[2 * kb + 1][3])};
+      const uint32_t a[4] = {pack_bf16x2(s[2 * kb][0], s[2 * kb][1]), pack_bf16x2(s[2 * kb][2], s[2 * kb][3]),
+                             pack_bf16x2(s[2 * kb + 1][0], s[2 * kb + 1][1]),
+                             pack_bf16x2(s[2 * kb + 1][2], s[2 * kb + 1][3])};
 #pragma unroll
       for (int d2 = 0; d2 < D / 16; ++d2) {
         uint32_t b[4];
         ldmatrix_x4_trans(b, v_addr + tile_offset<D>(kb * 16 + ((lane >> 3) & 1) * 8 + (lane & 7), d2 * 2 + (lane >> 4)));
-        mma_bf16(o[2 * d2], a, b[0], b[1]);
-        mma_bf16(o[2 * d2 + 1], a, b[2], b[3]);
+        mma_m16n8k16_bf16(o[2 * d2], a, b[0], b[1]);
+        mma_m16n8k16_bf16(o[2 * d2 + 1], a, b[2], b[3]);
       }
     }
     __syncthreads();  // the next iteration's prefetch overwrites this stage

@@ -1,77 +1,12 @@
-// Device helpers of the NVFP4 MoE family: cp.async copies, wgmma fences and descriptors,
-// and the e2m1 -> bf16 register dequantization.
+// Device helpers of the NVFP4 MoE family: the e2m1 -> bf16 register dequantization of
+// the prepared weights, and the SwiGLU pieces. The generic helpers (copies, MMAs,
+// fences, packing, PDL) are in common/.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
 #include <stdint.h>
-
-#include "common/async_copy.cuh"  // smem_u32, cp_async_commit, cp_async_wait<N>
-#include "common/mma_sync.cuh"
-#include "common/wgmma_sync.cuh"
 
 namespace dsv4 {
 namespace moe {
-
-// zero != 0 writes 16 zero bytes instead of reading src (which must still be a valid
-// address).
-__device__ __forceinline__ void cp_async16_or_zero(uint32_t dst, const void* src, uint32_t zero) {
-  asm volatile(
-      "{\n.reg .pred z;\nsetp.ne.b32 z, %2, 0;\ncp.async.cg.shared.global [%0], [%1], 16, z;\n}\n" ::"r"(dst),
-      "l"(src), "r"(zero));
-}
-__device__ __forceinline__ uint4 lds128(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ uint2 lds64(uint32_t addr) {
-  uint2 v;
-  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
-  return v;
-}
-
-// Programmatic dependent launch: every kernel after the routing one is launched so
-// that it may start while its predecessor drains; it waits for the predecessor's
-// completion (and memory) before touching anything, then lets its own successor
-// launch. Both are no-ops in a kernel launched without the attribute.
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" :::); }
-
-// Keeps the compiler from moving accumulator reads/writes across the async MMAs.
-template <int NA>
-__device__ __forceinline__ void fence_acc(float (&d)[NA]) {
-#pragma unroll
-  for (int i = 0; i < NA; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-__device__ __forceinline__ void fence_regs(uint32_t (&a)[4]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[i])::"memory");
-}
-
-// Shared-memory matrix descriptor of a K-major bf16 tile whose rows are 128 bytes
-// (64 elements), stored with the 128-byte swizzle (16-byte chunk c of row r at chunk
-// c ^ (r & 7)); 8-row groups are 1024 bytes apart. The tile must be 1024-aligned.
-__device__ __forceinline__ uint64_t kmajor_sw128_desc(uint32_t saddr) {
-  uint64_t d = 0;
-  d |= uint64_t((saddr & 0x3FFFF) >> 4);
-  d |= uint64_t(1) << 16;             // leading byte offset (unused with swizzle)
-  d |= uint64_t(1024 >> 4) << 32;     // stride byte offset: 8 rows * 128 B
-  d |= uint64_t(1) << 62;             // 128-byte swizzle
-  return d;
-}
-
-__device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-// Eight floats -> eight bf16 (round to nearest) in one 16-byte word, for vector stores.
-__device__ __forceinline__ uint4 bf16x8_bits(const float* v) {
-  return make_uint4(bf16x2_bits(v[0], v[1]), bf16x2_bits(v[2], v[3]), bf16x2_bits(v[4], v[5]),
-                    bf16x2_bits(v[6], v[7]));
-}
 
 // Bit layout of one prepared code word (the 8 elements of one thread's A fragment
 // for one k16 step; see moe_params.cuh). Fragment register p holds an (even, odd)

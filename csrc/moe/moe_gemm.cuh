@@ -15,11 +15,16 @@
 // Prefill sizes run the warp-specialized kernel of moe_gemm_ws.cuh instead.
 #pragma once
 
+#include "common/cvt.cuh"
+#include "common/mma/mma_sync.cuh"
+#include "common/mma/wgmma.cuh"
 #include "common/nvfp4.cuh"
-#include "common/sm90_pipeline.cuh"
+#include "common/ptx/memory.cuh"
+#include "common/ptx/pdl.cuh"
+#include "common/ptx/regs.cuh"
+#include "common/ptx/sync.cuh"
 #include "moe/moe_device.cuh"
 #include "moe/moe_params.cuh"
-#include "moe/wgmma_rs.cuh"
 
 namespace dsv4 {
 namespace moe {
@@ -85,7 +90,7 @@ __device__ __forceinline__ void gemm1_epilogue(const MoeParams& p, const float (
   if (!p.act_nvfp4) {
     for (int idx = tid; idx < BN * 4; idx += kThreads) {
       const int tok = idx >> 2, ch = idx & 3;
-      const uint4 o = bf16x8_bits(stg + stage1_index(tok, ch * 8));
+      const uint4 o = pack_bf16x8(stg + stage1_index(tok, ch * 8));
       *reinterpret_cast<uint4*>(p.h + act_offset<kTiled>(row0 + tok, rt * 4 + ch, N)) = o;
     }
   } else {
@@ -113,8 +118,8 @@ __device__ __forceinline__ void gemm1_epilogue(const MoeParams& p, const float (
       uint32_t w[8];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        w[i] = bf16x2_bits(e2m1_value(clo >> (8 * i)) * sf, e2m1_value(clo >> (8 * i + 4)) * sf);
-        w[4 + i] = bf16x2_bits(e2m1_value(chi >> (8 * i)) * sf, e2m1_value(chi >> (8 * i + 4)) * sf);
+        w[i] = pack_bf16x2(e2m1_value(clo >> (8 * i)) * sf, e2m1_value(clo >> (8 * i + 4)) * sf);
+        w[4 + i] = pack_bf16x2(e2m1_value(chi >> (8 * i)) * sf, e2m1_value(chi >> (8 * i + 4)) * sf);
       }
       *reinterpret_cast<uint4*>(p.h + act_offset<kTiled>(row0 + tok, rt * 4 + blk * 2, N)) =
           make_uint4(w[0], w[1], w[2], w[3]);
@@ -249,7 +254,7 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
       auto copy_step = [&](int q) {
 #pragma unroll
         for (int i = 0; i < kBIters; ++i)
-          cp_async16_or_zero(dst + q * S::kB + i * 8 * 128, b_src[i] + k0 + q * kTileK, b_zero[i]);
+          cp_async_16_unordered(dst + q * S::kB + i * 8 * 128, b_src[i] + k0 + q * kTileK, b_zero[i]);
       };
       if (steps == kSteps) {  // every slot but a segment's last: no per-step checks
 #pragma unroll
@@ -298,7 +303,7 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
   const uint32_t ld_off0 = (lane & 7) * 128 + (((lane >> 3) ^ (lane & 7)) << 4);
   const uint32_t ld_off1 = (lane & 7) * 128 + (((4 + (lane >> 3)) ^ (lane & 7)) << 4);
   auto dequant_step = [&](int st, uint32_t(&af)[4][4]) {
-    dequant_tile(lds128(sW_rd + st * kCodeTileBytes), lds64(sS_rd + st * kScaleTileBytes), af);
+    dequant_tile(lds_v4(sW_rd + st * kCodeTileBytes), lds_v2(sS_rd + st * kScaleTileBytes), af);
   };
   auto mma_step = [&](int st, const uint32_t(&af)[4][4]) {
     if constexpr (S::kWarpMma) {
@@ -310,10 +315,11 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
         ldmatrix_x4(b[1], tb + h * 1024 + ld_off1);
         float(&d)[4] = *reinterpret_cast<float(*)[4]>(acc + 4 * h);  // n8 block h's accumulators
 #pragma unroll
-        for (int j = 0; j < 4; ++j) mma_bf16(d, af[j], b[j >> 1][2 * (j & 1)], b[j >> 1][2 * (j & 1) + 1]);
+        for (int j = 0; j < 4; ++j) mma_m16n8k16_bf16(d, af[j], b[j >> 1][2 * (j & 1)], b[j >> 1][2 * (j & 1) + 1]);
       }
     } else {
-      const uint64_t desc = kmajor_sw128_desc(sB_base + st * S::kB);
+      // K-major token rows of 128 bytes (64 bf16), 8-row groups 1024 bytes apart.
+      const uint64_t desc = wgmma_desc_sw128(sB_base + st * S::kB, 16, 1024);
 #pragma unroll
       for (int j = 0; j < 4; ++j) WgmmaRS<BN>::mma(acc, af[j], desc + 2 * j, 1);
     }
@@ -358,7 +364,7 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
       mma_step(st + 1, a1);
       wgmma_commit();
       wgmma_wait<0>();
-      fence_acc(acc);
+      fence_regs(acc);
     }
     next_slot();
   }
@@ -373,7 +379,7 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
       if constexpr (!S::kWarpMma) {
         wgmma_commit();
         wgmma_wait<0>();
-        fence_acc(acc);
+        fence_regs(acc);
       }
     }
     next_slot();

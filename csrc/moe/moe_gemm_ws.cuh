@@ -27,7 +27,11 @@
 // weight rows) leaves L2 once per cluster.
 #pragma once
 
-#include "common/sm90_pipeline.cuh"
+#include "common/mma/wgmma.cuh"
+#include "common/ptx/memory.cuh"
+#include "common/ptx/pdl.cuh"
+#include "common/ptx/regs.cuh"
+#include "common/ptx/sync.cuh"
 #include "moe/moe_gemm.cuh"
 
 namespace dsv4 {
@@ -161,9 +165,10 @@ __device__ __forceinline__ void ws_consume(const MoeParams& p, uint8_t* smem, ui
   const uint32_t ring = smem_u32(smem);
   const uint32_t w_off = ring + C::kWeightsAt + w * kCodeTileBytes + tid * 16;
   const uint32_t s_off = ring + C::kWeightsAt + C::kS + w * kScaleTileBytes + (warp * 8 + g) * 8;
-  // Descriptor of stage 0's token tile; stage s and k16 step j add s * kB / 16 + 2j to
-  // the low word (start address field, no carry out: shared memory < 256 KB).
-  const uint64_t desc0 = kmajor_sw128_desc(ring);
+  // Descriptor of stage 0's token tile (K-major rows of 128 bytes, 8-row groups 1024 bytes
+  // apart); stage s and k16 step j add s * kB / 16 + 2j to the low word (start address
+  // field, no carry out: shared memory < 256 KB).
+  const uint64_t desc0 = wgmma_desc_sw128(ring, 16, 1024);
   const uint32_t desc_hi = uint32_t(desc0 >> 32), desc_lo = uint32_t(desc0);
 
   float acc[BN / 2];
@@ -173,8 +178,8 @@ __device__ __forceinline__ void ws_consume(const MoeParams& p, uint8_t* smem, ui
   uint2 sc = make_uint2(0, 0);
   mbar_wait(full + s, phase);
   if (active) {
-    codes = lds128(w_off + s * C::kWStage);
-    sc = lds64(s_off + s * C::kWStage);
+    codes = lds_v4(w_off + s * C::kWStage);
+    sc = lds_v2(s_off + s * C::kWStage);
   }
   for (int kt = 0; kt < KT; ++kt) {
     const int next = s + 1 == C::kStages ? 0 : s + 1;
@@ -190,11 +195,11 @@ __device__ __forceinline__ void ws_consume(const MoeParams& p, uint8_t* smem, ui
       wgmma_commit();
       if (kt + 1 < KT) {
         mbar_wait(full + next, next_phase);
-        codes = lds128(w_off + next * C::kWStage);
-        sc = lds64(s_off + next * C::kWStage);
+        codes = lds_v4(w_off + next * C::kWStage);
+        sc = lds_v2(s_off + next * C::kWStage);
       }
       wgmma_wait<0>();
-      fence_acc(acc);
+      fence_regs(acc);
     } else if (kt + 1 < KT) {
       mbar_wait(full + next, next_phase);
     }

@@ -3,7 +3,9 @@
 // (*num_tiles) that the later kernels read, so the whole chain is graph capturable.
 #pragma once
 
+#include "common/cvt.cuh"
 #include "common/nvfp4.cuh"
+#include "common/ptx/pdl.cuh"
 #include "moe/moe_device.cuh"
 #include "moe/moe_params.cuh"
 
@@ -282,7 +284,7 @@ __global__ void __launch_bounds__(256) moe_gather_kernel(const MoeParams p) {
         uint32_t* ow = reinterpret_cast<uint32_t*>(&o);
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          ow[i] = bf16x2_bits(e2m1_value(codes >> (8 * i)) * sf, e2m1_value(codes >> (8 * i + 4)) * sf);
+          ow[i] = pack_bf16x2(e2m1_value(codes >> (8 * i)) * sf, e2m1_value(codes >> (8 * i + 4)) * sf);
         if (c < chunks) *reinterpret_cast<uint4*>(dst) = o;
       }
     }
@@ -311,7 +313,7 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const MoeParams p) {
           acc[2 * i + 1] = fmaf(w, f.y, acc[2 * i + 1]);
         }
       }
-      const uint4 o = bf16x8_bits(acc);
+      const uint4 o = pack_bf16x8(acc);
       *(reinterpret_cast<uint4*>(p.out + size_t(tkn) * p.K) + c) = o;
     }
   }

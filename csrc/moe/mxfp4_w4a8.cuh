@@ -38,6 +38,8 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include "common/cvt.cuh"
+#include "common/mma/mma_sync.cuh"
 #include "moe/moe_device.cuh"
 
 namespace dsv4 {
@@ -77,7 +79,7 @@ struct W4A8Params {
 
 // e4m3 bits of a finite float, round to nearest even, saturating (cvt.rn.satfinite).
 __device__ __forceinline__ uint32_t e4m3_bits(float v) {
-  return uint32_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+  return uint32_t(e4m3_rn_satfinite(v).__x);
 }
 
 // Four e4m3 bytes of four e2m1 codes (nibbles of the low 16 bits, element i in nibble i)
@@ -99,14 +101,6 @@ __device__ __forceinline__ void build_shift_tables(uint32_t (*lut)[2]) {
     const int d = i / 8 + kShiftMin;
     bytes[i] = uint8_t(e4m3_bits(ldexpf(e2m1_value(uint32_t(i % 8)), d)));
   }
-}
-
-__device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ float quad_max(float v) {
@@ -193,7 +187,7 @@ __device__ __forceinline__ void w4a8_mainloop(float (&acc)[kTiles][4], const uin
       for (int s = 0; s < 4; ++s) {
         const uint32_t a[4] = {e2m1x4_to_e4m3x4(w0[s] & 0xFFFFu, l0, h0), e2m1x4_to_e4m3x4(w1[s] & 0xFFFFu, l1, h1),
                                e2m1x4_to_e4m3x4(w0[s] >> 16, l0, h0), e2m1x4_to_e4m3x4(w1[s] >> 16, l1, h1)};
-        mma_e4m3(part, a, bw[2 * s], bw[2 * s + 1]);
+        mma_m16n8k32_e4m3(part, a, bw[2 * s], bw[2 * s + 1]);
       }
       // 2^b with b = gmax - 127 - 6, folded into the token scale exactly
       const int b0 = gmax0 - 127 - kShiftMax, b1 = gmax1 - 127 - kShiftMax;

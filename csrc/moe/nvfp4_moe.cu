@@ -335,7 +335,7 @@ MoeConfig get_best_config(const Checked& c, int64_t cta_mode, const DeviceFacts&
     TORCH_CHECK(cfg.splitk || cfg.max_tiles <= 65535, "dsv4: nvfp4_moe's one-warpgroup GEMM grid takes at most "
                 "65535 token tiles, got ", cfg.max_tiles, " (M * k = ", S, " slots); call it on fewer tokens at a time");
   }
-  // Launch with programmatic stream serialization (see pdl_wait in moe_device.cuh):
+  // Launch with programmatic stream serialization (see pdl_wait in common/ptx/pdl.cuh):
   // the kernel may be scheduled while its predecessor in the stream drains, which
   // hides the launch gap between the five kernels of a (decode-sized) call.
   // On by default at decode token tiles (<= 16), where it saved ~3 us per call; at

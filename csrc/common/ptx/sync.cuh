@@ -1,11 +1,10 @@
-// The pieces of a warp-specialized Hopper (sm_90a) pipeline, shared by the attention
-// and MoE kernels (raw PTX): mbarriers, named barriers, bulk async copies, clusters
-// and register reallocation between warpgroups. Torch-free.
+// Synchronization (raw PTX), shared by every kernel family: mbarriers, proxy fences,
+// named barriers, device-scope flags and clusters (sm_90). Torch-free.
 #pragma once
 
 #include <cstdint>
 
-#include "common/async_copy.cuh"  // smem_u32
+#include "common/ptx/memory.cuh"  // smem_u32
 
 namespace dsv4 {
 
@@ -51,11 +50,19 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
-// Generic-proxy smem writes -> visible to wgmma (async proxy).
+
+// ---- proxy fences ----------------------------------------------------------------
+// Generic-proxy smem writes -> visible to wgmma and bulk copies (async proxy).
 __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
+// Orders this thread's earlier generic-proxy global accesses (an acquire that observed
+// another kernel's or CTA's plain stores) before its later bulk copies (async proxy).
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
 
+// ---- named barriers --------------------------------------------------------------
 __device__ __forceinline__ void named_bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -64,12 +71,7 @@ __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Orders this thread's earlier generic-proxy global accesses (an acquire that observed
-// another kernel's or CTA's plain stores) before its later bulk copies (async proxy).
-__device__ __forceinline__ void fence_proxy_async_global() {
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-}
-
+// ---- flags between CTAs and kernels ------------------------------------------------
 // Spins until *flag >= target (acquire, device scope).
 __device__ __forceinline__ void wait_flag_geq(const int* flag, int target) {
   int v;
@@ -78,36 +80,6 @@ __device__ __forceinline__ void wait_flag_geq(const int* flag, int target) {
     if (v >= target) break;
     __nanosleep(256);
   }
-}
-
-// ---- bulk copies (cp.async.bulk, no tensor map) ----------------------------------
-// `bytes` (a multiple of 16) from global to this CTA's shared memory; completion is
-// counted on `bar` (complete_tx).
-__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-      "l"(src), "r"(bytes), "r"(smem_u32(bar))
-      : "memory");
-}
-// The same copy into the same shared-memory offset of every CTA in `cta_mask`, each
-// counting it on its own barrier at `bar`'s offset.
-__device__ __forceinline__ void bulk_g2s_multicast(uint32_t dst, const void* src, uint32_t bytes, uint64_t* bar,
-                                                   uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], "
-      "%4;\n" ::"r"(dst),
-      "l"(src), "r"(bytes), "r"(smem_u32(bar)), "h"(cta_mask)
-      : "memory");
-}
-
-// ---- register reallocation between warpgroups ------------------------------------
-template <int N>
-__device__ __forceinline__ void setmaxnreg_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N>
-__device__ __forceinline__ void setmaxnreg_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
 // ---- clusters --------------------------------------------------------------------

@@ -1,0 +1,34 @@
+// Register-level conversions shared by the kernel families: bf16 packing (round to
+// nearest even) and the saturating e4m3 conversion. Torch-free.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+namespace dsv4 {
+
+// (lo, hi) -> one bf16x2 word, lo in the low half.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Eight floats -> eight bf16 in one 16-byte word, for vector stores.
+__device__ __forceinline__ uint4 pack_bf16x8(const float* v) {
+  return make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]),
+                    pack_bf16x2(v[6], v[7]));
+}
+
+// A bf16x2 word as the vector type of the bf16 intrinsics.
+__device__ __forceinline__ __nv_bfloat162 as_bf16x2(uint32_t w) { return *reinterpret_cast<const __nv_bfloat162*>(&w); }
+
+// e4m3 of a float: round to nearest even, finite values saturating at +-448 (one
+// cvt.rn.satfinite.e4m3x2.f32 on sm_89+).
+__device__ __forceinline__ __nv_fp8_e4m3 e4m3_rn_satfinite(float v) {
+  __nv_fp8_e4m3 s;
+  s.__x = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+  return s;
+}
+
+}  // namespace dsv4
