@@ -81,9 +81,8 @@ def engine_config(example: str, backend: str | None, **kwargs):
         model=example,
         load_format="dummy",
         skip_tokenizer_init=True,
-        max_model_len=4096,
         attention_backend=backend,
-        **kwargs,
+        **{"max_model_len": 4096, **kwargs},
     ).create_engine_config()
 
 

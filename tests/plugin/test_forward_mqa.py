@@ -14,9 +14,8 @@ slot ids in the index lists.
 Decode is covered here for SWA-only (compress_ratio 1) and C128A (compress_ratio
 128) layers; C4A and V4.1's compressed decode in test_forward_mqa_compressed.py
 (on the real models' layers, with a torch stand-in for vLLM's Triton
-compute_global_topk_indices_and_lens). The prefill path runs two more vLLM Triton
-kernels (dequantize_and_gather_k_cache, combine_topk_swa_indices) and is not
-exercised on CPU.
+compute_global_topk_indices_and_lens); prefill and mixed batches, with metadata from
+vLLM's own builders, in test_forward_mqa_prefill.py.
 """
 
 from __future__ import annotations

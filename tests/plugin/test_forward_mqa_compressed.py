@@ -7,9 +7,9 @@ attention.
 through vLLM's forward context under the prefixes vLLM's layers look them up by
 (the SWA cache's, and the kv source's ``compressed_cache_prefix`` on V4.1). The one
 vLLM helper on this path that is a Triton kernel,
-``compute_global_topk_indices_and_lens``, is replaced by :func:`global_topk_stand_in`,
-written from its docstring ("map local topk indices to global KV cache slots and
-count valid entries ... masking padding tokens to length 0"). The compressed top-k
+``compute_global_topk_indices_and_lens``, is replaced by
+``_stand_ins.global_topk_indices_and_lens`` (written from its docstring, checked
+against it in test_stand_ins_match_vllm.py). The compressed top-k
 lists are local positions in a request's compressed sequence, as the indexer writes
 them into the shared ``topk_indices_buffer``.
 """
@@ -21,26 +21,9 @@ import math
 import pytest
 import torch
 
-from _cpu_model import V41_EXAMPLE, V4_EXAMPLE, build_model
+from _stand_ins import global_topk_indices_and_lens
 
 D = 512
-
-
-def global_topk_stand_in(topk_indices, token_to_req_indices, block_table, block_size,
-                         is_valid_token):
-    """Stand-in for vLLM's Triton compute_global_topk_indices_and_lens."""
-    local = topk_indices.long()
-    valid = local >= 0
-    req = token_to_req_indices.long()[:, None].expand_as(local)
-    blocks = block_table.long()[req, (local.clamp(min=0) // block_size)]
-    slots = torch.where(valid, blocks * block_size + local.clamp(min=0) % block_size, -1)
-    lens = torch.where(is_valid_token, valid.sum(dim=1), 0)
-    return slots.to(topk_indices.dtype), lens.to(torch.int32)
-
-
-@pytest.fixture(scope="module")
-def models(plugin):
-    return {"v4": build_model(V4_EXAMPLE, "dsv4"), "v41": build_model(V41_EXAMPLE, "dsv4")}
 
 
 def _expected(q, keys_per_token, sink, scale):
@@ -72,7 +55,7 @@ def _run_decode(layer, kv_owner, g, monkeypatch, module):
     import importlib
 
     monkeypatch.setattr(importlib.import_module(module), "compute_global_topk_indices_and_lens",
-                        global_topk_stand_in)
+                        global_topk_indices_and_lens)
     ratio = layer.compress_ratio
     T = 3
     seq_lens = [40, 130, 77]  # positions p = seq_len - 1; the last is a padding token
@@ -164,9 +147,9 @@ def _layers(model, base_name):
 
 @pytest.mark.parametrize("which", ["v4_c4a", "v41_r1_source", "v41_r1_shared", "v41_r2_source",
                                    "v41_r2_shared"])
-def test_compressed_decode_matches_float64(models, monkeypatch, which):
+def test_compressed_decode_matches_float64(attn_models, monkeypatch, which):
     key = which.split("_")[0]
-    cfg, model = models[key]
+    cfg, model = attn_models[key]
     g = torch.Generator().manual_seed(hash(which) % 2**31)
     if key == "v4":
         layers = _layers(model, "DSV4FlashMLAAttention")
