@@ -161,7 +161,8 @@ def prefill_rows(anchors: Anchors, models, tokens, iters: int, copy_tbps: float)
     return rows
 
 
-DEFAULT_MOE_FORMATS = ["nvfp4", "mxfp4-w4a8"]  # the --moe-format names with an incumbent
+DEFAULT_MOE_FORMATS = ["nvfp4", "mxfp4-w4a8"]
+MOE_FORMAT_CHOICES = ("nvfp4", "mxfp4-w4a8", "mxfp4-w4a16")  # all have an incumbent (MOE_INCUMBENTS)
 NVFP4_KEYS = ("w13", "w13_scale", "w13_scale_2", "w2", "w2_scale", "w2_scale_2")
 
 
@@ -345,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--moe-m", type=_list, default=DEFAULT_MOE_M)
     ap.add_argument("--moe-format", type=I.moe_format_list, default=DEFAULT_MOE_FORMATS,
                     help="MoE row sets: nvfp4 (NVFP4 W4A16 vs Humming W4A16), mxfp4-w4a8 (MXFP4 W4A8 vs Humming "
-                         "W4A8); default both")
+                         "W4A8), mxfp4-w4a16 (MXFP4 W4A16 vs Humming W4A8, what vLLM runs for MXFP4 "
+                         "checkpoints); default nvfp4,mxfp4-w4a8")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--batch-invariant", action="store_true",
                     help="decode: also time sparse_mqa_decode(batch_invariant=True) in the same call")
@@ -362,7 +364,7 @@ def main(argv=None) -> int:
                                 ("--models", args.models, tuple(I.ATTN_MODELS)),
                                 ("--kinds", args.kinds, ("swa", "csa", "hca")),
                                 ("--moe-models", args.moe_models, tuple(I.MOE_MODELS)),
-                                ("--moe-format", args.moe_format, tuple(DEFAULT_MOE_FORMATS))):
+                                ("--moe-format", args.moe_format, MOE_FORMAT_CHOICES)):
         bad = [v for v in vals if v not in allowed]
         if bad:
             print(f"dsv4.bench.compare: {name} takes {', '.join(allowed)}; got {', '.join(bad)}", file=sys.stderr)
@@ -378,7 +380,7 @@ def main(argv=None) -> int:
     gpu = torch.cuda.is_available()
     anchors = find_anchors(args.anchors.split(":") if args.anchors else None, load=gpu and not args.dry_run)
     line = anchors.summary()
-    w4a8 = "moe" in args.only and "mxfp4-w4a8" in args.moe_format
+    w4a8 = "moe" in args.only and any(f.startswith("mxfp4") for f in args.moe_format)
     if (not anchors.flashmla or anchors.humming is None or (w4a8 and not anchors.vllm_c)) and gpu \
             and not args.dry_run:
         line += " -> the missing incumbents' columns stay empty (dsv4 runs alone there)"
