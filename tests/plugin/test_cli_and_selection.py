@@ -168,7 +168,7 @@ def test_moe_quant_method_only_under_dsv4(plugin, serve_parser):
     from vllm.model_executor.layers.fused_moe import RoutedExperts
     from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4FusedMoE
 
-    from dsv4_plugin.moe import DSV4DeepseekV4Config, DSV4NvFp4FusedMoE
+    from dsv4_plugin.moe import DSV4DeepseekV4Config, DSV4ModelOptNvFp4FusedMoE
 
     cfg = _engine_config(serve_parser, "--attention-backend", "dsv4")
     qc = cfg.quant_config
@@ -178,8 +178,8 @@ def test_moe_quant_method_only_under_dsv4(plugin, serve_parser):
     fake_layer.moe_config = None  # vLLM's methods only store it at construction
     with set_current_vllm_config(cfg):
         assert qc.moe_quant_algo == "NVFP4"
-        assert qc._dsv4_method_for(fake_layer, "model.layers.1.ffn.experts") is DSV4NvFp4FusedMoE
+        assert qc._dsv4_method_for(fake_layer, "model.layers.1.ffn.experts") is DSV4ModelOptNvFp4FusedMoE
     cfg.attention_config.backend = None
     with set_current_vllm_config(cfg):
         assert qc._dsv4_method_for(fake_layer, "model.layers.1.ffn.experts") is None
-    assert issubclass(DSV4NvFp4FusedMoE, ModelOptNvFp4FusedMoE)
+    assert issubclass(DSV4ModelOptNvFp4FusedMoE, ModelOptNvFp4FusedMoE)

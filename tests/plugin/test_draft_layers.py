@@ -25,7 +25,7 @@ def test_v2_runner_mtp_draft_keeps_dsv4_and_builds_dsv4_layers(plugin):
     from vllm.models.deepseek_v4.nvidia.mtp import DeepSeekV4MTP
 
     from dsv4_plugin.attention_v4 import DSV4FlashMLAAttention
-    from dsv4_plugin.moe import DSV4NvFp4FusedMoE
+    from dsv4_plugin.moe import DSV4ModelOptNvFp4FusedMoE
 
     cfg = _mtp_config()
     draft_cfg = cfg.speculative_config.apply_draft_overrides(cfg)
@@ -38,7 +38,7 @@ def test_v2_runner_mtp_draft_keeps_dsv4_and_builds_dsv4_layers(plugin):
     attn = [m for n, m in mods.items() if n.endswith("mtp_block.attn")]
     assert len(attn) == 1 and type(attn[0]) is DSV4FlashMLAAttention
     experts = [m for n, m in mods.items() if n.endswith("ffn.experts.routed_experts")]
-    assert len(experts) == 1 and type(experts[0].quant_method) is DSV4NvFp4FusedMoE
+    assert len(experts) == 1 and type(experts[0].quant_method) is DSV4ModelOptNvFp4FusedMoE
 
 
 @pytest.mark.parametrize("spec_backend", [None, "dsv4"])

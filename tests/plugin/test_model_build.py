@@ -104,7 +104,7 @@ def test_routed_experts_use_dsv4_moe_only_under_dsv4(built):
     from vllm.model_executor.layers.fused_moe import RoutedExperts
     from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4FusedMoE
 
-    from dsv4_plugin.moe import DSV4NvFp4FusedMoE
+    from dsv4_plugin.moe import DSV4ModelOptNvFp4FusedMoE
 
     key, example, (cfg, model), (ref_cfg, ref_model), ours = built
     assert cfg.model_config.quantization == ref_cfg.model_config.quantization == "deepseek_v4_fp8"
@@ -117,7 +117,7 @@ def test_routed_experts_use_dsv4_moe_only_under_dsv4(built):
         ref_qm = ref_modules[name].quant_method
         if isinstance(m, RoutedExperts):
             experts += 1
-            assert type(qm) is DSV4NvFp4FusedMoE, name
+            assert type(qm) is DSV4ModelOptNvFp4FusedMoE, name
             assert type(ref_qm) is ModelOptNvFp4FusedMoE, name
         else:
             assert type(qm) is type(ref_qm), name

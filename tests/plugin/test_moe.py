@@ -11,10 +11,10 @@ clamped SwiGLU, the ``1 / max(input_scale)`` activation scale of
 ``convert_to_nvfp4_moe_kernel_format``), with the Triton GEMM replaced by a
 float32 matmul and bf16 intermediates as in the Triton path.
 
-The dsv4 side runs through the plugin's real objects: ``DSV4NvFp4FusedMoE``
+The dsv4 side runs through the plugin's real objects: ``DSV4ModelOptNvFp4FusedMoE``
 (vLLM's ModelOpt NVFP4 method, dsv4 kernel) converts the weights at load and
 builds a ``FusedMoEKernel`` from vLLM's prepare/finalize and
-``DSV4NvFp4Experts``; ``apply`` is vLLM's ``ModelOptNvFp4FusedMoE.apply``.
+``DSV4Experts``; ``apply`` is vLLM's ``ModelOptNvFp4FusedMoE.apply``.
 """
 
 from __future__ import annotations
@@ -158,18 +158,18 @@ def test_dsv4_experts_match_vllm_nvfp4_emulation(plugin, activation):
     from vllm.model_executor.layers.fused_moe import modular_kernel as mk
 
     from dsv4 import formats
-    from dsv4_plugin.moe import DSV4NvFp4Experts, DSV4NvFp4FusedMoE
+    from dsv4_plugin.moe import DSV4Experts, DSV4ModelOptNvFp4FusedMoE
 
     g = torch.Generator().manual_seed(7)
     w = formats.random_nvfp4_moe_weights(E, N, K, generator=g)
     x = (torch.randn(M, K, generator=g) * 2.0).to(torch.bfloat16)
     topk_weights, topk_ids = _routing(g, E)
 
-    method = DSV4NvFp4FusedMoE(_nvfp4_config(), _moe_config(E, E), activation=activation)
+    method = DSV4ModelOptNvFp4FusedMoE(_nvfp4_config(), _moe_config(E, E), activation=activation)
     layer = _Layer(w, expert_map=None, global_num_experts=E)
     method.process_weights_after_loading(layer)
     assert isinstance(method.moe_kernel, mk.FusedMoEKernel)
-    assert isinstance(method.moe_kernel.fused_experts, DSV4NvFp4Experts)
+    assert isinstance(method.moe_kernel.fused_experts, DSV4Experts)
     # checkpoint-layout copies were released (dsv4 keeps its own layout)
     assert layer.w13_weight.untyped_storage().nbytes() <= 1
     assert tuple(layer.w13_weight.shape) == (E, 2 * N, K // 2)
@@ -195,7 +195,7 @@ def test_dsv4_experts_match_vllm_nvfp4_emulation(plugin, activation):
 def test_dsv4_experts_expert_parallel_map(plugin):
     """EP: this rank holds global experts 4..7 as local 0..3; others contribute 0."""
     from dsv4 import formats
-    from dsv4_plugin.moe import DSV4NvFp4FusedMoE
+    from dsv4_plugin.moe import DSV4ModelOptNvFp4FusedMoE
 
     g = torch.Generator().manual_seed(11)
     w_all = formats.random_nvfp4_moe_weights(E, N, K, generator=g)
@@ -206,7 +206,7 @@ def test_dsv4_experts_expert_parallel_map(plugin):
     x = torch.randn(M, K, generator=g).to(torch.bfloat16)
     topk_weights, topk_ids = _routing(g, E)
 
-    method = DSV4NvFp4FusedMoE(_nvfp4_config(), _moe_config(E, 4), activation="bf16")
+    method = DSV4ModelOptNvFp4FusedMoE(_nvfp4_config(), _moe_config(E, 4), activation="bf16")
     layer = _Layer(w_local, expert_map=expert_map, global_num_experts=E)
     method.process_weights_after_loading(layer)
     out = method.apply(layer, x, topk_weights, topk_ids, None, None)
@@ -219,14 +219,25 @@ def test_dsv4_experts_expert_parallel_map(plugin):
 
 
 def test_activation_mode_env(monkeypatch, plugin):
+    """Unset (or empty): the format's default; anything the format does not run is
+    one `dsv4:` error naming the variable, the format and the modes it runs."""
     from dsv4_plugin import moe
 
     monkeypatch.delenv("DSV4_MOE_ACTIVATION", raising=False)
-    assert moe.activation_mode() == "bf16"
+    assert (moe.activation_mode("nvfp4"), moe.activation_mode("mxfp4")) == ("bf16", "fp8")
+    monkeypatch.setenv("DSV4_MOE_ACTIVATION", " ")
+    assert (moe.activation_mode("nvfp4"), moe.activation_mode("mxfp4")) == ("bf16", "fp8")
     monkeypatch.setenv("DSV4_MOE_ACTIVATION", "NVFP4")
-    assert moe.activation_mode() == "nvfp4"
-    monkeypatch.setenv("DSV4_MOE_ACTIVATION", "fp8")
-    with pytest.raises(ValueError, match="DSV4_MOE_ACTIVATION"):
-        moe.activation_mode()
+    assert moe.activation_mode("nvfp4") == "nvfp4"
+    monkeypatch.setenv("DSV4_MOE_ACTIVATION", "bf16")
+    assert (moe.activation_mode("nvfp4"), moe.activation_mode("mxfp4")) == ("bf16", "bf16")
+    for bad, fmt, modes in (("fp8", "nvfp4", "bf16, nvfp4"), ("nvfp4", "mxfp4", "fp8, bf16"),
+                            ("w4a8", "mxfp4", "fp8, bf16")):
+        monkeypatch.setenv("DSV4_MOE_ACTIVATION", bad)
+        with pytest.raises(ValueError) as ei:
+            moe.activation_mode(fmt)
+        assert str(ei.value) == (f"dsv4: DSV4_MOE_ACTIVATION={bad!r} is not supported for "
+                                 f"{fmt.upper()} routed experts; use one of {modes} "
+                                 f"(unset: {modes.split(',')[0]})")
     monkeypatch.setenv("DSV4_MOE", "0")
     assert not moe.moe_enabled()

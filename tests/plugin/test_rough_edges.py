@@ -136,17 +136,27 @@ def test_dsv4_without_kernels_fails_at_model_construction_with_one_line(plugin, 
 def _feature_cfg(**over):
     vc = types.SimpleNamespace(
         lora_config=None,
-        model_config=types.SimpleNamespace(enable_sleep_mode=False),
+        model_config=types.SimpleNamespace(enable_sleep_mode=False, quantization_config=None),
         load_config=types.SimpleNamespace(load_format="dummy"),
     )
-    mc = types.SimpleNamespace(moe_parallel_config=types.SimpleNamespace(
+    mc = types.SimpleNamespace(intermediate_size_per_partition=288, moe_parallel_config=types.SimpleNamespace(
         use_deepep_ll_kernels=False, enable_eplb=False))
+    where = {"lora": (vc, "lora_config"), "sleep": (vc.model_config, "enable_sleep_mode"),
+             "load": (vc.load_config, "load_format"), "quant": (vc.model_config, "quantization_config"),
+             "n": (mc, "intermediate_size_per_partition")}
     for k, v in over.items():
-        obj = {"lora": vc, "sleep": vc.model_config, "load": vc.load_config}.get(k, mc.moe_parallel_config)
-        setattr(obj, {"lora": "lora_config", "sleep": "enable_sleep_mode", "load": "load_format"}.get(k, k), v)
+        obj, attr = where.get(k, (mc.moe_parallel_config, k))
+        setattr(obj, attr, v)
     return vc, mc
 
 
+def _moe_override():
+    from vllm.config.quantization import QuantizationConfigArgs
+
+    return QuantizationConfigArgs(moe="mxfp8")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("over,feature", [
     ({"lora": object()}, "LoRA"),
     ({"use_deepep_ll_kernels": True}, "DeepEP low-latency all2all"),
@@ -154,16 +164,38 @@ def _feature_cfg(**over):
     ({"sleep": True}, "sleep mode"),
     ({"load": "ipc_cache"}, "pre-processed weights"),
     ({"load": "sharded_state"}, "pre-processed weights"),
+    ({"quant": "override"}, "a MoE quantization override (--quantization-config moe)"),
 ])
-def test_refused_features_name_themselves_and_dsv4_moe_0(plugin, over, feature):
+def test_refused_features_name_themselves_and_dsv4_moe_0(plugin, fmt, over, feature):
     from dsv4_plugin.moe import DSV4MoEUnsupportedError, check_supported
 
-    check_supported(*_feature_cfg())  # nothing on: accepted
+    if over.get("quant") == "override":
+        over = {"quant": _moe_override()}
+    check_supported(*_feature_cfg(), fmt)  # nothing on: accepted
     with pytest.raises(DSV4MoEUnsupportedError) as ei:
-        check_supported(*_feature_cfg(**over))
+        check_supported(*_feature_cfg(**over), fmt)
     msg = str(ei.value)
-    assert msg.startswith(f"dsv4 NVFP4 MoE does not support {feature} (")
+    assert msg.startswith(f"dsv4 {fmt.upper()} MoE does not support {feature} (")
     assert "DSV4_MOE=0" in msg and "\n" not in msg
+
+
+def test_mxfp4_only_refusals(plugin, monkeypatch):
+    """vLLM's Humming knob and a per-rank N that MXFP4 scales cannot tile: refused for
+    MXFP4 experts, with the message naming each; NVFP4 experts are not affected."""
+    from dsv4_plugin.moe import DSV4MoEUnsupportedError, check_supported
+
+    monkeypatch.setenv("VLLM_HUMMING_INPUT_QUANT_CONFIG", '{"dtype": "float8e4m3"}')
+    check_supported(*_feature_cfg(), "nvfp4")
+    with pytest.raises(DSV4MoEUnsupportedError, match=r"^dsv4 MXFP4 MoE does not support "
+                       r"VLLM_HUMMING_INPUT_QUANT_CONFIG \(.*DSV4_MOE=0"):
+        check_supported(*_feature_cfg(), "mxfp4")
+    monkeypatch.delenv("VLLM_HUMMING_INPUT_QUANT_CONFIG")
+    check_supported(*_feature_cfg(n=144), "nvfp4")
+    with pytest.raises(DSV4MoEUnsupportedError) as ei:
+        check_supported(*_feature_cfg(n=144), "mxfp4")
+    assert str(ei.value).startswith("dsv4 MXFP4 MoE does not support a per-rank expert "
+                                    "intermediate size of 144 (")
+    assert "tensor-parallel size" in str(ei.value) and "DSV4_MOE=0" in str(ei.value)
 
 
 def test_refusal_happens_while_the_real_model_is_built(plugin, monkeypatch):
@@ -196,12 +228,12 @@ def test_weight_reload_is_refused(plugin):
     from test_moe import E, _Layer, _moe_config, _nvfp4_config
 
     from dsv4 import formats
-    from dsv4_plugin.moe import DSV4MoEUnsupportedError, DSV4NvFp4FusedMoE
+    from dsv4_plugin.moe import DSV4MoEUnsupportedError, DSV4ModelOptNvFp4FusedMoE
 
     import torch
 
     w = formats.random_nvfp4_moe_weights(E, 128, 256, generator=torch.Generator().manual_seed(3))
-    method = DSV4NvFp4FusedMoE(_nvfp4_config(), _moe_config(E, E), activation="bf16")
+    method = DSV4ModelOptNvFp4FusedMoE(_nvfp4_config(), _moe_config(E, E), activation="bf16")
     layer = _Layer(w, expert_map=None, global_num_experts=E)
     method.process_weights_after_loading(layer)
     with pytest.raises(DSV4MoEUnsupportedError, match="weight reload.*DSV4_MOE=0"):
@@ -221,10 +253,11 @@ def _variant(tmp_path, example, edit):
     return str(d)
 
 
+@pytest.mark.parametrize("claim", [True, False])
 @pytest.mark.parametrize("example", [V4_EXAMPLE, V41_EXAMPLE])
-def test_mxfp4_experts_are_left_to_vllm_with_one_log_line(plugin, tmp_path, monkeypatch, example):
-    """MXFP4 (native V4-Flash / V4.1-Flash) experts: vLLM's method, dsv4 attention,
-    one log line. dsv4's MXFP4 MoE kernel is not GPU-validated, so not claimed."""
+def test_mxfp4_experts_claim_switch(plugin, tmp_path, monkeypatch, example, claim):
+    """MXFP4 (native V4-Flash / V4.1-Flash) experts: dsv4's MXFP4 method while
+    moe.CLAIM_MXFP4 is on; off, vLLM's method with one log line (dsv4 attention)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.fused_moe import RoutedExperts
 
@@ -235,12 +268,35 @@ def test_mxfp4_experts_are_left_to_vllm_with_one_log_line(plugin, tmp_path, monk
     lines = []
     monkeypatch.setattr(moe, "logger", types.SimpleNamespace(
         info_once=lambda msg, *a: lines.append(msg % a)))
+    monkeypatch.setattr(moe, "CLAIM_MXFP4", claim)
     layer = RoutedExperts.__new__(RoutedExperts)
     with set_current_vllm_config(cfg):
         for i in range(3):
-            assert cfg.quant_config._dsv4_method_for(layer, f"model.layers.{i}.ffn.experts") is None
-    assert lines and all("MXFP4 routed experts stay on vLLM's MoE kernels" in ln for ln in lines)
-    assert "not validated on GPU" in lines[0]
+            got = cfg.quant_config._dsv4_method_for(layer, f"model.layers.{i}.ffn.experts")
+            assert got is (moe.DSV4Mxfp4FusedMoE if claim else None)
+    if claim:
+        assert not lines
+    else:
+        assert lines and all("MXFP4 routed experts stay on vLLM's MoE kernels" in ln for ln in lines)
+        assert "not validated on GPU" in lines[0]
+
+
+def test_fp8_experts_are_left_to_vllm_with_one_log_line(plugin, tmp_path, monkeypatch):
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+    from dsv4_plugin import moe
+
+    path = _variant(tmp_path, V4_EXAMPLE, lambda raw: raw.update(expert_dtype="fp8"))
+    cfg = engine_config(path, "dsv4")
+    lines = []
+    monkeypatch.setattr(moe, "logger", types.SimpleNamespace(
+        info_once=lambda msg, *a: lines.append(msg % a)))
+    layer = RoutedExperts.__new__(RoutedExperts)
+    with set_current_vllm_config(cfg):
+        assert cfg.quant_config._dsv4_method_for(layer, "model.layers.1.ffn.experts") is None
+    assert lines == ["dsv4 plugin: FP8 routed experts stay on vLLM's MoE kernels (dsv4 runs "
+                     "NVFP4 and MXFP4 experts); attention runs dsv4"]
 
 
 # -- the README's tiny-model commands --------------------------------------------------------
