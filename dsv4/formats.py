@@ -57,10 +57,11 @@ not the correctly rounded quotient.
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
+
+from . import _checks as C
 
 __all__ = [
     "E2M1_VALUES",
@@ -119,44 +120,18 @@ _E2M1_THRESHOLDS = [
 ]
 
 
-def _require_tensor(value, name: str) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-
-
-def _require_float_tensor(value, name: str) -> None:
-    _require_tensor(value, name)
-    if not value.is_floating_point() or value.dtype in (
-        torch.float8_e4m3fn, torch.float8_e5m2
-    ):
-        raise TypeError(
-            f"{name} must be a float32/float16/bfloat16/float64 tensor, got {value.dtype}"
-        )
-
-
-def _require_dtype(value, name: str, dtype: torch.dtype) -> None:
-    _require_tensor(value, name)
-    if value.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype}, got {value.dtype}")
-
-
-def _global_scale_tensor(global_scale, device: torch.device, name: str = "global_scale"):
-    """Returns ``global_scale`` as a 0-dim float32 tensor on ``device``."""
+def _global_scale(op: str, global_scale, device: torch.device, name: str = "global_scale") -> torch.Tensor:
+    """A global scale (a Python number > 0 or a 1-element float32 tensor) as a 0-dim float32
+    tensor on ``device``."""
     if isinstance(global_scale, torch.Tensor):
-        if global_scale.dtype != torch.float32:
-            raise TypeError(f"{name} must be a float32 tensor, got {global_scale.dtype}")
+        C.dtype(op, name, global_scale, torch.float32)
         if global_scale.numel() != 1:
-            raise ValueError(
-                f"{name} must have exactly 1 element, got shape {tuple(global_scale.shape)}"
-            )
+            raise C.error(op, f"{name} must have exactly 1 element, got shape {tuple(global_scale.shape)}")
         return global_scale.reshape(()).to(device)
     if isinstance(global_scale, bool) or not isinstance(global_scale, numbers.Real):
-        raise TypeError(
-            f"{name} must be a python float or a 1-element float32 tensor, "
-            f"got {type(global_scale).__name__}"
-        )
-    if not (math.isfinite(global_scale) and global_scale > 0):
-        raise ValueError(f"{name} must be a finite positive number, got {global_scale}")
+        raise C.type_error(op, f"{name} must be a python float or a 1-element float32 tensor, got "
+                               f"{type(global_scale).__name__}")
+    C.finite_positive(op, name, global_scale)
     return torch.tensor(float(global_scale), dtype=torch.float32, device=device)
 
 
@@ -173,7 +148,7 @@ def round_to_e2m1(y: torch.Tensor) -> torch.Tensor:
         rounds to 0 (so -0.1 gives code 8); -0.0 gives code 0.  NaN inputs are not
         supported (code 0).
     """
-    _require_float_tensor(y, "y")
+    C.floating("round_to_e2m1", "y", y)
     mag = y.float().abs()
     # Each threshold passed adds one to the magnitude code; NaN passes none.
     code = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
@@ -194,13 +169,11 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
         uint8 ``[..., K/2]``; byte j = ``codes[..., 2j] | codes[..., 2j+1] << 4``
         (the even element in the LOW nibble).
     """
-    _require_dtype(codes, "codes", torch.uint8)
+    C.dtype("pack_fp4", "codes", codes, torch.uint8)
     if codes.dim() == 0 or codes.shape[-1] % 2 != 0:
-        raise ValueError(
-            f"codes must have an even last dim, got shape {tuple(codes.shape)}"
-        )
+        raise C.error("pack_fp4", f"codes must have an even last dim, got shape {tuple(codes.shape)}")
     if codes.numel() and bool((codes > 15).any()):
-        raise ValueError("codes must hold 4-bit values (0..15)")
+        raise C.error("pack_fp4", "codes must hold 4-bit values (0..15)")
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
@@ -213,9 +186,9 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     Returns:
         uint8 codes ``[..., K]``.
     """
-    _require_dtype(packed, "packed", torch.uint8)
+    C.dtype("unpack_fp4", "packed", packed, torch.uint8)
     if packed.dim() == 0:
-        raise ValueError("packed must have at least 1 dim")
+        raise C.error("unpack_fp4", "packed must have at least 1 dim")
     low = packed & 0x0F
     high = packed >> 4
     return torch.stack([low, high], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
@@ -295,9 +268,7 @@ def _nvfp4_rcp_approx_codes(x: torch.Tensor, global_scale) -> torch.Tensor:
         uint8 ``[..., K, 9]``; ``[..., 4]`` (no ulp moved) is the code of
         :func:`quantize_nvfp4`.
     """
-    _require_float_tensor(x, "x")
-    _check_nvfp4_last_dim(x, "x")
-    g = _global_scale_tensor(global_scale, x.device)
+    g = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device).reshape(())
     _, scales = _quantize_nvfp4_blocks(x, g)
     K = x.shape[-1]
     xb = x.float().reshape(*x.shape[:-1], K // NVFP4_BLOCK, NVFP4_BLOCK)
@@ -311,14 +282,6 @@ def _nvfp4_rcp_approx_codes(x: torch.Tensor, global_scale) -> torch.Tensor:
             r = torch.where(sf == 0, torch.zeros_like(d), _f32_step(one / torch.where(sf == 0, one, d), kr))
             out.append(round_to_e2m1(xb * r).reshape(x.shape))
     return torch.stack(out, dim=-1)
-
-
-def _check_nvfp4_last_dim(x: torch.Tensor, name: str) -> None:
-    if x.dim() == 0 or x.shape[-1] == 0 or x.shape[-1] % NVFP4_BLOCK != 0:
-        raise ValueError(
-            f"{name} must have a last dim that is a positive multiple of {NVFP4_BLOCK}, "
-            f"got shape {tuple(x.shape)}"
-        )
 
 
 def quantize_nvfp4(x: torch.Tensor, global_scale) -> tuple[torch.Tensor, torch.Tensor]:
@@ -362,9 +325,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale) -> tuple[torch.Tensor, torch.T
         ``(packed, scales)``: uint8 ``[..., K/2]`` (see :func:`pack_fp4`) and
         float8_e4m3fn ``[..., K/16]``.
     """
-    _require_float_tensor(x, "x")
-    _check_nvfp4_last_dim(x, "x")
-    g = _global_scale_tensor(global_scale, x.device)
+    g = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device).reshape(())
     return _quantize_nvfp4_blocks(x, g)
 
 
@@ -377,20 +338,15 @@ def _dequantize_nvfp4_blocks(packed, scales, g, dtype):
     return out.reshape(codes.shape).to(dtype)
 
 
-def _check_packed_and_scales(packed, scales, packed_name="packed", scales_name="scales"):
-    _require_dtype(packed, packed_name, torch.uint8)
-    _require_dtype(scales, scales_name, torch.float8_e4m3fn)
+def _check_packed_and_scales(op: str, packed, scales, packed_name="packed", scales_name="scales"):
+    """NVFP4 codes uint8 [..., K/2] with their e4m3 block scales [..., K/16]."""
+    C.dtype(op, packed_name, packed, torch.uint8)
+    C.dtype(op, scales_name, scales, torch.float8_e4m3fn)
     if packed.dim() == 0 or packed.shape[-1] == 0 or packed.shape[-1] % (NVFP4_BLOCK // 2):
-        raise ValueError(
-            f"{packed_name} must have a last dim that is a positive multiple of "
-            f"{NVFP4_BLOCK // 2}, got shape {tuple(packed.shape)}"
-        )
-    expected = (*packed.shape[:-1], packed.shape[-1] * 2 // NVFP4_BLOCK)
-    if tuple(scales.shape) != expected:
-        raise ValueError(
-            f"{scales_name} must have shape {expected} to match {packed_name} "
-            f"{tuple(packed.shape)}, got {tuple(scales.shape)}"
-        )
+        raise C.error(op, f"{packed_name} must have a last dim that is a positive multiple of {NVFP4_BLOCK // 2}, "
+                          f"got shape {tuple(packed.shape)}")
+    C.shape(op, scales_name, scales, (*packed.shape[:-1], packed.shape[-1] * 2 // NVFP4_BLOCK),
+            f" to match {packed_name} {list(packed.shape)}")
 
 
 def dequantize_nvfp4(
@@ -410,8 +366,8 @@ def dequantize_nvfp4(
     Returns:
         ``dtype`` tensor ``[..., K]``.
     """
-    _check_packed_and_scales(packed, scales)
-    g = _global_scale_tensor(global_scale, packed.device)
+    _check_packed_and_scales("dequantize_nvfp4", packed, scales)
+    g = _global_scale("dequantize_nvfp4", global_scale, packed.device)
     return _dequantize_nvfp4_blocks(packed, scales, g, dtype)
 
 
@@ -432,10 +388,13 @@ def quantize_nvfp4_weight(w: torch.Tensor):
         float8_e4m3fn ``[..., N, K/16]``, float32 ``w.shape[:-2]`` (a 0-dim tensor for
         2-D input, ``[E]`` for 3-D input).
     """
-    _require_float_tensor(w, "w")
+    op = "quantize_nvfp4_weight"
+    C.floating(op, "w", w)
     if w.dim() < 2:
-        raise ValueError(f"w must be [..., N, K] with at least 2 dims, got shape {tuple(w.shape)}")
-    _check_nvfp4_last_dim(w, "w")
+        raise C.error(op, f"w must be [..., N, K] with at least 2 dims, got shape {tuple(w.shape)}")
+    if w.shape[-1] == 0 or w.shape[-1] % NVFP4_BLOCK:
+        raise C.error(op, f"w must have a last dim that is a positive multiple of {NVFP4_BLOCK}, got shape "
+                          f"{tuple(w.shape)}")
     w32 = w.float()
     amax = w32.abs().amax(dim=(-2, -1))
     denom = torch.tensor(E2M1_MAX * E4M3_MAX, dtype=torch.float32, device=w.device)
@@ -464,29 +423,23 @@ def stack_modelopt_experts(experts: list[dict]) -> dict:
         ``[E]``; plus ``w13_input_scale`` float32 ``[E, 2]`` and ``w2_input_scale``
         float32 ``[E]`` when every projection has an ``input_scale``.
     """
+    op = "stack_modelopt_experts"
     if not isinstance(experts, (list, tuple)) or len(experts) == 0:
-        raise ValueError("experts must be a non-empty list of dicts")
+        raise C.error(op, "experts must be a non-empty list of dicts")
     for e, expert in enumerate(experts):
         if not isinstance(expert, dict):
-            raise TypeError(f"experts[{e}] must be a dict, got {type(expert).__name__}")
+            raise C.type_error(op, f"experts[{e}] must be a dict, got {type(expert).__name__}")
         for proj in ("w1", "w3", "w2"):
             if proj not in expert or not isinstance(expert[proj], dict):
-                raise ValueError(f"experts[{e}] must have a dict under key {proj!r}")
+                raise C.error(op, f"experts[{e}] must have a dict under key {proj!r}")
             for key in ("weight", "weight_scale", "weight_scale_2"):
                 if key not in expert[proj]:
-                    raise ValueError(f"experts[{e}][{proj!r}] is missing key {key!r}")
+                    raise C.error(op, f"experts[{e}][{proj!r}] is missing key {key!r}")
             p = expert[proj]
-            _check_packed_and_scales(
-                p["weight"], p["weight_scale"],
-                f"experts[{e}][{proj!r}]['weight']", f"experts[{e}][{proj!r}]['weight_scale']",
-            )
-            if p["weight"].dim() != 2:
-                raise ValueError(
-                    f"experts[{e}][{proj!r}]['weight'] must be 2-D, got shape "
-                    f"{tuple(p['weight'].shape)}"
-                )
-            _global_scale_tensor(p["weight_scale_2"], p["weight"].device,
-                                 f"experts[{e}][{proj!r}]['weight_scale_2']")
+            name = f"experts[{e}][{proj!r}]"
+            _check_packed_and_scales(op, p["weight"], p["weight_scale"], f"{name}['weight']", f"{name}['weight_scale']")
+            C.ndim(op, f"{name}['weight']", p["weight"], 2)
+            _global_scale(op, p["weight_scale_2"], p["weight"].device, f"{name}['weight_scale_2']")
 
     n, half_k = experts[0]["w1"]["weight"].shape
     for e, expert in enumerate(experts):
@@ -496,11 +449,7 @@ def stack_modelopt_experts(experts: list[dict]) -> dict:
             "w2": (half_k * 2, n // 2),
         }
         for proj, shape in shapes.items():
-            got = tuple(expert[proj]["weight"].shape)
-            if got != shape:
-                raise ValueError(
-                    f"experts[{e}][{proj!r}]['weight'] must have shape {shape}, got {got}"
-                )
+            C.shape(op, f"experts[{e}][{proj!r}]['weight']", expert[proj]["weight"], shape)
 
     def scalar(t):
         if isinstance(t, torch.Tensor):
@@ -543,25 +492,23 @@ def dequantize_experts(w: torch.Tensor, w_scale: torch.Tensor, w_scale_2: torch.
     Returns:
         float32 ``[E, rows, K]``.
     """
-    _check_packed_and_scales(w, w_scale, "w", "w_scale")
-    if w.dim() != 3:
-        raise ValueError(f"w must be [E, rows, K/2], got shape {tuple(w.shape)}")
-    _require_float_tensor(w_scale_2, "w_scale_2")
+    op = "dequantize_experts"
+    _check_packed_and_scales(op, w, w_scale, "w", "w_scale")
+    C.ndim(op, "w", w, 3, "[E, rows, K/2]")
+    C.floating(op, "w_scale_2", w_scale_2)
     w_scale_2 = w_scale_2.float()
     E, rows, _ = w.shape
     if tuple(w_scale_2.shape) == (E,):
         g = w_scale_2.reshape(E, 1, 1, 1)
     elif tuple(w_scale_2.shape) == (E, 2):
         if rows % 2 != 0:
-            raise ValueError(f"w must have an even number of rows for w_scale_2 [E, 2], got {rows}")
+            raise C.error(op, f"w must have an even number of rows for w_scale_2 [E, 2], got {rows}")
         half = rows // 2
         g = torch.cat(
             [w_scale_2[:, :1].expand(E, half), w_scale_2[:, 1:].expand(E, half)], dim=1
         ).reshape(E, rows, 1, 1)
     else:
-        raise ValueError(
-            f"w_scale_2 must have shape ({E},) or ({E}, 2), got {tuple(w_scale_2.shape)}"
-        )
+        raise C.error(op, f"w_scale_2 must have shape [{E}] or [{E}, 2], got {list(w_scale_2.shape)}")
     return _dequantize_nvfp4_blocks(w, w_scale, g.to(w.device), torch.float32)
 
 
@@ -585,14 +532,14 @@ def random_nvfp4_moe_weights(E: int, N: int, K: int, *, generator=None, device="
         ``[E, K, N/16]``, ``w2_scale_2`` float32 ``[E]``, ``w13_input_scale`` float32
         ``[E]``, ``w2_input_scale`` float32 ``[E]``.
     """
+    op = "random_nvfp4_moe_weights"
     for name, value in (("E", E), ("N", N), ("K", K)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        C.host_int(op, name, value, lo=1)
     for name, value in (("N", N), ("K", K)):
         if value % NVFP4_BLOCK != 0:
-            raise ValueError(f"{name} must be a multiple of {NVFP4_BLOCK}, got {value}")
+            raise C.error(op, f"{name} must be a multiple of {NVFP4_BLOCK}, got {value}")
     if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        raise C.type_error(op, f"generator must be a torch.Generator, got {type(generator).__name__}")
     gen_device = generator.device if generator is not None else torch.device("cpu")
 
     def randn(*shape):
@@ -645,21 +592,11 @@ def _pow2(k: torch.Tensor) -> torch.Tensor:
     return normal_pow2(half) * normal_pow2(k - half)
 
 
-def _require_block_size(block_size, name="block_size"):
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"{name} must be a positive int, got {block_size!r}")
-
-
 def fp8_ds_mla_block_bytes(block_size: int) -> int:
     """Bytes per block of the fp8_ds_mla cache: ``ceil(B * 584 / 576) * 576``."""
-    _require_block_size(block_size)
+    C.host_int("fp8_ds_mla_block_bytes", "block_size", block_size, lo=1)
     unit = FP8_DS_MLA_TOKEN_DATA_BYTES
     return -(-block_size * FP8_DS_MLA_VIEW_LAST_DIM // unit) * unit
-
-
-def _check_fill(fill):
-    if fill not in ("zeros", "random"):
-        raise ValueError(f"fill must be 'zeros' or 'random', got {fill!r}")
 
 
 def new_fp8_ds_mla_cache(
@@ -685,10 +622,11 @@ def new_fp8_ds_mla_cache(
         ``(fp8_ds_mla_block_bytes(B), 584, 1)`` over a flat storage of
         ``num_blocks * fp8_ds_mla_block_bytes(B)`` bytes.
     """
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-        raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
+    op = "new_fp8_ds_mla_cache"
+    C.host_int(op, "num_blocks", num_blocks, lo=0)
+    C.host_int(op, "block_size", block_size, lo=1)
+    C.one_of(op, "fill", fill, ("zeros", "random"))
     block_bytes = fp8_ds_mla_block_bytes(block_size)
-    _check_fill(fill)
     total = num_blocks * block_bytes
     if fill == "zeros":
         flat = torch.zeros(total, dtype=torch.uint8, device=device)
@@ -703,8 +641,9 @@ def new_fp8_ds_mla_cache(
     )
 
 
-def kv_cache_layout(cache: torch.Tensor) -> tuple[str, int]:
-    """Identifies and validates a paged KV cache tensor.
+def kv_cache_layout(cache: torch.Tensor, *, op: str = "kv_cache_layout", name: str = "cache") -> tuple[str, int]:
+    """Identifies and validates a paged KV cache tensor (the rules of the sparse MQA ops,
+    csrc/attention/sparse_mqa.cu, which call this with their op and argument names).
 
     Accepted:
 
@@ -720,44 +659,32 @@ def kv_cache_layout(cache: torch.Tensor) -> tuple[str, int]:
         TypeError if ``cache`` is not a tensor, ValueError for anything else that does
         not match.
     """
-    _require_tensor(cache, "cache")
-    if cache.dim() == 4:
-        if cache.shape[2] != 1:
-            raise ValueError(
-                f"cache: a 4-D cache must be [num_blocks, B, 1, D], got shape {tuple(cache.shape)}"
-            )
-    elif cache.dim() != 3:
-        raise ValueError(
-            f"cache must be [num_blocks, B, D] or [num_blocks, B, 1, D], got shape "
-            f"{tuple(cache.shape)}"
-        )
+    C.tensor(op, name, cache)
+    shape = tuple(cache.shape)
+    if not (cache.dim() == 3 or (cache.dim() == 4 and cache.shape[2] == 1)):
+        raise C.error(op, f"{name} must be [num_blocks, block_size, D] or [num_blocks, block_size, 1, D], got shape "
+                          f"{shape}")
     if cache.dtype == torch.uint8:
         kind, last = "fp8_ds_mla", FP8_DS_MLA_VIEW_LAST_DIM
+        if cache.shape[-1] != last:
+            raise C.error(op, f"{name} is a uint8 (fp8_ds_mla) cache and must have last dim {last}, got shape {shape}")
     elif cache.dtype == torch.bfloat16:
         kind, last = "bf16", KV_DIM
+        if cache.shape[-1] != last:
+            raise C.error(op, f"{name} is a bf16 cache and must have last dim {last}, got shape {shape}")
     else:
-        raise ValueError(
-            f"cache must be uint8 (fp8_ds_mla) or bfloat16 (bf16), got dtype {cache.dtype}"
-        )
-    block_size = cache.shape[1]
-    if cache.shape[-1] != last:
-        raise ValueError(
-            f"cache: a {kind} cache ({cache.dtype}) must have last dim {last}, got shape "
-            f"{tuple(cache.shape)}"
-        )
-    if block_size == 0:
-        raise ValueError("cache must have a block size (dim 1) > 0")
+        raise C.error(op, f"{name} must be uint8 (fp8_ds_mla layout) or bfloat16 (bf16 layout), got dtype "
+                          f"{cache.dtype}")
+    num_blocks, block_size = cache.shape[0], cache.shape[1]
+    if block_size <= 0:
+        raise C.error(op, f"{name} must have block_size (dim 1) > 0, got shape {shape}")
     if cache.stride(-1) != 1:
-        raise ValueError(f"cache must have stride(-1) == 1, got {cache.stride(-1)}")
+        raise C.error(op, f"{name} must have unit stride along its last dim, got strides {cache.stride()}")
     if block_size > 1 and cache.stride(1) != last:
-        raise ValueError(
-            f"cache: a {kind} cache must have stride(1) == {last}, got {cache.stride(1)}"
-        )
-    if cache.shape[0] > 1 and cache.stride(0) < block_size * last:
-        raise ValueError(
-            f"cache: block stride (stride(0)) {cache.stride(0)} is smaller than "
-            f"B * {last} = {block_size * last}"
-        )
+        raise C.error(op, f"{name} must have stride(1) == {last} (rows of one block packed), got strides "
+                          f"{cache.stride()}")
+    if num_blocks > 1 and cache.stride(0) < block_size * last:
+        raise C.error(op, f"{name} block stride (stride(0)) {cache.stride(0)} is smaller than block_size * {last}")
     return kind, block_size
 
 
@@ -783,28 +710,32 @@ def _fp8_ds_mla_regions(cache: torch.Tensor):
     return data, scales
 
 
-def _check_slots(slots, num_slots: int, device, *, allow_negative: bool) -> torch.Tensor:
-    _require_tensor(slots, "slots")
-    if slots.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"slots must be an int32 or int64 tensor, got {slots.dtype}")
-    if slots.dim() != 1:
-        raise ValueError(f"slots must be 1-D [n], got shape {tuple(slots.shape)}")
+def _check_slots(op: str, slots, num_slots: int, device, *, allow_negative: bool) -> torch.Tensor:
+    """int32/int64 slot ids [n] below ``num_slots`` (negative ones only if allowed), as int64
+    on ``device``."""
+    C.dtype(op, "slots", slots, torch.int32, torch.int64)
+    C.ndim(op, "slots", slots, 1, "[n]")
     slots = slots.to(device=device, dtype=torch.int64)
     if slots.numel():
         if bool((slots >= num_slots).any()):
-            raise ValueError(
-                f"slots must be < num_blocks * block_size = {num_slots}, "
-                f"got max {int(slots.max())}"
-            )
+            raise C.error(op, f"slots must be < num_blocks * block_size = {num_slots}, got max {int(slots.max())}")
         if not allow_negative and bool((slots < 0).any()):
-            raise ValueError(f"slots must be >= 0, got min {int(slots.min())}")
+            raise C.error(op, f"slots must be >= 0, got min {int(slots.min())}")
     return slots
 
 
-def _check_rows(rows, n: int) -> None:
-    _require_float_tensor(rows, "rows")
-    if tuple(rows.shape) != (n, KV_DIM):
-        raise ValueError(f"rows must have shape ({n}, {KV_DIM}) to match slots, got {tuple(rows.shape)}")
+def _cache_of_kind(op: str, cache: torch.Tensor, want: str) -> tuple[torch.Tensor, int]:
+    """``cache`` validated as a ``want`` cache: (its 3-D view, block_size)."""
+    kind, block_size = kv_cache_layout(cache, op=op)
+    if kind != want:
+        what = "an fp8_ds_mla (uint8)" if want == "fp8_ds_mla" else "a bf16"
+        raise C.error(op, f"cache must be {what} cache, got {kind}")
+    return _as_3d(cache), block_size
+
+
+def _check_rows(op: str, rows, n: int) -> None:
+    C.floating(op, "rows", rows)
+    C.shape(op, "rows", rows, (n, KV_DIM), " to match slots")
 
 
 def _quantize_fp8_ds_mla_rows(rows: torch.Tensor):
@@ -849,12 +780,10 @@ def write_fp8_ds_mla(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tenso
             ``>= num_blocks * B`` raise.  Slots should be unique.
         rows: float ``[n, 512]`` (any float dtype; rounded to bf16 first).
     """
-    kind, block_size = kv_cache_layout(cache)
-    if kind != "fp8_ds_mla":
-        raise ValueError(f"cache must be an fp8_ds_mla (uint8) cache, got {kind}")
-    cache = _as_3d(cache)
-    slots = _check_slots(slots, cache.shape[0] * block_size, cache.device, allow_negative=True)
-    _check_rows(rows, slots.shape[0])
+    op = "write_fp8_ds_mla"
+    cache, block_size = _cache_of_kind(op, cache, "fp8_ds_mla")
+    slots = _check_slots(op, slots, cache.shape[0] * block_size, cache.device, allow_negative=True)
+    _check_rows(op, rows, slots.shape[0])
     keep = slots >= 0
     slots, rows = slots[keep], rows.to(cache.device)[keep]
     data, scales = _quantize_fp8_ds_mla_rows(rows)
@@ -890,11 +819,9 @@ def read_fp8_ds_mla(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     Returns:
         bfloat16 ``[n, 512]``.
     """
-    kind, block_size = kv_cache_layout(cache)
-    if kind != "fp8_ds_mla":
-        raise ValueError(f"cache must be an fp8_ds_mla (uint8) cache, got {kind}")
-    cache = _as_3d(cache)
-    slots = _check_slots(slots, cache.shape[0] * block_size, cache.device, allow_negative=False)
+    op = "read_fp8_ds_mla"
+    cache, block_size = _cache_of_kind(op, cache, "fp8_ds_mla")
+    slots = _check_slots(op, slots, cache.shape[0] * block_size, cache.device, allow_negative=False)
     return _read_fp8_ds_mla_slots(cache, block_size, slots)
 
 
@@ -907,10 +834,7 @@ def dequantize_fp8_ds_mla_cache(cache: torch.Tensor) -> torch.Tensor:
     Returns:
         bfloat16 ``[num_blocks * B, 512]``, row = slot id.
     """
-    kind, block_size = kv_cache_layout(cache)
-    if kind != "fp8_ds_mla":
-        raise ValueError(f"cache must be an fp8_ds_mla (uint8) cache, got {kind}")
-    cache = _as_3d(cache)
+    cache, block_size = _cache_of_kind("dequantize_fp8_ds_mla_cache", cache, "fp8_ds_mla")
     slots = torch.arange(cache.shape[0] * block_size, device=cache.device)
     return _read_fp8_ds_mla_slots(cache, block_size, slots)
 
@@ -935,10 +859,10 @@ def new_bf16_cache(
     Returns:
         bfloat16 ``[num_blocks, B, 512]``.
     """
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-        raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
-    _require_block_size(block_size)
-    _check_fill(fill)
+    op = "new_bf16_cache"
+    C.host_int(op, "num_blocks", num_blocks, lo=0)
+    C.host_int(op, "block_size", block_size, lo=1)
+    C.one_of(op, "fill", fill, ("zeros", "random"))
     shape = (num_blocks, block_size, KV_DIM)
     if fill == "zeros":
         return torch.zeros(shape, dtype=torch.bfloat16, device=device)
@@ -957,12 +881,10 @@ def write_bf16_cache(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tenso
             ``>= num_blocks * B`` raise.  Slots should be unique.
         rows: float ``[n, 512]``.
     """
-    kind, block_size = kv_cache_layout(cache)
-    if kind != "bf16":
-        raise ValueError(f"cache must be a bf16 cache, got {kind}")
-    cache = _as_3d(cache)
-    slots = _check_slots(slots, cache.shape[0] * block_size, cache.device, allow_negative=True)
-    _check_rows(rows, slots.shape[0])
+    op = "write_bf16_cache"
+    cache, block_size = _cache_of_kind(op, cache, "bf16")
+    slots = _check_slots(op, slots, cache.shape[0] * block_size, cache.device, allow_negative=True)
+    _check_rows(op, rows, slots.shape[0])
     keep = slots >= 0
     slots, rows = slots[keep], rows.to(cache.device)[keep]
     cache[slots // block_size, slots % block_size] = rows.to(torch.bfloat16)
@@ -978,9 +900,7 @@ def read_bf16_cache(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     Returns:
         bfloat16 ``[n, 512]``.
     """
-    kind, block_size = kv_cache_layout(cache)
-    if kind != "bf16":
-        raise ValueError(f"cache must be a bf16 cache, got {kind}")
-    cache = _as_3d(cache)
-    slots = _check_slots(slots, cache.shape[0] * block_size, cache.device, allow_negative=False)
+    op = "read_bf16_cache"
+    cache, block_size = _cache_of_kind(op, cache, "bf16")
+    slots = _check_slots(op, slots, cache.shape[0] * block_size, cache.device, allow_negative=False)
     return cache[slots // block_size, slots % block_size]

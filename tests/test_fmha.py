@@ -190,11 +190,49 @@ def test_cpu_rows_a_query_does_not_see_never_reach_it(d, hq, hkv, value):
 @pytest.mark.parametrize("bad", [0.0, -0.125, float("nan"), float("inf")])
 def test_softmax_scale_must_be_finite_and_positive(bad):
     q, kv, cu_q, cu_kv, nc, *_ = _inputs(CASES[1])
-    with pytest.raises(ValueError, match=r"^dsv4: softmax_scale must be finite and > 0"):
+    with pytest.raises(ValueError, match=r"^dsv4: dense_fmha: softmax_scale must be finite and > 0"):
         fmha(q, kv, cu_q, cu_kv, nc, max_seqlen_kv=20, softmax_scale=bad)
-    with pytest.raises(ValueError, match=r"^dsv4: softmax_scale must be finite and > 0"):  # the op's CPU kernel
+    with pytest.raises(ValueError, match=r"^dsv4: dense_fmha: softmax_scale must be finite and > 0"):  # the CPU kernel
         torch.ops.dsv4.dense_fmha(q, kv, kv, cu_q.int(), cu_kv.int(), nc, None, None, bad, 4, True, 1, 7, 20, 0,
                                   torch.empty_like(q))
+
+
+def _set(**kw):
+    def f(a):
+        a.update({k: v(a) if callable(v) else v for k, v in kw.items()})
+    return f
+
+
+# the CPU kernel's rules (the C++ entry's wording where it has the same rule)
+CPU_BAD = [
+    (_set(q=lambda a: a["q"][:, :3]), r"q heads \(3\) must be a multiple of k/v heads \(2\)"),
+    (_set(q=lambda a: a["q"].int()), r"q must be a float32/float16/bfloat16/float64 tensor, got torch.int32"),
+    (_set(v=lambda a: a["v"][:-1]), r"v must have shape \[9, 2, Dv\] like k"),
+    (_set(k=lambda a: a["k"][..., :32]), r"k must have head_dim 64 like q"),
+    (_set(k=lambda a: a["k"][0]), r"k must be 3-D \[rows, heads, head_dim\]"),
+    (_set(cu_q=torch.tensor([0, 3, 4])), r"cu_seqlens_q must start at 0 and end at 5, got \[0, 3, 4\]"),
+    (_set(cu_kv=torch.tensor([0, 4])), r"cu_seqlens_kv must have shape \[3\], got \[2\]"),
+    (_set(cu_kv=torch.tensor([0, 10, 9])), r"cu_seqlens_kv must be non-decreasing"),
+    (_set(nc=torch.tensor([5, 0])), r"n_comp\[0\] = 5 must lie in \[0, kv length 4\]"),
+    (_set(nc=torch.tensor([1.0, 0.0])), r"n_comp must be an integer tensor, got torch.float32"),
+    (_set(kw=dict(ratio=0)), r"ratio must be >= 1, got 0"),
+    (_set(kw=dict(seq_start_pos=torch.tensor([0]))), r"seq_start_pos must have shape \[2\]"),
+    (_set(kw=dict(attn_sink=torch.zeros(2))), r"attn_sink must have shape \[4\]"),
+    (_set(kw=dict(attn_sink=torch.zeros(4).double())), r"attn_sink must have dtype torch.float32"),
+    (_set(kw=dict(out=torch.empty(5, 4, 32))), r"out must have shape \[5, 4, 64\]"),
+]
+
+
+@pytest.mark.parametrize("mutate, match", CPU_BAD)
+def test_cpu_bad_inputs(mutate, match):
+    gen = torch.Generator().manual_seed(300)
+    a = dict(q=torch.randn(5, 4, 64, generator=gen), k=torch.randn(9, 2, 64, generator=gen),
+             v=torch.randn(9, 2, 64, generator=gen), cu_q=torch.tensor([0, 3, 5]), cu_kv=torch.tensor([0, 4, 9]),
+             nc=torch.tensor([1, 0]), kw={})
+    fmha(a["q"], (a["k"], a["v"]), a["cu_q"], a["cu_kv"], a["nc"], max_seqlen_kv=5, window=2)  # the valid baseline
+    mutate(a)
+    with pytest.raises(ValueError, match=r"^dsv4: dense_fmha: " + match):
+        fmha(a["q"], (a["k"], a["v"]), a["cu_q"], a["cu_kv"], a["nc"], max_seqlen_kv=5, window=2, **a["kw"])
 
 
 @pytest.mark.parametrize("tq, hq", [(0, 64), (0, 8), (5, 0)])

@@ -94,7 +94,7 @@ def test_round_to_e2m1_saturation_sign_and_nan():
 def test_round_to_e2m1_accepts_bf16_and_rejects_ints():
     y = torch.tensor([0.75, -3.5], dtype=torch.bfloat16)
     assert F.round_to_e2m1(y).tolist() == [2, 14]
-    with pytest.raises(TypeError, match="y"):
+    with pytest.raises(ValueError, match=r"^dsv4: round_to_e2m1: y must be a float32/.* tensor, got torch.int64"):
         F.round_to_e2m1(torch.tensor([1, 2]))
 
 
@@ -118,10 +118,12 @@ def test_pack_unpack_round_trip_and_errors():
         F.pack_fp4(torch.zeros(3, dtype=torch.uint8))
     with pytest.raises(ValueError, match="codes"):
         F.pack_fp4(torch.tensor([16, 0], dtype=torch.uint8))
-    with pytest.raises(TypeError, match="codes"):
+    with pytest.raises(ValueError, match="^dsv4: pack_fp4: codes must have dtype torch.uint8"):
         F.pack_fp4(torch.zeros(4, dtype=torch.int32))
-    with pytest.raises(TypeError, match="packed"):
+    with pytest.raises(ValueError, match="^dsv4: unpack_fp4: packed must have dtype torch.uint8"):
         F.unpack_fp4(torch.zeros(4, dtype=torch.int8))
+    with pytest.raises(TypeError, match="^dsv4: unpack_fp4: packed must be a torch.Tensor, got list"):
+        F.unpack_fp4([1, 2])
 
 
 # --------------------------------------------------------------------------------------
@@ -329,29 +331,23 @@ def test_dequantize_error_within_half_grid_step():
     assert (err <= half_step * denom * (1 + 1e-6)).all()
 
 
-def test_quantize_nvfp4_argument_errors():
-    x = torch.randn(2, 32)
-    with pytest.raises(ValueError, match="x"):
-        F.quantize_nvfp4(torch.randn(2, 24), 1.0)
-    with pytest.raises(TypeError, match="x"):
-        F.quantize_nvfp4(torch.ones(2, 32, dtype=torch.int32), 1.0)
-    with pytest.raises(TypeError, match="x"):
-        F.quantize_nvfp4([1.0] * 16, 1.0)
-    with pytest.raises(ValueError, match="global_scale"):
-        F.quantize_nvfp4(x, -1.0)
-    with pytest.raises(ValueError, match="global_scale"):
-        F.quantize_nvfp4(x, float("inf"))
-    with pytest.raises(ValueError, match="global_scale"):
-        F.quantize_nvfp4(x, torch.tensor([1.0, 2.0]))
-    with pytest.raises(TypeError, match="global_scale"):
-        F.quantize_nvfp4(x, torch.tensor(1.0, dtype=torch.float64))
-    with pytest.raises(TypeError, match="global_scale"):
-        F.quantize_nvfp4(x, "1.0")
-    packed, scales = F.quantize_nvfp4(x, 1.0)
-    with pytest.raises(ValueError, match="scales"):
+def test_dequantize_nvfp4_argument_errors():
+    packed, scales = F.quantize_nvfp4(torch.randn(2, 32), 1.0)
+    with pytest.raises(ValueError, match=r"^dsv4: dequantize_nvfp4: scales must have shape \[2, 2\] to match packed"):
         F.dequantize_nvfp4(packed, scales[:, :1], 1.0)
-    with pytest.raises(TypeError, match="scales"):
+    with pytest.raises(ValueError, match="^dsv4: dequantize_nvfp4: scales must have dtype torch.float8_e4m3fn"):
         F.dequantize_nvfp4(packed, scales.float(), 1.0)
+    with pytest.raises(ValueError, match="^dsv4: dequantize_nvfp4: packed must have a last dim"):
+        F.dequantize_nvfp4(packed[:, :3], scales, 1.0)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="^dsv4: dequantize_nvfp4: global_scale must be finite and > 0"):
+            F.dequantize_nvfp4(packed, scales, bad)
+    with pytest.raises(ValueError, match="^dsv4: dequantize_nvfp4: global_scale must have exactly 1 element"):
+        F.dequantize_nvfp4(packed, scales, torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="^dsv4: dequantize_nvfp4: global_scale must have dtype torch.float32"):
+        F.dequantize_nvfp4(packed, scales, torch.tensor(1.0, dtype=torch.float64))
+    with pytest.raises(TypeError, match="^dsv4: dequantize_nvfp4: global_scale must be a python float"):
+        F.dequantize_nvfp4(packed, scales, "1.0")
 
 
 # --------------------------------------------------------------------------------------
@@ -649,7 +645,7 @@ def test_fp8_ds_mla_slot_errors():
         F.read_fp8_ds_mla(cache, torch.tensor([8]))
     with pytest.raises(ValueError, match="slots"):
         F.write_fp8_ds_mla(cache, torch.tensor([0, 8]), rows)
-    with pytest.raises(TypeError, match="slots"):
+    with pytest.raises(ValueError, match="^dsv4: write_fp8_ds_mla: slots must have dtype torch.int32 or torch.int64"):
         F.write_fp8_ds_mla(cache, torch.tensor([0.0, 1.0]), rows)
     with pytest.raises(ValueError, match="rows"):
         F.write_fp8_ds_mla(cache, torch.tensor([0, 1]), rows[:, :448])
@@ -703,18 +699,18 @@ def test_kv_cache_layout_accepts_views():
         (lambda: torch.zeros(2, 4, 584, dtype=torch.float32), "dtype"),
         (lambda: torch.zeros(2, 4, 576, dtype=torch.uint8), "last dim 584"),
         (lambda: torch.zeros(2, 4, 584, dtype=torch.bfloat16), "last dim 512"),
-        (lambda: torch.zeros(2, 4, 2, 584, dtype=torch.uint8), "4-D"),
+        (lambda: torch.zeros(2, 4, 2, 584, dtype=torch.uint8), r"\[num_blocks, block_size, 1, D\]"),
         (lambda: torch.zeros(4, 584, dtype=torch.uint8), "cache must be"),
-        (lambda: torch.zeros(2, 0, 584, dtype=torch.uint8), "block size"),
+        (lambda: torch.zeros(2, 0, 584, dtype=torch.uint8), r"block_size \(dim 1\) > 0"),
         (lambda: torch.zeros(2, 4, 600, dtype=torch.uint8)[:, :, :584], "stride\\(1\\)"),
-        (lambda: torch.zeros(584, 4, 2, dtype=torch.uint8).permute(2, 1, 0), "stride\\(-1\\)"),
+        (lambda: torch.zeros(584, 4, 2, dtype=torch.uint8).permute(2, 1, 0), "unit stride along its last dim"),
         (lambda: torch.zeros(4 * 584 + 8, dtype=torch.uint8).as_strided((2, 4, 584), (8, 584, 1)),
          "block stride"),
         (lambda: torch.zeros(2, 4, 1024, dtype=torch.bfloat16)[:, :, :512], "stride\\(1\\)"),
     ],
 )
 def test_kv_cache_layout_errors(make, match):
-    with pytest.raises(ValueError, match="cache") as info:
+    with pytest.raises(ValueError, match="^dsv4: kv_cache_layout: cache") as info:
         F.kv_cache_layout(make())
     assert info.match(match)
 
