@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from . import _checks as C
-from . import formats, reference
+from .formats.kv_cache import dequantize_fp8_ds_mla_cache, kv_cache_layout
+from .reference import sparse_mqa
 from ._ops import op
 
 __all__ = ["sparse_mqa_decode", "sparse_mqa_prefill"]
@@ -52,7 +53,7 @@ def _check_source(op: str, q: torch.Tensor, cache: torch.Tensor, cache_name: str
                   lengths, lengths_name: str, b: int, s_q: int) -> str:
     """One (cache, index list, lengths) source; returns the cache kind."""
     C.same_device(op, cache_name, cache, "q", q)
-    kind, _ = formats.kv_cache_layout(cache, op=op, name=cache_name)
+    kind, _ = kv_cache_layout(cache, op=op, name=cache_name)
     C.same_device(op, idx_name, idx, "q", q)
     C.dtype(op, idx_name, idx, torch.int32)
     if idx.dim() != 3 or idx.shape[0] != b or idx.shape[1] != s_q:
@@ -93,7 +94,7 @@ def _check_decode(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, e
         raise C.error(op, "extra_topk_length given without extra_kv_cache / extra_indices")
     if extra_kv_cache is not None:
         C.same_device(op, "extra_kv_cache", extra_kv_cache, "q", q)
-        kind2, _ = formats.kv_cache_layout(extra_kv_cache, op=op, name="extra_kv_cache")
+        kind2, _ = kv_cache_layout(extra_kv_cache, op=op, name="extra_kv_cache")
         if kind2 != kind:
             raise C.error(op, f"extra_kv_cache must have the same layout (dtype) as kv_cache: got "
                               f"{extra_kv_cache.dtype} and {kv_cache.dtype}")
@@ -147,9 +148,9 @@ def _(q, kv, indices, topk_length, attn_sink, softmax_scale, out):
 
 def _cache_rows(cache: torch.Tensor) -> torch.Tensor:
     """All slots of a paged cache as float32 [num_blocks * block_size, 512]."""
-    kind, _ = formats.kv_cache_layout(cache)
+    kind, _ = kv_cache_layout(cache)
     if kind == "fp8_ds_mla":
-        return formats.dequantize_fp8_ds_mla_cache(cache).float()
+        return dequantize_fp8_ds_mla_cache(cache).float()
     c = cache[:, :, 0, :] if cache.dim() == 4 else cache
     return c.reshape(-1, HEAD_DIM).float()
 
@@ -162,7 +163,7 @@ def _run_reference(q4, rows, idx3, lengths_b, attn_sink, softmax_scale, rows2=No
         return None if x is None else x.repeat_interleave(s_q)
 
     # (explicit topk: reshape(t, -1) is ambiguous for an empty batch)
-    o, lse = reference.sparse_mqa(
+    o, lse = sparse_mqa(
         q4.reshape(t, h, d),
         rows,
         idx3.reshape(t, idx3.shape[-1]),

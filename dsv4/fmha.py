@@ -1,4 +1,5 @@
-"""Dense masked FMHA over ``[compressed | window]`` KV per sequence: ``dsv4.fmha``.
+"""Dense masked FMHA over ``[compressed | window]`` KV per sequence: ``dsv4.dense_fmha``
+(the op ``dsv4::dense_fmha``, csrc/fmha/dense_fmha.cu).
 
 Semantics are those of :func:`dsv4.reference.dense_fmha` (docs/design.md 3B): per
 sequence the kv rows are ``[n_comp compressed entries | L_w window entries]``; query i of
@@ -8,20 +9,23 @@ query sees window entries in ``[p - window + 1, p]`` and compressed entry w iff
 ``w < (p + 1) // ratio``. Per-head sink in the denominator; lse excludes the sink; a query
 with nothing visible gets zeros and lse = -inf.
 
-CUDA: two kernels behind one call.
+CUDA: two kernels behind one call (``dense_fmha_kernel`` names the one a call runs).
 
 * Head dims 64, 128, 256 (any GQA/MQA grouping, K and V of the same head dim): the dense
   kernel ``dsv4::dense_fmha`` (csrc/fmha/): masks computed in the kernel from positions,
   KV read as contiguous tiles; split-KV plus a combine pass (sink applied once) when
   the query tiles alone would leave SMs idle (decode).
 * Head dim 512 with one KV head that is both K and V and 64 or 128 query heads
-  (DeepSeek V4): the visible rows of each query are two contiguous ranges, written as an
-  index list on the device (no host sync) and run through the sparse MQA prefill kernel,
-  which has the wgmma pipeline for that shape.
+  (DeepSeek V4's shape): the sparse MQA prefill kernel (``dsv4::sparse_mqa_prefill``,
+  csrc/attention/), which has the wgmma pipeline for that shape and which the dense
+  kernel has no tile for; the visible rows of each query are two contiguous ranges,
+  written as an index list on the device (``visible_rows``, no host sync). The same call
+  through ``visible_rows`` + ``dsv4.sparse_mqa_prefill`` by hand gives the same result.
 
-Anything else raises a clear error on CUDA (the CPU path runs every shape).
+Anything else raises a clear error on CUDA (the CPU kernel, the float32 reference
+``dsv4.reference.dense_fmha``, runs every shape).
 
-Rows a query does not see (DESIGN section 1: their bytes must never reach the math): the
+Rows a query does not see (docs/design.md section 1: their bytes must never reach the math): the
 head-dim-512 path and the CPU path never let them into that query's result, whatever
 they hold. The dense kernel reads whole 64-row tiles of the union of the visible ranges
 of 64 queries: rows that none of those queries sees are never read, but a NaN or inf in
@@ -40,7 +44,7 @@ from . import reference
 from ._ops import op
 from .attention import HEAD_DIM, sparse_mqa_prefill
 
-__all__ = ["fmha", "index_width", "visible_rows"]
+__all__ = ["dense_fmha", "dense_fmha_kernel", "index_width", "visible_rows"]
 
 DENSE_HEAD_DIMS = (64, 128, 256)
 
@@ -183,7 +187,20 @@ def index_width(max_seqlen_kv: int, *, window: int, causal: bool, ratio: int, ha
     return min(max_seqlen_kv, max_seqlen_kv // (ratio + 1) + win)
 
 
-def fmha(
+def dense_fmha_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
+    """The CUDA kernel :func:`dense_fmha` runs for these shapes: ``"dense_fmha"`` (head dims
+    64/128/256, k and v of q's head dim), ``"sparse_mqa_prefill"`` (head dim 512, one KV
+    head that is both K and V (``v is k``), 64 or 128 query heads) or None (CPU only)."""
+    d = q.shape[-1] if q.dim() == 3 else None
+    if d in DENSE_HEAD_DIMS and k.dim() == 3 and v.dim() == 3 and k.shape[-1] == d and v.shape[-1] == d:
+        return "dense_fmha"
+    if (v is k and k.dim() == 3 and k.shape[1] == 1 and d == HEAD_DIM and k.shape[-1] == HEAD_DIM
+            and q.shape[1] in (64, 128)):
+        return "sparse_mqa_prefill"
+    return None
+
+
+def dense_fmha(
     q: torch.Tensor,
     kv: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]],
     cu_seqlens_q: torch.Tensor,
@@ -242,13 +259,13 @@ def fmha(
     k, v = kv if isinstance(kv, tuple) else (kv, kv)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     C.finite_positive(_OP, "softmax_scale", scale)
-    d = q.shape[-1] if q.dim() == 3 else None
-    dense = d in DENSE_HEAD_DIMS and k.dim() == 3 and v.dim() == 3 and k.shape[-1] == d and v.shape[-1] == d
+    # off CUDA the op's CPU kernel (the float32 reference) serves every shape
+    kernel = dense_fmha_kernel(q, k, v) if q.device.type == "cuda" else "dense_fmha"
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv), ("n_comp", n_comp),
                     ("seq_start_pos", seq_start_pos)):
         if t is not None:
             C.integer(_OP, name, t)
-    if q.device.type != "cuda" or dense:
+    if kernel == "dense_fmha":
         if out is None:
             out = torch.empty((*q.shape[:2], v.shape[-1]), dtype=q.dtype, device=q.device)
         ints = [t.to(torch.int32) for t in (cu_seqlens_q, cu_seqlens_kv, n_comp)]
@@ -256,14 +273,12 @@ def fmha(
         lse = op("dense_fmha")(q, k, v, *ints, start, attn_sink, scale, window, bool(causal), ratio, max_seqlen_q,
                                max_seqlen_kv, num_splits, out)
         return out, lse
-    if not (v is k and k.dim() == 3 and k.shape[1] == 1 and q.dim() == 3 and q.shape[-1] == HEAD_DIM
-            and k.shape[-1] == HEAD_DIM and q.shape[1] in (64, 128)):
-        raise C.error(_OP,
-            "CUDA runs head dims 64/128/256 (k and v of the same head dim) and head dim 512 with one KV head "
-            "that is both K and V and 64 or 128 query heads (DeepSeek V4); got "
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {'= k' if v is k else tuple(v.shape)}. "
-            "Other shapes run on CPU tensors only."
-        )
+    if kernel is None:
+        raise C.error(_OP, "CUDA runs head dims 64/128/256 (k and v of the same head dim) and head dim 512 with one "
+                           "KV head that is both K and V and 64 or 128 query heads (DeepSeek V4); got "
+                           f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {'= k' if v is k else tuple(v.shape)}. "
+                           "Other shapes run on CPU tensors only.")
+    # kernel == "sparse_mqa_prefill"
     width = max(1, index_width(max_seqlen_kv, window=window, causal=causal, ratio=ratio,
                                has_start_pos=seq_start_pos is not None))
     indices, lengths = visible_rows(q.shape[0], cu_seqlens_q, cu_seqlens_kv, n_comp, width=width,

@@ -10,7 +10,7 @@ scales per 16 along K, fp32 global scale per expert). Two activation modes:
 * ``"nvfp4"`` (W4A4, the numerics of a Blackwell deployment): x is quantized to
   NVFP4 with ``a13_scale`` (per expert or one value) before GEMM1, and the SwiGLU
   output is quantized with ``a2_scale`` before GEMM2, with the rule of
-  ``dsv4.formats.quantize_nvfp4`` (DESIGN section 2); the CUDA kernels use
+  ``dsv4.reference.quantize_nvfp4`` (docs/design.md section 2); the CUDA kernels use
   ``rcp.approx`` reciprocals as Blackwell does, so a code can differ from the CPU
   reference's where its product lies within an ulp or so of a rounding tie.
 
@@ -45,8 +45,9 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from . import _checks as C
-from . import formats
+from . import formats, reference
 from ._ops import op
+from .formats import mxfp4
 
 __all__ = [
     "Nvfp4MoeWeights", "prepare_nvfp4_moe_weights", "unprepare_nvfp4_moe_weights", "nvfp4_moe",
@@ -371,8 +372,6 @@ def _(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_s
 @torch.library.impl("dsv4::nvfp4_moe", "CPU")
 def _(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, a13_scale, a2_scale,
       expert_map, swiglu_limit, activation, cta_mode, out):
-    from . import reference
-
     _check_nvfp4_moe(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, a13_scale,
                      a2_scale, expert_map, swiglu_limit, activation, cta_mode, out)
     if activation == "nvfp4":
@@ -540,7 +539,7 @@ def _gemm1_debug(x, topk_ids, weights: Nvfp4MoeWeights, *, swiglu_limit=None, ac
 #
 # MXFP4 W4A16 ("bf16") runs on the bf16 kernels above: prepare folds each block's e8m0
 # exponent into NVFP4 e4m3 block scales relative to a per-(expert, gate/up/down) fp32
-# global scale (dsv4.mxfp4.mxfp4_to_nvfp4; exact for every block within 17 binades of
+# global scale (dsv4.formats.mxfp4.mxfp4_to_nvfp4; exact for every block within 17 binades of
 # its matrix's largest) and calls dsv4::nvfp4_moe. MXFP4 W4A8 ("fp8", vLLM 0.33.0's
 # Hopper numerics) is dsv4::mxfp4_moe: its CPU kernel is the float32 reference, its
 # CUDA kernels (csrc/moe/mxfp4_moe.cu, mxfp4_w4a8.cuh) the small-batch path on FP8
@@ -553,7 +552,7 @@ _FORMAT_ACTIVATIONS = {"nvfp4": ("bf16", "nvfp4"), "mxfp4": ("bf16", "fp8")}
 class Mxfp4MoeWeights(NamedTuple):
     """MXFP4 expert weights as dsv4::mxfp4_moe (W4A8) reads them: vLLM's stacked layout
     with N padded to a multiple of 64 (zero rows / columns) and every block fitted to the
-    W4A8 kernels' exact FP8 operand rule (dsv4.mxfp4.fit_fp8_operand).
+    W4A8 kernels' exact FP8 operand rule (dsv4.formats.mxfp4.fit_fp8_operand).
 
     w13 uint8 [E, 2N, K/2], w13_scale uint8 e8m0 [E, 2N, K/32], w2 uint8 [E, K, N/2],
     w2_scale uint8 [E, K, N/32].
@@ -612,7 +611,7 @@ def prepare_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, *, activation: str =
     """One-time conversion of vLLM's stacked MXFP4 expert weights (DeepSeek V4's native
     checkpoints) for the dsv4 MoE.
 
-    Args (vLLM layout, dsv4.mxfp4 module doc; K and N multiples of 32, K of 64):
+    Args (vLLM layout, dsv4.formats.mxfp4 module doc; K and N multiples of 32, K of 64):
         w13: uint8 [E, 2N, K/2] (gate rows, then up rows; low nibble = even element).
         w13_scale: e8m0 scales [E, 2N, K/32], torch.uint8 or torch.float8_e8m0fnu.
         w2: uint8 [E, K, N/2]; w2_scale: e8m0 [E, K, N/32].
@@ -620,17 +619,15 @@ def prepare_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, *, activation: str =
 
     N is padded to a multiple of 64 (the kernels' tile) with zero rows and columns, which
     add exactly nothing (V4.1-Flash at TP 8: 288 -> 320, as vLLM's Humming path pads it).
-    "bf16": the NVFP4 layout of the same values (dsv4.mxfp4.mxfp4_to_nvfp4), prepared for
+    "bf16": the NVFP4 layout of the same values (dsv4.formats.mxfp4.mxfp4_to_nvfp4), prepared for
     the bf16 kernels. "fp8": the vLLM layout with every block fitted to the FP8 operand
-    rule (dsv4.mxfp4.fit_fp8_operand). Blocks too far below their matrix's (bf16) or
+    rule (dsv4.formats.mxfp4.fit_fp8_operand). Blocks too far below their matrix's (bf16) or
     their 128 elements' (fp8) largest block to be folded exactly are re-rounded, counted
     in ``report`` and warned about once (none in real checkpoints' nonzero blocks so far).
 
     Returns:
         :class:`MoeWeights` (format "mxfp4"). Scale bytes 255 (NaN) raise.
     """
-    from . import mxfp4
-
     op = "prepare_mxfp4_moe_weights"
     E, N, K = mxfp4.check_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, op=op)
     if activation not in _FORMAT_ACTIVATIONS["mxfp4"]:
@@ -695,8 +692,6 @@ def _check_mxfp4_moe(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, ex
                      activation, out) -> None:
     """The rules of csrc/moe/mxfp4_moe.cu (less its kernels' K % 128), for the CPU and fake
     kernels."""
-    from . import mxfp4
-
     op = "mxfp4_moe"
     M, K, _ = _check_tokens(op, x, topk_ids, topk_weights)
     for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
@@ -728,8 +723,6 @@ def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map, swigl
 
 @torch.library.impl("dsv4::mxfp4_moe", "CPU")
 def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map, swiglu_limit, activation, ue8m0, out):
-    from . import reference
-
     _check_mxfp4_moe(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map, swiglu_limit, activation,
                      out)
     y = reference.mxfp4_moe(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, swiglu_limit=swiglu_limit,

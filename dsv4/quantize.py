@@ -4,8 +4,8 @@ Output layout (what the NVFP4 MoE kernels read): for x [M, K] bf16,
 ``codes`` uint8 [M, K/2], dense row-major, two e2m1 codes per byte with the even
 element in the low nibble; ``scales`` float8_e4m3fn [M, K/16], dense row-major,
 one scale per 16 consecutive elements of a row. Dequantized value =
-e2m1(code) * scale * global_scale. Rounding rule: dsv4.formats.quantize_nvfp4, the
-rule of Blackwell deployments (DESIGN section 2). The CPU kernel *is* that function
+e2m1(code) * scale * global_scale. Rounding rule: dsv4.reference.quantize_nvfp4, the
+rule of Blackwell deployments (docs/design.md section 2). The CPU kernel *is* that function
 (exact reciprocals, as vLLM's torch reference); the CUDA kernel runs Blackwell's
 instruction sequence (rcp.approx.ftz.f32, cvt.rn.satfinite.e4m3x2.f32, exact
 round-to-nearest-even onto the e2m1 grid of x * r): its scales equal the CPU
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks as C
-from . import formats
+from . import reference
 from ._ops import op
 
 _OP = "quantize_nvfp4"
@@ -50,7 +50,7 @@ def _(x, global_scale):
 @torch.library.impl("dsv4::quantize_nvfp4", "CPU")
 def _(x, global_scale):
     _check(x, global_scale)
-    return formats.quantize_nvfp4(x, global_scale)
+    return reference.quantize_nvfp4(x, global_scale)
 
 
 def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:

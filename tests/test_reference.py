@@ -15,7 +15,7 @@ INF = float("inf")
 
 
 from dsv4 import formats
-from dsv4.reference import dense_fmha, nvfp4_moe, sparse_mqa, swiglu
+from dsv4.reference import dense_fmha, nvfp4_moe, quantize_nvfp4, sparse_mqa, swiglu
 
 
 def _gen(seed):
@@ -392,7 +392,7 @@ def test_swiglu_hand_values():
 
 
 def _qdq(x, g):
-    return formats.dequantize_nvfp4(*formats.quantize_nvfp4(x, g), g, dtype=torch.float32)
+    return formats.dequantize_nvfp4(*quantize_nvfp4(x, g), g, dtype=torch.float32)
 
 
 def _pick(scale, e):
