@@ -1,21 +1,22 @@
 """dsv4: DeepSeek V4 attention and NVFP4 MoE kernels for NVIDIA Hopper.
 
 Ops (CUDA kernels on sm_90a, float32 reference kernels on CPU, fake kernels for
-torch.compile), one module per family:
+torch.compile), one module per family, named as its folder in csrc/ (each op as its
+``torch.ops.dsv4`` name and its .cu file):
 
 - ``dsv4.quantize``: ``quantize_nvfp4``
 - ``dsv4.attention``: ``sparse_mqa_decode``, ``sparse_mqa_prefill``
-- ``dsv4.fmha``: ``fmha`` (dense masked attention over [compressed | window] KV)
+- ``dsv4.fmha``: ``dense_fmha`` (dense masked attention over [compressed | window] KV)
 - ``dsv4.moe``: ``prepare_nvfp4_moe_weights``, ``nvfp4_moe``; for NVFP4 and MXFP4
   (DeepSeek V4's native) weights alike: ``prepare_moe_weights``, ``routed_moe``
 
-``dsv4.formats`` and ``dsv4.mxfp4`` hold the byte layouts, ``dsv4.reference`` the float32
-references.
+``dsv4.formats`` holds the byte layouts (``nvfp4``, ``mxfp4``, ``kv_cache``),
+``dsv4.reference`` the float32 references (one module per family).
 """
 
 from ._ops import HAS_CUDA_EXTENSION
 from .attention import sparse_mqa_decode, sparse_mqa_prefill
-from .fmha import fmha
+from .fmha import dense_fmha
 from .moe import (
     MoeWeights,
     Mxfp4MoeWeights,
@@ -31,7 +32,7 @@ from .quantize import quantize_nvfp4
 
 __all__ = [
     "HAS_CUDA_EXTENSION",
-    "fmha",
+    "dense_fmha",
     "MoeWeights",
     "Mxfp4MoeWeights",
     "Nvfp4MoeWeights",

@@ -22,11 +22,12 @@ CUDA: sm_90a kernels (csrc/attention). CPU: the float32 reference
 
 from __future__ import annotations
 
-import math
 
 import torch
 
-from . import formats, reference
+from . import _checks as C
+from .formats.kv_cache import dequantize_fp8_ds_mla_cache, kv_cache_layout
+from .reference import sparse_mqa
 from ._ops import op
 
 __all__ = ["sparse_mqa_decode", "sparse_mqa_prefill"]
@@ -36,139 +37,89 @@ DEFAULT_SOFTMAX_SCALE = HEAD_DIM**-0.5
 
 
 # --------------------------------------------------------------------------------------
-# validation shared by the CPU and fake kernels (same rules and wording as
-# csrc/attention/sparse_mqa.cu)
+# the rules of csrc/attention/sparse_mqa.cu, for the CPU and fake kernels
 # --------------------------------------------------------------------------------------
 
 
-def _err(msg: str) -> ValueError:
-    return ValueError("dsv4: " + msg)
-
-
-def _check_qo(t: torch.Tensor, name: str, shape: str, ndim: int) -> None:
-    if t.dtype != torch.bfloat16:
-        raise _err(f"{name} must have dtype torch.bfloat16, got {t.dtype}")
-    if t.dim() != ndim:
-        raise _err(f"{name} must be {ndim}-D {shape}, got shape {tuple(t.shape)}")
+def _check_qo(op: str, t: torch.Tensor, name: str, layout: str) -> None:
+    """q or out: bf16, ``layout`` ([B, s_q, H, 512] or [T, H, 512]), head dim 512."""
+    C.dtype(op, name, t, torch.bfloat16)
+    C.ndim(op, name, t, layout.count(",") + 1, layout)
     if t.shape[-1] != HEAD_DIM:
-        raise _err(f"{name} head dim must be 512, got shape {tuple(t.shape)}")
+        raise C.error(op, f"{name} head dim must be 512, got shape {tuple(t.shape)}")
 
 
-def _check_heads(h: int) -> None:
-    if h not in (64, 128):
-        raise _err(f"q must have 64 or 128 heads (pad other head counts with sink = -inf), got {h}")
-
-
-def _check_same_device(t: torch.Tensor, name: str, q: torch.Tensor) -> None:
-    if t.device != q.device:
-        raise _err(f"{name} is on {t.device} but q is on {q.device}; they must be on the same device")
-
-
-def _check_cache(c: torch.Tensor, name: str, q: torch.Tensor) -> str:
-    _check_same_device(c, name, q)
-    if not (c.dim() == 3 or (c.dim() == 4 and c.shape[2] == 1)):
-        raise _err(
-            f"{name} must be [num_blocks, block_size, D] or [num_blocks, block_size, 1, D], "
-            f"got shape {tuple(c.shape)}"
-        )
-    if c.dtype == torch.uint8:
-        kind, last = "fp8_ds_mla", formats.FP8_DS_MLA_VIEW_LAST_DIM
-        if c.shape[-1] != last:
-            raise _err(f"{name} is a uint8 (fp8_ds_mla) cache and must have last dim {last}, got shape {tuple(c.shape)}")
-    elif c.dtype == torch.bfloat16:
-        kind, last = "bf16", HEAD_DIM
-        if c.shape[-1] != last:
-            raise _err(f"{name} is a bf16 cache and must have last dim 512, got shape {tuple(c.shape)}")
-    else:
-        raise _err(f"{name} must be uint8 (fp8_ds_mla layout) or bfloat16 (bf16 layout), got dtype {c.dtype}")
-    nb, bs = c.shape[0], c.shape[1]
-    if bs <= 0:
-        raise _err(f"{name} must have block_size (dim 1) > 0, got shape {tuple(c.shape)}")
-    if c.stride(-1) != 1:
-        raise _err(f"{name} must have unit stride along its last dim, got strides {c.stride()}")
-    if bs > 1 and c.stride(1) != last:
-        raise _err(f"{name} must have stride(1) == {last} (rows of one block packed), got strides {c.stride()}")
-    if nb > 1 and c.stride(0) < bs * last:
-        raise _err(f"{name} block stride (stride(0)) {c.stride(0)} is smaller than block_size * {last}")
+def _check_source(op: str, q: torch.Tensor, cache: torch.Tensor, cache_name: str, idx: torch.Tensor, idx_name: str,
+                  lengths, lengths_name: str, b: int, s_q: int) -> str:
+    """One (cache, index list, lengths) source; returns the cache kind."""
+    C.same_device(op, cache_name, cache, "q", q)
+    kind, _ = kv_cache_layout(cache, op=op, name=cache_name)
+    C.same_device(op, idx_name, idx, "q", q)
+    C.dtype(op, idx_name, idx, torch.int32)
+    if idx.dim() != 3 or idx.shape[0] != b or idx.shape[1] != s_q:
+        raise C.error(op, f"{idx_name} must be [{b}, {s_q}, topk], got shape {tuple(idx.shape)}")
+    if lengths is not None:
+        C.same_device(op, lengths_name, lengths, "q", q)
+        C.dtype(op, lengths_name, lengths, torch.int32)
+        if lengths.dim() != 1 or lengths.shape[0] != b:
+            raise C.error(op, f"{lengths_name} must be [{b}], got shape {tuple(lengths.shape)}")
     return kind
 
 
-def _check_indices(idx: torch.Tensor, name: str, q: torch.Tensor, b: int, s_q: int) -> None:
-    _check_same_device(idx, name, q)
-    if idx.dtype != torch.int32:
-        raise _err(f"{name} must have dtype torch.int32, got {idx.dtype}")
-    if idx.dim() != 3 or idx.shape[0] != b or idx.shape[1] != s_q:
-        raise _err(f"{name} must be [{b}, {s_q}, topk], got shape {tuple(idx.shape)}")
-
-
-def _check_lengths(t, name: str, q: torch.Tensor, b: int) -> None:
-    if t is None:
-        return
-    _check_same_device(t, name, q)
-    if t.dtype != torch.int32:
-        raise _err(f"{name} must have dtype torch.int32, got {t.dtype}")
-    if t.dim() != 1 or t.shape[0] != b:
-        raise _err(f"{name} must be [{b}], got shape {tuple(t.shape)}")
-
-
-def _check_common(q4: torch.Tensor, out4: torch.Tensor, attn_sink, softmax_scale: float) -> None:
-    _check_heads(q4.shape[2])
+def _check_common(op: str, q4: torch.Tensor, out4: torch.Tensor, attn_sink, softmax_scale: float) -> None:
+    h = q4.shape[2]
+    if h not in (64, 128):
+        raise C.error(op, f"q must have 64 or 128 heads (pad other head counts with sink = -inf), got {h}")
     if tuple(out4.shape) != tuple(q4.shape):
-        raise _err(f"out must have the shape of q {list(q4.shape)}, got {list(out4.shape)}")
-    _check_same_device(out4, "out", q4)
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise _err(f"softmax_scale must be finite and > 0, got {softmax_scale}")
+        raise C.error(op, f"out must have the shape of q {list(q4.shape)}, got {list(out4.shape)}")
+    C.same_device(op, "out", out4, "q", q4)
+    C.finite_positive(op, "softmax_scale", softmax_scale)
     if attn_sink is not None:
-        _check_same_device(attn_sink, "attn_sink", q4)
-        if attn_sink.dtype != torch.float32:
-            raise _err(f"attn_sink must have dtype torch.float32, got {attn_sink.dtype}")
-        if attn_sink.dim() != 1 or attn_sink.shape[0] != q4.shape[2]:
-            raise _err(f"attn_sink must be [{q4.shape[2]}] (one logit per head), got shape {tuple(attn_sink.shape)}")
+        C.same_device(op, "attn_sink", attn_sink, "q", q4)
+        C.dtype(op, "attn_sink", attn_sink, torch.float32)
+        if attn_sink.dim() != 1 or attn_sink.shape[0] != h:
+            raise C.error(op, f"attn_sink must be [{h}] (one logit per head), got shape {tuple(attn_sink.shape)}")
 
 
 def _check_decode(q, kv_cache, indices, topk_length, attn_sink, softmax_scale, extra_kv_cache, extra_indices,
                   extra_topk_length, out) -> None:
-    _check_qo(q, "q", "[B, s_q, H, 512]", 4)
-    _check_qo(out, "out", "[B, s_q, H, 512]", 4)
+    op = "sparse_mqa_decode"
+    _check_qo(op, q, "q", "[B, s_q, H, 512]")
+    _check_qo(op, out, "out", "[B, s_q, H, 512]")
     b, s_q = q.shape[0], q.shape[1]
-    kind = _check_cache(kv_cache, "kv_cache", q)
-    _check_indices(indices, "indices", q, b, s_q)
-    _check_lengths(topk_length, "topk_length", q, b)
+    kind = _check_source(op, q, kv_cache, "kv_cache", indices, "indices", topk_length, "topk_length", b, s_q)
     if (extra_kv_cache is None) != (extra_indices is None):
-        raise _err("extra_kv_cache and extra_indices must be given together")
+        raise C.error(op, "extra_kv_cache and extra_indices must be given together")
     if extra_kv_cache is None and extra_topk_length is not None:
-        raise _err("extra_topk_length given without extra_kv_cache / extra_indices")
+        raise C.error(op, "extra_topk_length given without extra_kv_cache / extra_indices")
     if extra_kv_cache is not None:
-        kind2 = _check_cache(extra_kv_cache, "extra_kv_cache", q)
+        C.same_device(op, "extra_kv_cache", extra_kv_cache, "q", q)
+        kind2, _ = kv_cache_layout(extra_kv_cache, op=op, name="extra_kv_cache")
         if kind2 != kind:
-            raise _err(
-                f"extra_kv_cache must have the same layout (dtype) as kv_cache: got {extra_kv_cache.dtype} "
-                f"and {kv_cache.dtype}"
-            )
-        _check_indices(extra_indices, "extra_indices", q, b, s_q)
-        _check_lengths(extra_topk_length, "extra_topk_length", q, b)
-    _check_common(q, out, attn_sink, softmax_scale)
+            raise C.error(op, f"extra_kv_cache must have the same layout (dtype) as kv_cache: got "
+                              f"{extra_kv_cache.dtype} and {kv_cache.dtype}")
+        _check_source(op, q, extra_kv_cache, "extra_kv_cache", extra_indices, "extra_indices", extra_topk_length,
+                      "extra_topk_length", b, s_q)
+    _check_common(op, q, out, attn_sink, softmax_scale)
 
 
 def _check_prefill(q, kv, indices, topk_length, attn_sink, softmax_scale, out) -> None:
-    _check_qo(q, "q", "[T, H, 512]", 3)
-    _check_qo(out, "out", "[T, H, 512]", 3)
+    op = "sparse_mqa_prefill"
+    _check_qo(op, q, "q", "[T, H, 512]")
+    _check_qo(op, out, "out", "[T, H, 512]")
     t = q.shape[0]
-    _check_same_device(kv, "kv", q)
-    if kv.dtype != torch.bfloat16:
-        raise _err(f"kv must have dtype torch.bfloat16, got {kv.dtype}")
+    C.dtype(op, "kv", kv, torch.bfloat16)
     if not (kv.dim() == 2 or (kv.dim() == 3 and kv.shape[1] == 1)):
-        raise _err(f"kv must be [N, 512] or [N, 1, 512], got shape {tuple(kv.shape)}")
+        raise C.error(op, f"kv must be [N, 512] or [N, 1, 512], got shape {tuple(kv.shape)}")
     if kv.shape[-1] != HEAD_DIM:
-        raise _err(f"kv head dim must be 512, got shape {tuple(kv.shape)}")
-    if kv.stride(-1) != 1:
-        raise _err(f"kv must have unit stride along its last dim, got strides {kv.stride()}")
+        raise C.error(op, f"kv head dim must be 512, got shape {tuple(kv.shape)}")
     if not (indices.dim() == 2 or (indices.dim() == 3 and indices.shape[1] == 1)):
-        raise _err(f"indices must be [T, topk] or [T, 1, topk], got shape {tuple(indices.shape)}")
+        raise C.error(op, f"indices must be [T, topk] or [T, 1, topk], got shape {tuple(indices.shape)}")
+    # kv is a bf16 paged cache with block_size 1, as the C++ entry reads it
+    kv3 = kv.unsqueeze(1) if kv.dim() == 2 else kv
     idx3 = indices if indices.dim() == 3 else indices.unsqueeze(1)
-    _check_indices(idx3, "indices", q, t, 1)
-    _check_lengths(topk_length, "topk_length", q, t)
-    _check_common(q.unsqueeze(1), out.unsqueeze(1), attn_sink, softmax_scale)
+    _check_source(op, q, kv3, "kv", idx3, "indices", topk_length, "topk_length", t, 1)
+    _check_common(op, q.unsqueeze(1), out.unsqueeze(1), attn_sink, softmax_scale)
 
 
 # --------------------------------------------------------------------------------------
@@ -197,9 +148,9 @@ def _(q, kv, indices, topk_length, attn_sink, softmax_scale, out):
 
 def _cache_rows(cache: torch.Tensor) -> torch.Tensor:
     """All slots of a paged cache as float32 [num_blocks * block_size, 512]."""
-    kind, _ = formats.kv_cache_layout(cache)
+    kind, _ = kv_cache_layout(cache)
     if kind == "fp8_ds_mla":
-        return formats.dequantize_fp8_ds_mla_cache(cache).float()
+        return dequantize_fp8_ds_mla_cache(cache).float()
     c = cache[:, :, 0, :] if cache.dim() == 4 else cache
     return c.reshape(-1, HEAD_DIM).float()
 
@@ -212,7 +163,7 @@ def _run_reference(q4, rows, idx3, lengths_b, attn_sink, softmax_scale, rows2=No
         return None if x is None else x.repeat_interleave(s_q)
 
     # (explicit topk: reshape(t, -1) is ambiguous for an empty batch)
-    o, lse = reference.sparse_mqa(
+    o, lse = sparse_mqa(
         q4.reshape(t, h, d),
         rows,
         idx3.reshape(t, idx3.shape[-1]),

@@ -1,4 +1,5 @@
-"""Dense masked FMHA over ``[compressed | window]`` KV per sequence: ``dsv4.fmha``.
+"""Dense masked FMHA over ``[compressed | window]`` KV per sequence: ``dsv4.dense_fmha``
+(the op ``dsv4::dense_fmha``, csrc/fmha/dense_fmha.cu).
 
 Semantics are those of :func:`dsv4.reference.dense_fmha` (docs/design.md 3B): per
 sequence the kv rows are ``[n_comp compressed entries | L_w window entries]``; query i of
@@ -8,20 +9,23 @@ query sees window entries in ``[p - window + 1, p]`` and compressed entry w iff
 ``w < (p + 1) // ratio``. Per-head sink in the denominator; lse excludes the sink; a query
 with nothing visible gets zeros and lse = -inf.
 
-CUDA: two kernels behind one call.
+CUDA: two kernels behind one call (``dense_fmha_kernel`` names the one a call runs).
 
 * Head dims 64, 128, 256 (any GQA/MQA grouping, K and V of the same head dim): the dense
   kernel ``dsv4::dense_fmha`` (csrc/fmha/): masks computed in the kernel from positions,
   KV read as contiguous tiles; split-KV plus a combine pass (sink applied once) when
   the query tiles alone would leave SMs idle (decode).
 * Head dim 512 with one KV head that is both K and V and 64 or 128 query heads
-  (DeepSeek V4): the visible rows of each query are two contiguous ranges, written as an
-  index list on the device (no host sync) and run through the sparse MQA prefill kernel,
-  which has the wgmma pipeline for that shape.
+  (DeepSeek V4's shape): the sparse MQA prefill kernel (``dsv4::sparse_mqa_prefill``,
+  csrc/attention/), which has the wgmma pipeline for that shape and which the dense
+  kernel has no tile for; the visible rows of each query are two contiguous ranges,
+  written as an index list on the device (``visible_rows``, no host sync). The same call
+  through ``visible_rows`` + ``dsv4.sparse_mqa_prefill`` by hand gives the same result.
 
-Anything else raises a clear error on CUDA (the CPU path runs every shape).
+Anything else raises a clear error on CUDA (the CPU kernel, the float32 reference
+``dsv4.reference.dense_fmha``, runs every shape).
 
-Rows a query does not see (DESIGN section 1: their bytes must never reach the math): the
+Rows a query does not see (docs/design.md section 1: their bytes must never reach the math): the
 head-dim-512 path and the CPU path never let them into that query's result, whatever
 they hold. The dense kernel reads whole 64-row tiles of the union of the visible ranges
 of 64 queries: rows that none of those queries sees are never read, but a NaN or inf in
@@ -31,37 +35,85 @@ a row that one of them sees reaches the others as 0 * NaN inside the tile's P V 
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Union
 
 import torch
 
+from . import _checks as C
 from . import reference
 from ._ops import op
 from .attention import HEAD_DIM, sparse_mqa_prefill
 
-__all__ = ["fmha", "index_width", "visible_rows"]
+__all__ = ["dense_fmha", "dense_fmha_kernel", "index_width", "visible_rows"]
 
 DENSE_HEAD_DIMS = (64, 128, 256)
 
 
-def _check_softmax_scale(softmax_scale: float) -> None:
-    # same rule and wording as csrc/fmha/dense_fmha.cu
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"dsv4: softmax_scale must be finite and > 0, got {softmax_scale}")
+_OP = "dense_fmha"
+
+
+def _check(q, k, v, cu_seqlens_q, cu_seqlens_kv, n_comp, seq_start_pos, attn_sink, softmax_scale, ratio, out) -> None:
+    """The op's rules for the CPU and fake kernels: csrc/fmha/dense_fmha.cu's, less its
+    kernel's limits (bf16, head dims 64/128/256, Dv = D, strides): the CPU kernel runs every
+    shape and float dtype. Shapes only; :func:`_check_values` reads the sequence metadata."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        C.same_device(_OP, name, t, "q", q)
+        C.floating(_OP, name, t)
+        C.ndim(_OP, name, t, 3, "[rows, heads, head_dim]")
+    tq, hq, d = q.shape
+    hkv, dv = k.shape[1], v.shape[2]
+    if k.shape[2] != d:
+        raise C.error(_OP, f"k must have head_dim {d} like q, got k {list(k.shape)}")
+    if v.shape[0] != k.shape[0] or v.shape[1] != k.shape[1]:
+        raise C.error(_OP, f"v must have shape [{k.shape[0]}, {k.shape[1]}, Dv] like k, got {list(v.shape)}")
+    if hkv == 0 or hq % hkv:
+        raise C.error(_OP, f"q heads ({hq}) must be a multiple of k/v heads ({hkv})")
+    C.ndim(_OP, "cu_seqlens_q", cu_seqlens_q, 1, "[S + 1]")
+    s = cu_seqlens_q.shape[0] - 1
+    if s < 0:
+        raise C.error(_OP, "cu_seqlens_q must have at least one element")
+    for name, t, n in (("cu_seqlens_q", cu_seqlens_q, s + 1), ("cu_seqlens_kv", cu_seqlens_kv, s + 1),
+                       ("n_comp", n_comp, s), ("seq_start_pos", seq_start_pos, s)):
+        if t is not None:
+            C.same_device(_OP, name, t, "q", q)
+            C.dtype(_OP, name, t, torch.int32)
+            C.shape(_OP, name, t, (n,))
+    if attn_sink is not None:
+        C.same_device(_OP, "attn_sink", attn_sink, "q", q)
+        C.dtype(_OP, "attn_sink", attn_sink, torch.float32)
+        C.shape(_OP, "attn_sink", attn_sink, (hq,))
+    C.finite_positive(_OP, "softmax_scale", softmax_scale)
+    if ratio < 1:
+        raise C.error(_OP, f"ratio must be >= 1, got {ratio}")
+    C.same_device(_OP, "out", out, "q", q)
+    C.shape(_OP, "out", out, (tq, hq, dv))
+
+
+def _check_values(q, k, cu_seqlens_q, cu_seqlens_kv, n_comp) -> None:
+    """The sequence metadata's values (CPU kernel: reading them costs no device sync)."""
+    cq, ckv, nc = cu_seqlens_q.tolist(), cu_seqlens_kv.tolist(), n_comp.tolist()
+    for name, cu, total in (("cu_seqlens_q", cq, q.shape[0]), ("cu_seqlens_kv", ckv, k.shape[0])):
+        if cu[0] != 0 or cu[-1] != total:
+            raise C.error(_OP, f"{name} must start at 0 and end at {total}, got {cu}")
+        if any(b < a for a, b in zip(cu[:-1], cu[1:])):
+            raise C.error(_OP, f"{name} must be non-decreasing, got {cu}")
+    for i, n in enumerate(nc):
+        if not 0 <= n <= ckv[i + 1] - ckv[i]:
+            raise C.error(_OP, f"n_comp[{i}] = {n} must lie in [0, kv length {ckv[i + 1] - ckv[i]}]")
 
 
 @torch.library.register_fake("dsv4::dense_fmha")
 def _(q, k, v, cu_seqlens_q, cu_seqlens_kv, n_comp, seq_start_pos, attn_sink, softmax_scale, window, causal,
       ratio, max_seqlen_q, max_seqlen_kv, num_splits, out):
-    _check_softmax_scale(softmax_scale)
+    _check(q, k, v, cu_seqlens_q, cu_seqlens_kv, n_comp, seq_start_pos, attn_sink, softmax_scale, ratio, out)
     return q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
 
 
 @torch.library.impl("dsv4::dense_fmha", "CPU")
 def _(q, k, v, cu_seqlens_q, cu_seqlens_kv, n_comp, seq_start_pos, attn_sink, softmax_scale, window, causal,
       ratio, max_seqlen_q, max_seqlen_kv, num_splits, out):
-    _check_softmax_scale(softmax_scale)
+    _check(q, k, v, cu_seqlens_q, cu_seqlens_kv, n_comp, seq_start_pos, attn_sink, softmax_scale, ratio, out)
+    _check_values(q, k, cu_seqlens_q, cu_seqlens_kv, n_comp)
     o, lse = reference.dense_fmha(q, k, v, cu_seqlens_q, cu_seqlens_kv, n_comp, window=window, causal=causal,
                                   ratio=ratio, seq_start_pos=seq_start_pos, sink=attn_sink, scale=softmax_scale)
     out.copy_(o)
@@ -135,7 +187,20 @@ def index_width(max_seqlen_kv: int, *, window: int, causal: bool, ratio: int, ha
     return min(max_seqlen_kv, max_seqlen_kv // (ratio + 1) + win)
 
 
-def fmha(
+def dense_fmha_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
+    """The CUDA kernel :func:`dense_fmha` runs for these shapes: ``"dense_fmha"`` (head dims
+    64/128/256, k and v of q's head dim), ``"sparse_mqa_prefill"`` (head dim 512, one KV
+    head that is both K and V (``v is k``), 64 or 128 query heads) or None (CPU only)."""
+    d = q.shape[-1] if q.dim() == 3 else None
+    if d in DENSE_HEAD_DIMS and k.dim() == 3 and v.dim() == 3 and k.shape[-1] == d and v.shape[-1] == d:
+        return "dense_fmha"
+    if (v is k and k.dim() == 3 and k.shape[1] == 1 and d == HEAD_DIM and k.shape[-1] == HEAD_DIM
+            and q.shape[1] in (64, 128)):
+        return "sparse_mqa_prefill"
+    return None
+
+
+def dense_fmha(
     q: torch.Tensor,
     kv: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]],
     cu_seqlens_q: torch.Tensor,
@@ -184,43 +249,36 @@ def fmha(
     anything else raises ValueError there (the CPU path runs every shape).
     """
     # checked on every device, so a call that works on CPU tensors works on CUDA ones
-    if isinstance(max_seqlen_kv, bool) or not isinstance(max_seqlen_kv, int) or max_seqlen_kv < 0:
-        raise ValueError(f"dsv4: max_seqlen_kv must be a non-negative int, got {max_seqlen_kv!r}")
+    C.host_int(_OP, "max_seqlen_kv", max_seqlen_kv, lo=0)
     if max_seqlen_q is None:
         max_seqlen_q = q.shape[0]
-    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
-        raise ValueError(f"dsv4: max_seqlen_q must be a non-negative int, got {max_seqlen_q!r}")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= 64:
-        raise ValueError(f"dsv4: num_splits must be an int in [0, 64] (0 = choose), got {num_splits!r}")
+    C.host_int(_OP, "max_seqlen_q", max_seqlen_q, lo=0)
+    C.host_int(_OP, "num_splits", num_splits, lo=0, hi=64, note=" (0 = choose)")
+    C.host_int(_OP, "window", window)
+    C.host_int(_OP, "ratio", ratio)
     k, v = kv if isinstance(kv, tuple) else (kv, kv)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
-    _check_softmax_scale(scale)
-    if q.device.type != "cuda":
-        o, lse = reference.dense_fmha(
-            q, k, v, cu_seqlens_q, cu_seqlens_kv, n_comp, window=window, causal=causal, ratio=ratio,
-            seq_start_pos=seq_start_pos, sink=attn_sink, scale=scale,
-        )
+    C.finite_positive(_OP, "softmax_scale", scale)
+    # off CUDA the op's CPU kernel (the float32 reference) serves every shape
+    kernel = dense_fmha_kernel(q, k, v) if q.device.type == "cuda" else "dense_fmha"
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv), ("n_comp", n_comp),
+                    ("seq_start_pos", seq_start_pos)):
+        if t is not None:
+            C.integer(_OP, name, t)
+    if kernel == "dense_fmha":
         if out is None:
-            out = torch.empty(o.shape, dtype=q.dtype, device=q.device)
-        out.copy_(o)
-        return out, lse
-    d = q.shape[-1] if q.dim() == 3 else None
-    if d in DENSE_HEAD_DIMS and k.dim() == 3 and v.dim() == 3 and k.shape[-1] == d and v.shape[-1] == d:
-        if out is None:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            out = torch.empty((*q.shape[:2], v.shape[-1]), dtype=q.dtype, device=q.device)
         ints = [t.to(torch.int32) for t in (cu_seqlens_q, cu_seqlens_kv, n_comp)]
         start = seq_start_pos.to(torch.int32) if seq_start_pos is not None else None
-        lse = op("dense_fmha")(q, k, v, *ints, start, attn_sink, scale, int(window), bool(causal), int(ratio),
-                               max_seqlen_q, max_seqlen_kv, int(num_splits), out)
+        lse = op("dense_fmha")(q, k, v, *ints, start, attn_sink, scale, window, bool(causal), ratio, max_seqlen_q,
+                               max_seqlen_kv, num_splits, out)
         return out, lse
-    if not (v is k and k.dim() == 3 and k.shape[1] == 1 and q.dim() == 3 and q.shape[-1] == HEAD_DIM
-            and k.shape[-1] == HEAD_DIM and q.shape[1] in (64, 128)):
-        raise ValueError(
-            "dsv4.fmha on CUDA supports head dims 64/128/256 (k and v of the same head dim) and head dim 512 "
-            "with one KV head that is both K and V and 64 or 128 query heads (DeepSeek V4); got "
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {'= k' if v is k else tuple(v.shape)}. "
-            "Other shapes run on CPU tensors only."
-        )
+    if kernel is None:
+        raise C.error(_OP, "CUDA runs head dims 64/128/256 (k and v of the same head dim) and head dim 512 with one "
+                           "KV head that is both K and V and 64 or 128 query heads (DeepSeek V4); got "
+                           f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {'= k' if v is k else tuple(v.shape)}. "
+                           "Other shapes run on CPU tensors only.")
+    # kernel == "sparse_mqa_prefill"
     width = max(1, index_width(max_seqlen_kv, window=window, causal=causal, ratio=ratio,
                                has_start_pos=seq_start_pos is not None))
     indices, lengths = visible_rows(q.shape[0], cu_seqlens_q, cu_seqlens_kv, n_comp, width=width,

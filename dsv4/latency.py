@@ -15,7 +15,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import formats, mxfp4, nvfp4_moe, prepare_moe_weights, prepare_nvfp4_moe_weights, routed_moe
+from . import formats, nvfp4_moe, prepare_moe_weights, prepare_nvfp4_moe_weights, routed_moe
+from .formats import mxfp4
 from .attention import sparse_mqa_decode
 from .bench.inputs import MOE_FORMATS
 

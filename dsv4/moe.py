@@ -10,7 +10,7 @@ scales per 16 along K, fp32 global scale per expert). Two activation modes:
 * ``"nvfp4"`` (W4A4, the numerics of a Blackwell deployment): x is quantized to
   NVFP4 with ``a13_scale`` (per expert or one value) before GEMM1, and the SwiGLU
   output is quantized with ``a2_scale`` before GEMM2, with the rule of
-  ``dsv4.formats.quantize_nvfp4`` (DESIGN section 2); the CUDA kernels use
+  ``dsv4.reference.quantize_nvfp4`` (docs/design.md section 2); the CUDA kernels use
   ``rcp.approx`` reciprocals as Blackwell does, so a code can differ from the CPU
   reference's where its product lies within an ulp or so of a rounding tie.
 
@@ -45,8 +45,10 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from . import formats
+from . import _checks as C
+from . import formats, reference
 from ._ops import op
+from .formats import mxfp4
 
 __all__ = [
     "Nvfp4MoeWeights", "prepare_nvfp4_moe_weights", "unprepare_nvfp4_moe_weights", "nvfp4_moe",
@@ -54,6 +56,7 @@ __all__ = [
 ]
 
 _TILE = 64  # weight rows and K elements per prepared tile
+_CTA_MODES = {"auto": 0, 0: 0, 1: 1, 2: 2}  # nvfp4_moe's cta_mode -> the op's int
 
 
 class Nvfp4MoeWeights(NamedTuple):
@@ -191,12 +194,14 @@ def _is_prepared(w13: torch.Tensor) -> bool:
     return isinstance(w13, torch.Tensor) and w13.dim() == 4
 
 
-def _check_prepared(w: Nvfp4MoeWeights) -> tuple[int, int, int]:
+def _check_prepared(op: str, w: Nvfp4MoeWeights) -> tuple[int, int, int]:
     """Validates a prepared weight set; returns (E, N, K)."""
     hint = " (pass the output of dsv4.prepare_nvfp4_moe_weights)"
+    for name in Nvfp4MoeWeights._fields:
+        C.tensor(op, name, getattr(w, name))
     if w.w13.dtype != torch.uint8 or w.w13.dim() != 4 or w.w13.shape[3] != 2048:
-        raise ValueError(f"dsv4: w13 must be the prepared layout uint8 [E, 2N/64, K/64, 2048]{hint}, got "
-                         f"{w.w13.dtype} {tuple(w.w13.shape)}")
+        raise C.error(op, f"w13 must be the prepared layout uint8 [E, 2N/64, K/64, 2048]{hint}, got {w.w13.dtype} "
+                          f"{tuple(w.w13.shape)}")
     E, rt, kt, _ = w.w13.shape
     N, K = rt * 32, kt * 64
     expect = {
@@ -208,12 +213,10 @@ def _check_prepared(w: Nvfp4MoeWeights) -> tuple[int, int, int]:
     }
     for name, (shape, dtype) in expect.items():
         t = getattr(w, name)
-        if t.dtype != dtype:
-            raise ValueError(f"dsv4: {name} must have dtype {dtype}, got {t.dtype}{hint}")
-        if tuple(t.shape) != shape:
-            raise ValueError(f"dsv4: {name} must have the prepared shape {list(shape)}, got {list(t.shape)}{hint}")
+        C.dtype(op, name, t, dtype, note=hint)
+        C.shape(op, name, t, shape, f" (the prepared layout){hint}")
     if N % 64:
-        raise ValueError(f"dsv4: the intermediate size N = {N} must be a multiple of 64")
+        raise C.error(op, f"the intermediate size N = {N} must be a multiple of 64")
     return E, N, K
 
 
@@ -248,34 +251,37 @@ def prepare_nvfp4_moe_weights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scal
         the kernels, without a version mark: prepare at load time (as the vLLM plugin
         does) and store checkpoints in the vLLM layout, never prepared sets.
     """
+    op = "prepare_nvfp4_moe_weights"
     if _is_prepared(w13):
         w = Nvfp4MoeWeights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
-        _check_prepared(w)
+        _check_prepared(op, w)
         return w
     for name, t, dtype in (("w13", w13, torch.uint8), ("w13_scale", w13_scale, torch.float8_e4m3fn),
                            ("w2", w2, torch.uint8), ("w2_scale", w2_scale, torch.float8_e4m3fn)):
-        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 3:
-            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"dsv4: {name} must be a 3-D {dtype} tensor (vLLM stacked layout), got {got}")
+        C.tensor(op, name, t)
+        if t.dtype != dtype or t.dim() != 3:
+            raise C.error(op, f"{name} must be a 3-D {dtype} tensor (vLLM stacked layout), got {t.dtype} "
+                              f"{tuple(t.shape)}")
     E, two_n, half_k = w13.shape
     N, K = two_n // 2, half_k * 2
     if two_n % 128 or K % 64:
-        raise ValueError(f"dsv4: w13 [E, 2N, K/2] needs N and K multiples of 64, got shape {tuple(w13.shape)}")
-    checks = {"w13_scale": (w13_scale, (E, 2 * N, K // 16)), "w2": (w2, (E, K, N // 2)),
-              "w2_scale": (w2_scale, (E, K, N // 16))}
-    for name, (t, shape) in checks.items():
-        if tuple(t.shape) != shape:
-            raise ValueError(f"dsv4: {name} must have shape {list(shape)} to match w13, got {list(t.shape)}")
-    if w13_scale_2.dtype != torch.float32 or tuple(w13_scale_2.shape) not in ((E,), (E, 2)):
-        raise ValueError(f"dsv4: w13_scale_2 must be float32 [{E}] or [{E}, 2], got {w13_scale_2.dtype} "
-                         f"{tuple(w13_scale_2.shape)}")
-    if w2_scale_2.dtype != torch.float32 or tuple(w2_scale_2.shape) != (E,):
-        raise ValueError(f"dsv4: w2_scale_2 must be float32 [{E}], got {w2_scale_2.dtype} {tuple(w2_scale_2.shape)}")
+        raise C.error(op, f"w13 [E, 2N, K/2] needs N and K multiples of 64, got shape {tuple(w13.shape)}")
+    C.shape(op, "w13_scale", w13_scale, (E, 2 * N, K // 16), " to match w13")
+    C.shape(op, "w2", w2, (E, K, N // 2), " to match w13")
+    C.shape(op, "w2_scale", w2_scale, (E, K, N // 16), " to match w13")
+    for name, t, shapes in (("w13_scale_2", w13_scale_2, ((E,), (E, 2))), ("w2_scale_2", w2_scale_2, ((E,),))):
+        C.tensor(op, name, t)
+        if t.dtype != torch.float32 or tuple(t.shape) not in shapes:
+            want = " or ".join(str(list(x)) for x in shapes)
+            raise C.error(op, f"{name} must be float32 {want}, got {t.dtype} {tuple(t.shape)}")
+    for name, t in (("w13_scale", w13_scale), ("w13_scale_2", w13_scale_2), ("w2", w2), ("w2_scale", w2_scale),
+                    ("w2_scale_2", w2_scale_2)):
+        C.same_device(op, name, t, "w13", w13)
     g13 = w13_scale_2 if w13_scale_2.dim() == 2 else w13_scale_2.unsqueeze(1).expand(E, 2)
     for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
         v = t.float()
         if bool(((v < 0) | ~torch.isfinite(v)).any()):
-            raise ValueError(f"dsv4: {name} must hold finite non-negative block scales")
+            raise C.error(op, f"{name} must hold finite non-negative block scales")
     return Nvfp4MoeWeights(
         _tile_codes(w13, w13_scale, True), _tile_scales(w13_scale, True), g13.contiguous().clone(),
         _tile_codes(w2, w2_scale, False), _tile_scales(w2_scale, False), w2_scale_2.contiguous().clone())
@@ -285,7 +291,7 @@ def unprepare_nvfp4_moe_weights(weights: Nvfp4MoeWeights) -> dict:
     """Inverse of :func:`prepare_nvfp4_moe_weights`: the vLLM stacked layout
     (dict w13, w13_scale, w13_scale_2 [E, 2], w2, w2_scale, w2_scale_2)."""
     w = Nvfp4MoeWeights(*weights)
-    _check_prepared(w)
+    _check_prepared("unprepare_nvfp4_moe_weights", w)
     return {
         "w13": _untile_codes(w.w13, True), "w13_scale": _untile_scales(w.w13_scale, True),
         "w13_scale_2": w.w13_scale_2, "w2": _untile_codes(w.w2, False),
@@ -298,77 +304,81 @@ def unprepare_nvfp4_moe_weights(weights: Nvfp4MoeWeights) -> dict:
 # --------------------------------------------------------------------------------------
 
 
-def _check_tokens(x, topk_ids, topk_weights) -> tuple[int, int, int]:
+def _check_tokens(op: str, x, topk_ids, topk_weights) -> tuple[int, int, int]:
     """Token and routing rules shared by the NVFP4 and MXFP4 MoE ops: (M, K, k)."""
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"dsv4: x must have dtype torch.bfloat16, got {x.dtype}")
-    if x.dim() != 2:
-        raise ValueError(f"dsv4: x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    C.dtype(op, "x", x, torch.bfloat16)
+    C.ndim(op, "x", x, 2, "[M, K]")
     M, K = x.shape
-    if topk_ids.dtype != torch.int32:
-        raise ValueError(f"dsv4: topk_ids must have dtype torch.int32, got {topk_ids.dtype}")
+    C.same_device(op, "topk_ids", topk_ids, "x", x)
+    C.dtype(op, "topk_ids", topk_ids, torch.int32)
     if topk_ids.dim() != 2 or topk_ids.shape[0] != M or topk_ids.shape[1] < 1:
-        raise ValueError(f"dsv4: topk_ids must have shape [M={M}, k], got {tuple(topk_ids.shape)}")
+        raise C.error(op, f"topk_ids must have shape [M={M}, k], got {tuple(topk_ids.shape)}")
     k = topk_ids.shape[1]
-    if topk_weights.dtype != torch.float32:
-        raise ValueError(f"dsv4: topk_weights must have dtype torch.float32, got {topk_weights.dtype}")
+    C.same_device(op, "topk_weights", topk_weights, "x", x)
+    C.dtype(op, "topk_weights", topk_weights, torch.float32)
     if tuple(topk_weights.shape) != (M, k):
-        raise ValueError(f"dsv4: topk_weights must have shape [M={M}, k={k}] like topk_ids, got "
-                         f"{tuple(topk_weights.shape)}")
+        raise C.error(op, f"topk_weights must have shape [M={M}, k={k}] like topk_ids, got "
+                          f"{tuple(topk_weights.shape)}")
     return M, K, k
 
 
-def _check_call(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
-                a13_scale, a2_scale, expert_map, swiglu_limit, activation, cta_mode):
-    """Shape/dtype rules of csrc/moe/nvfp4_moe.cu, for CPU and fake calls."""
-    M, K, k = _check_tokens(x, topk_ids, topk_weights)
-    E, N, Kw = _check_prepared(Nvfp4MoeWeights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2))
+def _check_map_and_out(op: str, x, expert_map, out, M: int, K: int) -> None:
+    """expert_map and out: the rules the NVFP4 and MXFP4 MoE ops share."""
+    if expert_map is not None:
+        C.same_device(op, "expert_map", expert_map, "x", x)
+        if expert_map.dtype != torch.int32 or expert_map.dim() != 1 or expert_map.numel() == 0:
+            raise C.error(op, f"expert_map must be a non-empty 1-D torch.int32 tensor [E_global], got "
+                              f"{expert_map.dtype} {tuple(expert_map.shape)}")
+    C.same_device(op, "out", out, "x", x)
+    if out.dtype != torch.bfloat16 or tuple(out.shape) != (M, K):
+        raise C.error(op, f"out must be torch.bfloat16 [M={M}, K={K}], got {out.dtype} {tuple(out.shape)}")
+
+
+def _check_nvfp4_moe(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
+                     a13_scale, a2_scale, expert_map, swiglu_limit, activation, cta_mode, out) -> None:
+    """The rules of csrc/moe/nvfp4_moe.cu, for the CPU and fake kernels."""
+    op = "nvfp4_moe"
+    M, K, _ = _check_tokens(op, x, topk_ids, topk_weights)
+    w = Nvfp4MoeWeights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
+    E, _, Kw = _check_prepared(op, w)
+    for name in Nvfp4MoeWeights._fields:
+        C.same_device(op, name, getattr(w, name), "x", x)
     if Kw != K:
-        raise ValueError(f"dsv4: w13 has K/64 = {Kw // 64} tiles but x has K = {K}")
-    if activation not in ("bf16", "nvfp4"):
-        raise ValueError(f'dsv4: activation must be "bf16" or "nvfp4", got "{activation}"')
+        raise C.error(op, f"w13 has K/64 = {Kw // 64} tiles but x has K = {K}")
+    C.one_of(op, "activation", activation, ("bf16", "nvfp4"))
     if activation == "nvfp4":
         for name, s in (("a13_scale", a13_scale), ("a2_scale", a2_scale)):
             if s is None:
-                raise ValueError(f'dsv4: {name} is required when activation="nvfp4"')
-            if s.dtype != torch.float32:
-                raise ValueError(f"dsv4: {name} must have dtype torch.float32, got {s.dtype}")
+                raise C.error(op, f'{name} is required when activation="nvfp4"')
+            C.same_device(op, name, s, "x", x)
+            C.dtype(op, name, s, torch.float32)
             if not (s.numel() == 1 or tuple(s.shape) == (E,)):
-                raise ValueError(f"dsv4: {name} must hold 1 element or have shape [{E}] (one per local expert), "
-                                 f"got shape {tuple(s.shape)}")
-    if expert_map is not None:
-        if expert_map.dtype != torch.int32 or expert_map.dim() != 1 or expert_map.numel() == 0:
-            raise ValueError(f"dsv4: expert_map must be a non-empty 1-D torch.int32 tensor [E_global], got "
-                             f"{expert_map.dtype} {tuple(expert_map.shape)}")
+                raise C.error(op, f"{name} must hold 1 element or have shape [{E}] (one per local expert), got "
+                                  f"shape {tuple(s.shape)}")
     if swiglu_limit is not None and not (math.isfinite(swiglu_limit) and swiglu_limit > 0):
-        raise ValueError(f"dsv4: swiglu_limit must be positive and finite, got {swiglu_limit}")
+        raise C.error(op, f"swiglu_limit must be positive and finite, got {swiglu_limit}")
     if cta_mode not in (0, 1, 2):
-        raise ValueError(f"dsv4: cta_mode must be 0 (auto), 1 or 2, got {cta_mode}")
-    return M, K, N, E, k
-
-
-def _check_out(out: torch.Tensor, M: int, K: int) -> None:
-    if out.dtype != torch.bfloat16 or tuple(out.shape) != (M, K):
-        raise ValueError(f"dsv4: out must be torch.bfloat16 [M={M}, K={K}], got {out.dtype} {tuple(out.shape)}")
+        raise C.error(op, f"cta_mode must be 0 (auto), 1 or 2, got {cta_mode}")
+    _check_map_and_out(op, x, expert_map, out, M, K)
 
 
 @torch.library.register_fake("dsv4::nvfp4_moe")
 def _(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, a13_scale, a2_scale,
       expert_map, swiglu_limit, activation, cta_mode, out):
-    M, K, _, _, _ = _check_call(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
-                                a13_scale, a2_scale, expert_map, swiglu_limit, activation, cta_mode)
-    _check_out(out, M, K)
+    _check_nvfp4_moe(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, a13_scale,
+                     a2_scale, expert_map, swiglu_limit, activation, cta_mode, out)
     return None
 
 
 @torch.library.impl("dsv4::nvfp4_moe", "CPU")
 def _(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, a13_scale, a2_scale,
       expert_map, swiglu_limit, activation, cta_mode, out):
-    from . import reference
-
-    M, K, _, _, _ = _check_call(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
-                                a13_scale, a2_scale, expert_map, swiglu_limit, activation, cta_mode)
-    _check_out(out, M, K)
+    _check_nvfp4_moe(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, a13_scale,
+                     a2_scale, expert_map, swiglu_limit, activation, cta_mode, out)
+    if activation == "nvfp4":
+        # the values, on the CPU only (on CUDA reading them would be a device sync)
+        C.finite_positive_values("nvfp4_moe", "a13_scale", a13_scale)
+        C.finite_positive_values("nvfp4_moe", "a2_scale", a2_scale)
     w = unprepare_nvfp4_moe_weights(Nvfp4MoeWeights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2))
     y = reference.nvfp4_moe(
         x, topk_ids, topk_weights, w["w13"], w["w13_scale"], w["w13_scale_2"], w["w2"], w["w2_scale"],
@@ -397,7 +407,7 @@ def _may_sync(x: torch.Tensor) -> bool:
     return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
-def _check_ids(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], E: int) -> None:
+def _check_ids(op: str, topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], E: int) -> None:
     """Host check of expert ids (one device sync); the kernels drop bad ids safely."""
     if topk_ids.numel() == 0:
         return
@@ -405,11 +415,11 @@ def _check_ids(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], E: in
     lo, hi = int(topk_ids.min()), int(topk_ids.max())
     if lo < 0 or hi >= bound:
         what = "expert_map size" if expert_map is not None else "number of local experts"
-        raise ValueError(f"dsv4: topk_ids must lie in [0, {bound}) ({what}), got values in [{lo}, {hi}]")
+        raise C.error(op, f"topk_ids must lie in [0, {bound}) ({what}), got values in [{lo}, {hi}]")
     if expert_map is not None and expert_map.numel():
         lo, hi = int(expert_map.min()), int(expert_map.max())
         if lo < -1 or hi >= E:
-            raise ValueError(f"dsv4: expert_map values must lie in [-1, {E}), got values in [{lo}, {hi}]")
+            raise C.error(op, f"expert_map values must lie in [-1, {E}), got values in [{lo}, {hi}]")
 
 
 def nvfp4_moe(
@@ -474,33 +484,31 @@ def nvfp4_moe(
             stacklevel=2,
         )
     w = weights if isinstance(weights, Nvfp4MoeWeights) else prepare_nvfp4_moe_weights(*weights)
-    modes = {"auto": 0, 0: 0, 1: 1, 2: 2}
-    if cta_mode not in modes:
-        raise ValueError(f'dsv4: cta_mode must be "auto", 1 or 2, got {cta_mode!r}')
+    op_name = "nvfp4_moe"
+    if cta_mode not in _CTA_MODES:
+        raise C.error(op_name, f'cta_mode must be "auto", 1 or 2, got {cta_mode!r}')
     if topk_ids.dtype != torch.int32:
         topk_ids = topk_ids.to(torch.int32)
     if topk_weights.dtype != torch.float32:
         topk_weights = topk_weights.float()
     if expert_map is not None and expert_map.dtype != torch.int32:
         expert_map = expert_map.to(torch.int32)
-    if activation not in ("bf16", "nvfp4"):
-        raise ValueError(f'dsv4: activation must be "bf16" or "nvfp4", got "{activation}"')
+    C.one_of(op_name, "activation", activation, ("bf16", "nvfp4"))
     nvfp4 = activation == "nvfp4"
-    if nvfp4 and (a13_scale is None or a2_scale is None):
-        raise ValueError(f'dsv4: {"a13_scale" if a13_scale is None else "a2_scale"} is required when '
-                         'activation="nvfp4"')
     for name, s in (("a13_scale", a13_scale), ("a2_scale", a2_scale)):
-        if nvfp4 and not isinstance(s, torch.Tensor) and not (math.isfinite(float(s)) and float(s) > 0):
-            raise ValueError(f"dsv4: {name} must be finite and > 0, got {s}")
+        if nvfp4 and s is None:
+            raise C.error(op_name, f'{name} is required when activation="nvfp4"')
+        if nvfp4 and not isinstance(s, torch.Tensor):
+            C.finite_positive(op_name, name, float(s))
     a13 = _scale_tensor(a13_scale, x.device) if nvfp4 else None
     a2 = _scale_tensor(a2_scale, x.device) if nvfp4 else None
     if out is None:
         out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     if check_ids and _may_sync(x):
-        _check_ids(topk_ids, expert_map, w.w13.shape[0])
+        _check_ids(op_name, topk_ids, expert_map, w.w13.shape[0])
     limit = None if swiglu_limit is None else float(swiglu_limit)
     op("nvfp4_moe")(x, topk_ids.contiguous(), topk_weights.contiguous(), *w, a13, a2, expert_map, limit,
-                    activation, modes[cta_mode], out)
+                    activation, _CTA_MODES[cta_mode], out)
     return out
 
 
@@ -510,7 +518,7 @@ def nvfp4_moe(
 #
 # MXFP4 W4A16 ("bf16") runs on the bf16 kernels above: prepare folds each block's e8m0
 # exponent into NVFP4 e4m3 block scales relative to a per-(expert, gate/up/down) fp32
-# global scale (dsv4.mxfp4.mxfp4_to_nvfp4; exact for every block within 17 binades of
+# global scale (dsv4.formats.mxfp4.mxfp4_to_nvfp4; exact for every block within 17 binades of
 # its matrix's largest) and calls dsv4::nvfp4_moe. MXFP4 W4A8 ("fp8", vLLM 0.33.0's
 # Hopper numerics) is dsv4::mxfp4_moe: its CPU kernel is the float32 reference, its
 # CUDA kernels (csrc/moe/mxfp4_moe.cu, mxfp4_w4a8.cuh) the small-batch path on FP8
@@ -523,7 +531,7 @@ _FORMAT_ACTIVATIONS = {"nvfp4": ("bf16", "nvfp4"), "mxfp4": ("bf16", "fp8")}
 class Mxfp4MoeWeights(NamedTuple):
     """MXFP4 expert weights as dsv4::mxfp4_moe (W4A8) reads them: vLLM's stacked layout
     with N padded to a multiple of 64 (zero rows / columns) and every block fitted to the
-    W4A8 kernels' exact FP8 operand rule (dsv4.mxfp4.fit_fp8_operand).
+    W4A8 kernels' exact FP8 operand rule (dsv4.formats.mxfp4.fit_fp8_operand).
 
     w13 uint8 [E, 2N, K/2], w13_scale uint8 e8m0 [E, 2N, K/32], w2 uint8 [E, K, N/2],
     w2_scale uint8 [E, K, N/32].
@@ -551,10 +559,9 @@ class MoeWeights(NamedTuple):
     report: dict
 
 
-def _detect_format(w13_scale, format) -> str:
+def _detect_format(op: str, w13_scale, format) -> str:
     if format is not None:
-        if format not in _MOE_FORMATS:
-            raise ValueError(f'dsv4: format must be "nvfp4", "mxfp4" or None (detect), got {format!r}')
+        C.one_of(op, "format", format, _MOE_FORMATS, note=" (or None: detect)")
         return format
     if isinstance(w13_scale, torch.Tensor):
         if w13_scale.dtype == torch.float8_e4m3fn:
@@ -562,8 +569,8 @@ def _detect_format(w13_scale, format) -> str:
         if w13_scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
             return "mxfp4"
     got = w13_scale.dtype if isinstance(w13_scale, torch.Tensor) else type(w13_scale).__name__
-    raise ValueError("dsv4: cannot tell the weight format from w13_scale: float8_e4m3fn block scales are NVFP4, "
-                     f"uint8 / float8_e8m0fnu ones MXFP4; got {got} (or pass format=)")
+    raise C.error(op, "cannot tell the weight format from w13_scale: float8_e4m3fn block scales are NVFP4, "
+                      f"uint8 / float8_e8m0fnu ones MXFP4; got {got} (or pass format=)")
 
 
 def _mxfp4_report(E, N, Np, K, activation, total, inexact13, inexact2) -> dict:
@@ -583,7 +590,7 @@ def prepare_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, *, activation: str =
     """One-time conversion of vLLM's stacked MXFP4 expert weights (DeepSeek V4's native
     checkpoints) for the dsv4 MoE.
 
-    Args (vLLM layout, dsv4.mxfp4 module doc; K and N multiples of 32, K of 64):
+    Args (vLLM layout, dsv4.formats.mxfp4 module doc; K and N multiples of 32, K of 64):
         w13: uint8 [E, 2N, K/2] (gate rows, then up rows; low nibble = even element).
         w13_scale: e8m0 scales [E, 2N, K/32], torch.uint8 or torch.float8_e8m0fnu.
         w2: uint8 [E, K, N/2]; w2_scale: e8m0 [E, K, N/32].
@@ -591,23 +598,21 @@ def prepare_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, *, activation: str =
 
     N is padded to a multiple of 64 (the kernels' tile) with zero rows and columns, which
     add exactly nothing (V4.1-Flash at TP 8: 288 -> 320, as vLLM's Humming path pads it).
-    "bf16": the NVFP4 layout of the same values (dsv4.mxfp4.mxfp4_to_nvfp4), prepared for
+    "bf16": the NVFP4 layout of the same values (dsv4.formats.mxfp4.mxfp4_to_nvfp4), prepared for
     the bf16 kernels. "fp8": the vLLM layout with every block fitted to the FP8 operand
-    rule (dsv4.mxfp4.fit_fp8_operand). Blocks too far below their matrix's (bf16) or
+    rule (dsv4.formats.mxfp4.fit_fp8_operand). Blocks too far below their matrix's (bf16) or
     their 128 elements' (fp8) largest block to be folded exactly are re-rounded, counted
     in ``report`` and warned about once (none in real checkpoints' nonzero blocks so far).
 
     Returns:
         :class:`MoeWeights` (format "mxfp4"). Scale bytes 255 (NaN) raise.
     """
-    from . import mxfp4
-
-    E, N, K = mxfp4.check_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale)
+    op = "prepare_mxfp4_moe_weights"
+    E, N, K = mxfp4.check_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, op=op)
     if activation not in _FORMAT_ACTIVATIONS["mxfp4"]:
-        raise ValueError(f'dsv4: activation must be "bf16" (W4A16) or "fp8" (W4A8) for MXFP4 weights, got '
-                         f'{activation!r}')
+        raise C.error(op, f'activation must be "bf16" (W4A16) or "fp8" (W4A8) for MXFP4 weights, got {activation!r}')
     if K % _TILE:
-        raise ValueError(f"dsv4: the hidden size K = {K} must be a multiple of {_TILE} (the MoE kernels' K tile)")
+        raise C.error(op, f"the hidden size K = {K} must be a multiple of {_TILE} (the MoE kernels' K tile)")
     p = mxfp4.pad_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, multiple=_TILE)
     Np = p["w2"].shape[2] * 2
     total = (2 * Np * K + K * Np) // mxfp4.MXFP4_BLOCK * E
@@ -643,49 +648,46 @@ def prepare_moe_weights(w13, w13_scale, w2, w2_scale, *, w13_scale_2=None, w2_sc
         :class:`MoeWeights`. See :func:`prepare_nvfp4_moe_weights` and
         :func:`prepare_mxfp4_moe_weights` for what each does.
     """
-    fmt = _detect_format(w13_scale, format)
+    op = "prepare_moe_weights"
+    fmt = _detect_format(op, w13_scale, format)
     if fmt == "nvfp4":
         if w13_scale_2 is None or w2_scale_2 is None:
-            raise ValueError("dsv4: NVFP4 weights need w13_scale_2 and w2_scale_2 (the global scales)")
+            raise C.error(op, "NVFP4 weights need w13_scale_2 and w2_scale_2 (the global scales)")
         activation = "bf16" if activation is None else activation
         if activation not in _FORMAT_ACTIVATIONS["nvfp4"]:
-            raise ValueError(f'dsv4: activation must be "bf16" (W4A16) or "nvfp4" (W4A4) for NVFP4 weights, got '
-                             f'{activation!r}')
+            raise C.error(op, f'activation must be "bf16" (W4A16) or "nvfp4" (W4A4) for NVFP4 weights, got '
+                              f'{activation!r}')
         w = prepare_nvfp4_moe_weights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
-        E, N, K = _check_prepared(w)
+        E, N, K = _check_prepared(op, w)
         return MoeWeights("nvfp4", activation, w, {"format": "nvfp4", "activation": activation, "E": E, "N": N,
                                                    "N_padded": N, "K": K, "inexact_blocks": 0})
     if w13_scale_2 is not None or w2_scale_2 is not None:
-        raise ValueError("dsv4: MXFP4 weights have no global scales: w13_scale_2 and w2_scale_2 must be None")
+        raise C.error(op, "MXFP4 weights have no global scales: w13_scale_2 and w2_scale_2 must be None")
     return prepare_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, activation="fp8" if activation is None
                                      else activation)
 
 
-def _check_mxfp4_call(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map, swiglu_limit,
-                      activation):
-    """Shape/dtype rules of dsv4::mxfp4_moe, for CPU and fake calls."""
-    from . import mxfp4
-
-    M, K, k = _check_tokens(x, topk_ids, topk_weights)
+def _check_mxfp4_moe(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map, swiglu_limit,
+                     activation, out) -> None:
+    """The rules of csrc/moe/mxfp4_moe.cu (less its kernels' K % 128), for the CPU and fake
+    kernels."""
+    op = "mxfp4_moe"
+    M, K, _ = _check_tokens(op, x, topk_ids, topk_weights)
     for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
-        if t.dtype != torch.uint8:
-            raise ValueError(f"dsv4: {name} must have dtype torch.uint8 (e8m0 bytes){_MX_HINT}, got {t.dtype}")
-    E, N, Kw = mxfp4.check_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale)
+        C.dtype(op, name, t, torch.uint8, note=f" (e8m0 bytes){_MX_HINT}")
+    _, N, Kw = mxfp4.check_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, op=op)
+    C.same_device(op, "w13", w13, "x", x)
     if Kw != K:
-        raise ValueError(f"dsv4: w13 has K = {Kw} but x has K = {K}")
+        raise C.error(op, f"w13 has K = {Kw} but x has K = {K}")
     if N % _TILE or K % _TILE:
-        raise ValueError(f"dsv4: the prepared MXFP4 weights must have N and K multiples of {_TILE}, got N = {N}, "
-                         f"K = {K}{_MX_HINT}")
+        raise C.error(op, f"the prepared MXFP4 weights must have N and K multiples of {_TILE}, got N = {N}, K = {K}"
+                          f"{_MX_HINT}")
     if activation != "fp8":
-        raise ValueError(f'dsv4: dsv4::mxfp4_moe runs activation "fp8" (W4A8), got "{activation}" (MXFP4 W4A16 runs '
-                         'on dsv4::nvfp4_moe: prepare with activation="bf16")')
-    if expert_map is not None:
-        if expert_map.dtype != torch.int32 or expert_map.dim() != 1 or expert_map.numel() == 0:
-            raise ValueError(f"dsv4: expert_map must be a non-empty 1-D torch.int32 tensor [E_global], got "
-                             f"{expert_map.dtype} {tuple(expert_map.shape)}")
+        raise C.error(op, f'dsv4::mxfp4_moe runs activation "fp8" (W4A8), got "{activation}" (MXFP4 W4A16 runs on '
+                          'dsv4::nvfp4_moe: prepare with activation="bf16")')
     if swiglu_limit is not None and not swiglu_limit > 0:
-        raise ValueError(f"dsv4: swiglu_limit must be positive, got {swiglu_limit}")
-    return M, K, N, E, k
+        raise C.error(op, f"swiglu_limit must be positive, got {swiglu_limit}")
+    _check_map_and_out(op, x, expert_map, out, M, K)
 
 
 _MX_HINT = " (pass the output of dsv4.prepare_moe_weights(..., activation='fp8'))"
@@ -693,19 +695,15 @@ _MX_HINT = " (pass the output of dsv4.prepare_moe_weights(..., activation='fp8')
 
 @torch.library.register_fake("dsv4::mxfp4_moe")
 def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map, swiglu_limit, activation, ue8m0, out):
-    M, K, _, _, _ = _check_mxfp4_call(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map,
-                                      swiglu_limit, activation)
-    _check_out(out, M, K)
+    _check_mxfp4_moe(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map, swiglu_limit, activation,
+                     out)
     return None
 
 
 @torch.library.impl("dsv4::mxfp4_moe", "CPU")
 def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map, swiglu_limit, activation, ue8m0, out):
-    from . import reference
-
-    M, K, _, _, _ = _check_mxfp4_call(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map,
-                                      swiglu_limit, activation)
-    _check_out(out, M, K)
+    _check_mxfp4_moe(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map, swiglu_limit, activation,
+                     out)
     y = reference.mxfp4_moe(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, swiglu_limit=swiglu_limit,
                             activation="fp8", ue8m0=ue8m0, expert_map=expert_map)
     out.copy_(y.to(torch.bfloat16))
@@ -741,15 +739,16 @@ def routed_moe(
     Returns:
         bf16 [M, K]: ``sum_j topk_weights[m, j] * expert_{topk_ids[m, j]}(x[m])``.
     """
+    op_name = "routed_moe"
     if not isinstance(weights, MoeWeights):
-        raise ValueError("dsv4: weights must be the MoeWeights that dsv4.prepare_moe_weights returns, got "
-                         f"{type(weights).__name__} (dsv4.nvfp4_moe takes Nvfp4MoeWeights)")
+        raise C.error(op_name, "weights must be the MoeWeights that dsv4.prepare_moe_weights returns, got "
+                               f"{type(weights).__name__} (dsv4.nvfp4_moe takes Nvfp4MoeWeights)")
     fmt, activation = weights.format, weights.activation
     if fmt not in _MOE_FORMATS or activation not in _FORMAT_ACTIVATIONS[fmt]:
-        raise ValueError(f"dsv4: weights prepared as format {fmt!r}, activation {activation!r}: not a supported pair")
+        raise C.error(op_name, f"weights prepared as format {fmt!r}, activation {activation!r}: not a supported pair")
     if activation != "nvfp4" and (a13_scale is not None or a2_scale is not None):
-        raise ValueError(f'dsv4: a13_scale / a2_scale are the NVFP4 activation scales of activation "nvfp4"; these '
-                         f'weights run "{activation}"')
+        raise C.error(op_name, f'a13_scale / a2_scale are the NVFP4 activation scales of activation "nvfp4"; these '
+                               f'weights run "{activation}"')
     if activation != "fp8":
         return nvfp4_moe(x, topk_ids, topk_weights, weights.tensors, swiglu_limit=swiglu_limit,
                          activation=activation, a13_scale=a13_scale, a2_scale=a2_scale, expert_map=expert_map,
@@ -764,7 +763,7 @@ def routed_moe(
     if out is None:
         out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     if check_ids and _may_sync(x):
-        _check_ids(topk_ids, expert_map, w.w13.shape[0])
+        _check_ids("mxfp4_moe", topk_ids, expert_map, w.w13.shape[0])
     limit = None if swiglu_limit is None else float(swiglu_limit)
     op("mxfp4_moe")(x, topk_ids.contiguous(), topk_weights.contiguous(), *w, expert_map, limit, "fp8", bool(ue8m0),
                     out)

@@ -4,8 +4,8 @@ Output layout (what the NVFP4 MoE kernels read): for x [M, K] bf16,
 ``codes`` uint8 [M, K/2], dense row-major, two e2m1 codes per byte with the even
 element in the low nibble; ``scales`` float8_e4m3fn [M, K/16], dense row-major,
 one scale per 16 consecutive elements of a row. Dequantized value =
-e2m1(code) * scale * global_scale. Rounding rule: dsv4.formats.quantize_nvfp4, the
-rule of Blackwell deployments (DESIGN section 2). The CPU kernel *is* that function
+e2m1(code) * scale * global_scale. Rounding rule: dsv4.reference.quantize_nvfp4, the
+rule of Blackwell deployments (docs/design.md section 2). The CPU kernel *is* that function
 (exact reciprocals, as vLLM's torch reference); the CUDA kernel runs Blackwell's
 instruction sequence (rcp.approx.ftz.f32, cvt.rn.satfinite.e4m3x2.f32, exact
 round-to-nearest-even onto the e2m1 grid of x * r): its scales equal the CPU
@@ -18,29 +18,26 @@ NaN inputs give unspecified codes and scales.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from . import formats
+from . import _checks as C
+from . import reference
 from ._ops import op
+
+_OP = "quantize_nvfp4"
 
 
 def _check(x: torch.Tensor, global_scale: torch.Tensor) -> None:
-    # Same rules and wording as csrc/quantize/quantize_nvfp4.cu, for CPU and fake calls.
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"dsv4: x must have dtype torch.bfloat16, got {x.dtype}")
-    if x.dim() != 2:
-        raise ValueError(f"dsv4: x must be 2-D [M, K], got shape {tuple(x.shape)}")
-    if global_scale.dtype != torch.float32:
-        raise ValueError(f"dsv4: global_scale must have dtype torch.float32, got {global_scale.dtype}")
+    # the rules of csrc/quantize/quantize_nvfp4.cu, for CPU and fake calls
+    C.dtype(_OP, "x", x, torch.bfloat16)
+    C.ndim(_OP, "x", x, 2, "[M, K]")
+    C.same_device(_OP, "global_scale", global_scale, "x", x)
+    C.dtype(_OP, "global_scale", global_scale, torch.float32)
     if global_scale.numel() != 1:
-        raise ValueError(f"dsv4: global_scale must hold exactly 1 element, got shape {tuple(global_scale.shape)}")
-    if global_scale.device != x.device:
-        raise ValueError(f"dsv4: global_scale is on {global_scale.device} but x is on {x.device}; they must be on the same device")
+        raise C.error(_OP, f"global_scale must hold exactly 1 element, got shape {tuple(global_scale.shape)}")
     k = x.shape[1]
     if k <= 0 or k % 16:
-        raise ValueError(f"dsv4: x.shape[1] (K) must be a positive multiple of 16, got {k}")
+        raise C.error(_OP, f"x.shape[1] (K) must be a positive multiple of 16, got {k}")
 
 
 @torch.library.register_fake("dsv4::quantize_nvfp4")
@@ -53,7 +50,7 @@ def _(x, global_scale):
 @torch.library.impl("dsv4::quantize_nvfp4", "CPU")
 def _(x, global_scale):
     _check(x, global_scale)
-    return formats.quantize_nvfp4(x, global_scale)
+    return reference.quantize_nvfp4(x, global_scale)
 
 
 def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +70,6 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | float) -> tuple
     """
     if not isinstance(global_scale, torch.Tensor):
         g = float(global_scale)
-        if not (math.isfinite(g) and g > 0):
-            raise ValueError(f"dsv4: global_scale must be finite and > 0, got {g}")
+        C.finite_positive(_OP, "global_scale", g)
         global_scale = torch.tensor([g], dtype=torch.float32, device=x.device)
     return op("quantize_nvfp4")(x, global_scale)

@@ -17,8 +17,9 @@ it) and unless ``DSV4_MOE=0``:
   parameters, same checkpoint loading) with dsv4's kernel;
 * MXFP4 experts (DeepSeek's native V4-Flash / V4-Pro / V4.1-Flash checkpoints: no
   ``moe_quant_algo``) get :class:`DSV4Mxfp4FusedMoE`: vLLM's ``Mxfp4MoEMethod``
-  (same parameters, same checkpoint loading) with dsv4's kernel, while
-  :data:`CLAIM_MXFP4` is on; off, they stay on vLLM's kernels (one log line).
+  (same parameters, same checkpoint loading) with dsv4's kernel when
+  ``DSV4_MOE_MXFP4=1`` (:func:`mxfp4_claimed`); by default they stay on vLLM's
+  kernels (one log line).
 
 FP8 experts (``expert_dtype: "fp8"``) stay on vLLM's kernels (one log line).
 
@@ -90,10 +91,17 @@ logger = init_logger(__name__)
 # vLLM's own name for DeepSeek V4 / V4.1 checkpoints; the plugin keeps it.
 QUANT_NAME = "deepseek_v4_fp8"
 
-# Claim MXFP4 routed experts (DeepSeek's native checkpoints) for dsv4. The switch
-# for the GPU validation of dsv4's MXFP4 kernel on the H200: False leaves them to
-# vLLM's kernels with one log line (README "Left to vLLM").
-CLAIM_MXFP4 = True
+
+
+def mxfp4_claimed() -> bool:
+    """DSV4_MOE_MXFP4=1 claims MXFP4 routed experts (DeepSeek's native checkpoints) for
+    dsv4. Off by default: on the H200 dsv4's MXFP4 MoE measures slower than the Humming
+    W4A8 kernels vLLM runs for them (docs/perf.md, "Routed-expert MoE (MXFP4)"), so they
+    stay on vLLM's kernels with one log line (README "Left to vLLM")."""
+    raw = os.environ.get("DSV4_MOE_MXFP4", "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"dsv4: DSV4_MOE_MXFP4 must be 0 or 1 (or unset), got {raw!r}")
+    return raw == "1"
 
 # Activation modes per expert format (dsv4.moe's names), the default first.
 ACTIVATION_MODES = {"nvfp4": ("bf16", "nvfp4"), "mxfp4": ("fp8", "bf16")}
@@ -527,10 +535,11 @@ class DSV4DeepseekV4Config(DeepseekV4FP8Config):
             return None
         if self._is_nvfp4_expert_layer(prefix):
             return DSV4ModelOptNvFp4FusedMoE
-        if not CLAIM_MXFP4:
+        if not mxfp4_claimed():
             logger.info_once(
-                "dsv4 plugin: MXFP4 routed experts stay on vLLM's MoE kernels (dsv4's "
-                "MXFP4 MoE is not validated on GPU yet); attention runs dsv4"
+                "dsv4 plugin: MXFP4 routed experts stay on vLLM's MoE kernels (Humming "
+                "W4A8, faster than dsv4's MXFP4 MoE on H200, docs/perf.md; DSV4_MOE_MXFP4=1 "
+                "selects dsv4's); attention runs dsv4"
             )
             return None
         return DSV4Mxfp4FusedMoE

@@ -11,7 +11,7 @@ not flatter. Useful FLOPs = 2 * H * (512 + 512) per valid key per token. Bytes =
 1024). Ceilings measured in the same run: bf16 torch.matmul 8192^3 and a device copy
 (read + write bytes).
 
-dsv4.fmha rows (issue 7): 4 sequences x 4096 queries over [1024 compressed | 4096 window]
+dsv4.dense_fmha rows (issue 7): 4 sequences x 4096 queries over [1024 compressed | 4096 window]
 rows, causal, window 128, ratio 4; D=512 H=128 MQA (sparse prefill kernel) and the dense
 kernel at D=128 (32/8 heads) and D=256 (16/2 heads). Useful FLOPs = 4 * D * Hq per
 visible key per query.
@@ -32,7 +32,7 @@ import torch
 
 from dsv4 import formats
 from dsv4.attention import sparse_mqa_decode, sparse_mqa_prefill
-from dsv4.fmha import fmha, visible_rows
+from dsv4.fmha import dense_fmha, dense_fmha_kernel, visible_rows
 from dsv4.bench.timing import bf16_gemm_tflops, copy_bandwidth_tbps
 from dsv4.bench.timing import time_us as _time_us
 
@@ -117,7 +117,7 @@ def bench_prefill(ts, iters, n_rows=1 << 16, topk=1152, h=128, n_inputs=2):
 
 
 def bench_fmha(iters, dims=(512, 128, 256), seqs=4, seqlen=4096, n_comp=1024, ratio=4, window=128):
-    """dsv4.fmha over [n_comp compressed | seqlen window] rows per sequence, causal: D=512
+    """dsv4.dense_fmha over [n_comp compressed | seqlen window] rows per sequence, causal: D=512
     H=128 MQA (the issue-7 acceptance shape, through the sparse prefill kernel) and two
     dense-kernel shapes (GQA). Timed as the whole op (index construction included)."""
     rows = []
@@ -139,14 +139,14 @@ def bench_fmha(iters, dims=(512, 128, 256), seqs=4, seqlen=4096, n_comp=1024, ra
         out = torch.empty_like(q)
 
         def run(_):
-            fmha(q, kv, cu_q, cu_kv, nc, max_seqlen_kv=rows_per, window=window, causal=True, ratio=ratio,
-                 attn_sink=sink, softmax_scale=d**-0.5, out=out, max_seqlen_q=seqlen)
+            dense_fmha(q, kv, cu_q, cu_kv, nc, max_seqlen_kv=rows_per, window=window, causal=True, ratio=ratio,
+                       attn_sink=sink, softmax_scale=d**-0.5, out=out, max_seqlen_q=seqlen)
 
         t = time_us(run, n_inputs=1, iters=iters) * 1e-6
         flops = 4.0 * d * hq * keys
         nbytes = 2 * q.numel() * 2 + t_ * hq * 4 + k.numel() * 2 * (1 if d == 512 else 2)
-        kernel = "sparse prefill" if d == 512 else "dense"
-        rows.append(dict(name=f"fmha D={d} H={hq}/{hkv} {seqs}x{seqlen} c={n_comp} ({kernel})", us=t * 1e6,
+        kernel = dense_fmha_kernel(q, *((kv, kv) if d == 512 else kv))
+        rows.append(dict(name=f"dense_fmha D={d} H={hq}/{hkv} {seqs}x{seqlen} c={n_comp} ({kernel})", us=t * 1e6,
                          tflops=flops / t / 1e12, gb=nbytes / 1e9, tbs=nbytes / t / 1e12))
         del q, k, kv, out
     return rows
@@ -165,8 +165,8 @@ def main():
     ap.add_argument("--prefill-rows", type=int, default=1 << 16,
                     help="rows of the prefill kv (64 MB at the default: more than L2 holds)")
     ap.add_argument("--skip-fmha", action="store_true")
-    ap.add_argument("--only-fmha", action="store_true", help="just the dsv4.fmha rows")
-    ap.add_argument("--fmha-dims", type=str, default="512,128,256", help="head dims of the dsv4.fmha rows")
+    ap.add_argument("--only-fmha", action="store_true", help="just the dsv4.dense_fmha rows")
+    ap.add_argument("--fmha-dims", type=str, default="512,128,256", help="head dims of the dsv4.dense_fmha rows")
     ap.add_argument("--eager", action="store_true",
                     help="time eager calls (includes host/dispatcher overhead) instead of CUDA-graph replays")
     ap.add_argument("--vs", choices=["vllm"], default=None,

@@ -46,7 +46,8 @@ import tempfile
 
 import torch
 
-from dsv4 import formats, mxfp4, nvfp4_moe, prepare_moe_weights, prepare_nvfp4_moe_weights, routed_moe
+from dsv4 import formats, nvfp4_moe, prepare_moe_weights, prepare_nvfp4_moe_weights, routed_moe
+from dsv4.formats import mxfp4
 from dsv4.bench import inputs as I
 from dsv4.bench.timing import bf16_gemm_tflops, copy_bandwidth_tbps, time_us
 from dsv4.latency import moe_bf16_baseline

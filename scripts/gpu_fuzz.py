@@ -21,7 +21,7 @@ Each configuration is drawn from the seed (so a failure reproduces with its numb
   (W4A4, where one e2m1 code flip at a rounding tie moves a token by a few %);
 * quantize (quantize_nvfp4): shapes [M, K] with K a multiple of 16 (M 0-300), row strides
   padded, outliers, all-zero blocks, global scales over 2^-12..2^12, against
-  dsv4.formats.quantize_nvfp4 byte for byte.
+  dsv4.reference.quantize_nvfp4 byte for byte.
 
 Prints per op: configurations tried, mismatches (goal 0) and the first ``--show`` of them.
 """
@@ -200,7 +200,7 @@ def _quantize_case(i: int, rng: random.Random) -> str | None:
     x = base.to(torch.bfloat16)[:, :K]  # row stride K + pad
     gs = torch.tensor([2.0 ** rng.uniform(-12, 12)], device=DEV)
     codes, scales = quantize_nvfp4(x, gs)
-    rc, rs = formats.quantize_nvfp4(x.cpu(), gs.cpu())
+    rc, rs = reference.quantize_nvfp4(x.cpu(), gs.cpu())
     if DEV == "cuda":
         torch.cuda.synchronize()
     nc = int((codes.cpu() != rc).sum())

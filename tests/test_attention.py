@@ -17,6 +17,7 @@ import torch
 import dsv4
 import dsv4._ops
 from dsv4 import formats, reference
+from dsv4.formats import kv_cache
 from dsv4.attention import sparse_mqa_decode, sparse_mqa_prefill
 
 HAS_GPU = torch.cuda.is_available() and dsv4._ops.HAS_CUDA_EXTENSION
@@ -201,7 +202,7 @@ def poison_slots(cache, kind, slots, value):
     if kind == "bf16":
         c3[blk, off] = value
         return
-    data, scales = formats._fp8_ds_mla_regions(c3)
+    data, scales = kv_cache._fp8_ds_mla_regions(c3)
     code = 0x7F if math.isnan(value) else (0x7E if value > 0 else 0xFE)
     data[blk, off, :448] = code
     data[blk, off, 448:] = torch.full((64,), value, dtype=torch.bfloat16).view(torch.uint8).to(cache.device)
@@ -593,7 +594,7 @@ def test_decode_fp8_dequant_exact():
     scl[0], scl[1] = exps[:7], exps[1:]
     rope = torch.randn(n, 64, generator=g).bfloat16().view(torch.uint8).reshape(n, 128)
     cache = formats.new_fp8_ds_mla_cache(nb, bs, device=dev)
-    data_view, scale_view = formats._fp8_ds_mla_regions(cache)
+    data_view, scale_view = kv_cache._fp8_ds_mla_regions(cache)
     data_view.copy_(torch.cat([data, rope], 1).reshape(nb, bs, 576).to(dev))
     scale_view[..., :7] = scl.reshape(nb, bs, 7).to(dev)
     deq = formats.dequantize_fp8_ds_mla_cache(cache)

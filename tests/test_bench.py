@@ -15,7 +15,8 @@ import zipfile
 import pytest
 import torch
 
-from dsv4 import formats, mxfp4
+from dsv4 import formats
+from dsv4.formats import mxfp4
 from dsv4.bench import anchors as A
 from dsv4.bench import compare
 from dsv4.bench import inputs as I

@@ -1,4 +1,4 @@
-"""dsv4.fmha: dense masked attention over [compressed | window] KV.
+"""dsv4.dense_fmha: dense masked attention over [compressed | window] KV.
 
 The CUDA path is visible_rows() + the sparse MQA prefill kernel. On the CPU the same
 composition runs through the sparse op's CPU kernel (the float32 sparse reference), so
@@ -11,7 +11,8 @@ import torch
 
 from dsv4 import reference
 from dsv4.attention import sparse_mqa_prefill
-from dsv4.fmha import fmha, index_width, visible_rows
+from dsv4.fmha import dense_fmha, dense_fmha_kernel, index_width, visible_rows
+from dsv4.reference.fmha import _visible_mask
 
 # (q lengths, kv lengths, n_comp, window, causal, ratio, start positions)
 CASES = [
@@ -95,7 +96,7 @@ def test_cpu_path_is_the_reference_for_any_shape():
     k = torch.randn(25, 2, 64, generator=gen)
     v = torch.randn(25, 2, 32, generator=gen)
     out = torch.full((7, 8, 32), float("nan"))
-    got, lse = fmha(q, (k, v), cu_q, cu_kv, nc, max_seqlen_kv=15, window=4, ratio=4, out=out)
+    got, lse = dense_fmha(q, (k, v), cu_q, cu_kv, nc, max_seqlen_kv=15, window=4, ratio=4, out=out)
     ref, ref_lse = reference.dense_fmha(q, k, v, cu_q, cu_kv, nc, window=4, causal=True, ratio=4,
                                         scale=64**-0.5)
     assert got is out
@@ -107,7 +108,7 @@ def test_cpu_path_is_the_reference_for_any_shape():
 def test_max_seqlen_kv_must_be_a_host_int(bad):
     q, kv, cu_q, cu_kv, nc, *_ = _inputs(CASES[1])
     with pytest.raises(ValueError, match="max_seqlen_kv must be a non-negative int"):
-        fmha(q, kv, cu_q, cu_kv, nc, max_seqlen_kv=bad)
+        dense_fmha(q, kv, cu_q, cu_kv, nc, max_seqlen_kv=bad)
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -120,7 +121,7 @@ def test_max_seqlen_kv_must_be_a_host_int(bad):
 def test_bad_host_arguments(kw, match):
     q, kv, cu_q, cu_kv, nc, *_ = _inputs(CASES[1])
     with pytest.raises(ValueError, match=match):
-        fmha(q, kv, cu_q, cu_kv, nc, max_seqlen_kv=20, **kw)
+        dense_fmha(q, kv, cu_q, cu_kv, nc, max_seqlen_kv=20, **kw)
 
 
 def test_visible_rows_compiles():
@@ -139,13 +140,13 @@ POISONS = [float("nan"), float("inf"), float("-inf")]
 
 
 def _visibility(cu_q, cu_kv, nc, window, causal, ratio, start):
-    """[Tq, Nkv] bool: kv row j is visible to query row t (reference._visible_mask per sequence)."""
+    """[Tq, Nkv] bool: kv row j is visible to query row t (_visible_mask per sequence)."""
     vis = torch.zeros(int(cu_q[-1]), int(cu_kv[-1]), dtype=torch.bool)
     for s in range(nc.shape[0]):
         q0, q1, k0, k1 = int(cu_q[s]), int(cu_q[s + 1]), int(cu_kv[s]), int(cu_kv[s + 1])
         if q1 > q0:
             st = int(start[s]) if start is not None else 0
-            vis[q0:q1, k0:k1] = reference._visible_mask(q1 - q0, int(nc[s]), k1 - k0 - int(nc[s]), st, window,
+            vis[q0:q1, k0:k1] = _visible_mask(q1 - q0, int(nc[s]), k1 - k0 - int(nc[s]), st, window,
                                                         causal, ratio, torch.device("cpu"))
     return vis
 
@@ -179,8 +180,8 @@ def test_cpu_rows_a_query_does_not_see_never_reach_it(d, hq, hkv, value):
     kw = dict(max_seqlen_kv=200, window=window, causal=causal, ratio=ratio, seq_start_pos=start, attn_sink=sink)
     kv_clean = k if d == 512 else (k, v)
     kv_bad = _poisoned(k, rows, value) if d == 512 else (_poisoned(k, rows, value), _poisoned(v, rows, value))
-    clean_o, clean_l = fmha(q, kv_clean, cu_q, cu_kv, nc, **kw)
-    o, lse = fmha(q, kv_bad, cu_q, cu_kv, nc, **kw)
+    clean_o, clean_l = dense_fmha(q, kv_clean, cu_q, cu_kv, nc, **kw)
+    o, lse = dense_fmha(q, kv_bad, cu_q, cu_kv, nc, **kw)
     assert torch.isfinite(clean_o.float()).all()
     assert torch.equal(o[early].view(torch.int16), clean_o[early].view(torch.int16))
     assert torch.equal(lse[early], clean_l[early])
@@ -190,11 +191,61 @@ def test_cpu_rows_a_query_does_not_see_never_reach_it(d, hq, hkv, value):
 @pytest.mark.parametrize("bad", [0.0, -0.125, float("nan"), float("inf")])
 def test_softmax_scale_must_be_finite_and_positive(bad):
     q, kv, cu_q, cu_kv, nc, *_ = _inputs(CASES[1])
-    with pytest.raises(ValueError, match=r"^dsv4: softmax_scale must be finite and > 0"):
-        fmha(q, kv, cu_q, cu_kv, nc, max_seqlen_kv=20, softmax_scale=bad)
-    with pytest.raises(ValueError, match=r"^dsv4: softmax_scale must be finite and > 0"):  # the op's CPU kernel
+    with pytest.raises(ValueError, match=r"^dsv4: dense_fmha: softmax_scale must be finite and > 0"):
+        dense_fmha(q, kv, cu_q, cu_kv, nc, max_seqlen_kv=20, softmax_scale=bad)
+    with pytest.raises(ValueError, match=r"^dsv4: dense_fmha: softmax_scale must be finite and > 0"):  # the CPU kernel
         torch.ops.dsv4.dense_fmha(q, kv, kv, cu_q.int(), cu_kv.int(), nc, None, None, bad, 4, True, 1, 7, 20, 0,
                                   torch.empty_like(q))
+
+
+def _set(**kw):
+    def f(a):
+        a.update({k: v(a) if callable(v) else v for k, v in kw.items()})
+    return f
+
+
+# the CPU kernel's rules (the C++ entry's wording where it has the same rule)
+CPU_BAD = [
+    (_set(q=lambda a: a["q"][:, :3]), r"q heads \(3\) must be a multiple of k/v heads \(2\)"),
+    (_set(q=lambda a: a["q"].int()), r"q must be a float32/float16/bfloat16/float64 tensor, got torch.int32"),
+    (_set(v=lambda a: a["v"][:-1]), r"v must have shape \[9, 2, Dv\] like k"),
+    (_set(k=lambda a: a["k"][..., :32]), r"k must have head_dim 64 like q"),
+    (_set(k=lambda a: a["k"][0]), r"k must be 3-D \[rows, heads, head_dim\]"),
+    (_set(cu_q=torch.tensor([0, 3, 4])), r"cu_seqlens_q must start at 0 and end at 5, got \[0, 3, 4\]"),
+    (_set(cu_kv=torch.tensor([0, 4])), r"cu_seqlens_kv must have shape \[3\], got \[2\]"),
+    (_set(cu_kv=torch.tensor([0, 10, 9])), r"cu_seqlens_kv must be non-decreasing"),
+    (_set(nc=torch.tensor([5, 0])), r"n_comp\[0\] = 5 must lie in \[0, kv length 4\]"),
+    (_set(nc=torch.tensor([1.0, 0.0])), r"n_comp must be an integer tensor, got torch.float32"),
+    (_set(kw=dict(ratio=0)), r"ratio must be >= 1, got 0"),
+    (_set(kw=dict(seq_start_pos=torch.tensor([0]))), r"seq_start_pos must have shape \[2\]"),
+    (_set(kw=dict(attn_sink=torch.zeros(2))), r"attn_sink must have shape \[4\]"),
+    (_set(kw=dict(attn_sink=torch.zeros(4).double())), r"attn_sink must have dtype torch.float32"),
+    (_set(kw=dict(out=torch.empty(5, 4, 32))), r"out must have shape \[5, 4, 64\]"),
+]
+
+
+@pytest.mark.parametrize("mutate, match", CPU_BAD)
+def test_cpu_bad_inputs(mutate, match):
+    gen = torch.Generator().manual_seed(300)
+    a = dict(q=torch.randn(5, 4, 64, generator=gen), k=torch.randn(9, 2, 64, generator=gen),
+             v=torch.randn(9, 2, 64, generator=gen), cu_q=torch.tensor([0, 3, 5]), cu_kv=torch.tensor([0, 4, 9]),
+             nc=torch.tensor([1, 0]), kw={})
+    # the valid baseline
+    dense_fmha(a["q"], (a["k"], a["v"]), a["cu_q"], a["cu_kv"], a["nc"], max_seqlen_kv=5, window=2)
+    mutate(a)
+    with pytest.raises(ValueError, match=r"^dsv4: dense_fmha: " + match):
+        dense_fmha(a["q"], (a["k"], a["v"]), a["cu_q"], a["cu_kv"], a["nc"], max_seqlen_kv=5, window=2, **a["kw"])
+
+
+def test_dense_fmha_kernel_names_the_cuda_kernel():
+    q64, k64 = torch.empty(3, 8, 64), torch.empty(5, 2, 64)
+    assert dense_fmha_kernel(q64, k64, k64) == "dense_fmha"
+    assert dense_fmha_kernel(q64, k64, torch.empty(5, 2, 32)) is None  # Dv != D: CPU only
+    q512, kv = torch.empty(3, 64, 512), torch.empty(5, 1, 512)
+    assert dense_fmha_kernel(q512, kv, kv) == "sparse_mqa_prefill"
+    assert dense_fmha_kernel(q512, kv, kv.clone()) is None  # K = V must be the one tensor
+    assert dense_fmha_kernel(torch.empty(3, 32, 512), kv, kv) is None  # 32 heads
+    assert dense_fmha_kernel(q512, torch.empty(5, 2, 512), torch.empty(5, 2, 512)) is None  # two KV heads
 
 
 @pytest.mark.parametrize("tq, hq", [(0, 64), (0, 8), (5, 0)])
@@ -203,8 +254,8 @@ def test_cpu_empty(tq, hq):
     cu_q = torch.tensor([0, tq], dtype=torch.int32)
     cu_kv = torch.tensor([0, 10], dtype=torch.int32)
     kv = torch.randn(10, max(1, hq // 8), d).bfloat16()
-    out, lse = fmha(torch.randn(tq, hq, d).bfloat16(), kv, cu_q, cu_kv, torch.tensor([2], dtype=torch.int32),
-                    max_seqlen_kv=10, window=4, ratio=2)
+    out, lse = dense_fmha(torch.randn(tq, hq, d).bfloat16(), kv, cu_q, cu_kv, torch.tensor([2], dtype=torch.int32),
+                          max_seqlen_kv=10, window=4, ratio=2)
     assert out.shape == (tq, hq, d) and lse.shape == (tq, hq)
 
 
@@ -224,8 +275,8 @@ def test_gpu_vs_reference(case, heads):
     dev = [t.cuda() if t is not None else None for t in (q, kv, cu_q, cu_kv, nc, start, sink)]
     qd, kvd, cqd, ckd, ncd, sd, sinkd = dev
     out = torch.full_like(qd, float("nan"))
-    got, lse = fmha(qd, kvd, cqd, ckd, ncd, max_seqlen_kv=int((cu_kv[1:] - cu_kv[:-1]).max()), window=window,
-                    causal=causal, ratio=ratio, seq_start_pos=sd, attn_sink=sinkd, out=out)
+    got, lse = dense_fmha(qd, kvd, cqd, ckd, ncd, max_seqlen_kv=int((cu_kv[1:] - cu_kv[:-1]).max()), window=window,
+                          causal=causal, ratio=ratio, seq_start_pos=sd, attn_sink=sinkd, out=out)
     assert not torch.isnan(got).any()
     assert bool((got[:, -1].float() == 0).all())  # sink = +inf
     err = (got.float().cpu() - ref_out).norm() / ref_out.norm().clamp(min=1e-30)
@@ -238,11 +289,11 @@ def test_gpu_unsupported_shape_is_a_clear_error():
     cu, ckv, nc = (torch.tensor(v, device="cuda") for v in ([0, 4], [0, 10], [2]))
     kv = torch.randn(10, 1, 96, device="cuda").bfloat16()
     with pytest.raises(ValueError, match="head dims 64/128/256"):
-        fmha(torch.randn(4, 8, 96, device="cuda").bfloat16(), kv, cu, ckv, nc, max_seqlen_kv=10)
+        dense_fmha(torch.randn(4, 8, 96, device="cuda").bfloat16(), kv, cu, ckv, nc, max_seqlen_kv=10)
     # D = 512 through the sparse kernel needs one shared K = V head
     kv2 = torch.randn(10, 2, 512, device="cuda").bfloat16()
     with pytest.raises(ValueError, match="head dim 512"):
-        fmha(torch.randn(4, 64, 512, device="cuda").bfloat16(), kv2, cu, ckv, nc, max_seqlen_kv=10)
+        dense_fmha(torch.randn(4, 64, 512, device="cuda").bfloat16(), kv2, cu, ckv, nc, max_seqlen_kv=10)
 
 
 # dense kernel (head dims 64-256): ragged batches, GQA, long sequences (many KV and query
@@ -279,9 +330,9 @@ def test_gpu_dense_vs_reference(case, d, hq, hkv):
     qd, kd, vd, cqd, ckd, ncd, sd, sinkd = dev
     out = torch.full_like(qd, float("nan"))  # poisoned: every row must be written
     max_q = int((cu_q[1:] - cu_q[:-1]).max()) if case % 3 else None  # exact bound, or the default (Tq)
-    got, lse = fmha(qd, (kd, vd), cqd, ckd, ncd, max_seqlen_kv=max(1, int((cu_kv[1:] - cu_kv[:-1]).max())),
-                    window=window, causal=causal, ratio=ratio, seq_start_pos=sd, attn_sink=sinkd,
-                    softmax_scale=0.3 / d**0.5, out=out, max_seqlen_q=max_q)
+    got, lse = dense_fmha(qd, (kd, vd), cqd, ckd, ncd, max_seqlen_kv=max(1, int((cu_kv[1:] - cu_kv[:-1]).max())),
+                          window=window, causal=causal, ratio=ratio, seq_start_pos=sd, attn_sink=sinkd,
+                          softmax_scale=0.3 / d**0.5, out=out, max_seqlen_q=max_q)
     assert got is out and not torch.isnan(got).any()
     if q.shape[0]:
         err = (got.float().cpu() - ref_out).norm() / ref_out.norm().clamp(min=1e-30)
@@ -303,15 +354,16 @@ def test_gpu_dense_bad_inputs():
     q, k, v, cu_q, cu_kv, nc, *_ = _dense_inputs(CASES[0], 64, 6, 4, 3, True)
     q, k, v, cu_q, cu_kv, nc = (t.cuda() for t in (q, k, v, cu_q, cu_kv, nc))
     with pytest.raises(RuntimeError, match="multiple of k/v heads"):
-        fmha(q, (k, v), cu_q, cu_kv, nc, max_seqlen_kv=40)
+        dense_fmha(q, (k, v), cu_q, cu_kv, nc, max_seqlen_kv=40)
     with pytest.raises(RuntimeError, match="must have dtype"):
-        fmha(q[:, :4].float(), (k[:, :2].float(), v[:, :2].float()), cu_q, cu_kv, nc, max_seqlen_kv=40)
+        dense_fmha(q[:, :4].float(), (k[:, :2].float(), v[:, :2].float()), cu_q, cu_kv, nc, max_seqlen_kv=40)
     with pytest.raises(RuntimeError, match="n_comp must have shape"):
-        fmha(q[:, :4], (k[:, :2], v[:, :2]), cu_q, cu_kv, nc[:2], max_seqlen_kv=40)
+        dense_fmha(q[:, :4], (k[:, :2], v[:, :2]), cu_q, cu_kv, nc[:2], max_seqlen_kv=40)
     with pytest.raises(RuntimeError, match="ratio must be >= 1"):
-        fmha(q[:, :4], (k[:, :2], v[:, :2]), cu_q, cu_kv, nc, max_seqlen_kv=40, ratio=0)
+        dense_fmha(q[:, :4], (k[:, :2], v[:, :2]), cu_q, cu_kv, nc, max_seqlen_kv=40, ratio=0)
     with pytest.raises(RuntimeError, match="attn_sink must have shape"):
-        fmha(q[:, :4], (k[:, :2], v[:, :2]), cu_q, cu_kv, nc, max_seqlen_kv=40, attn_sink=torch.zeros(3, device="cuda"))
+        dense_fmha(q[:, :4], (k[:, :2], v[:, :2]), cu_q, cu_kv, nc, max_seqlen_kv=40,
+                   attn_sink=torch.zeros(3, device="cuda"))
 
 
 @pytest.mark.gpu
@@ -320,13 +372,13 @@ def test_gpu_cuda_graph_replay():
     q, kv, cu_q, cu_kv, nc, sink = (t.cuda() for t in (q, kv, cu_q, cu_kv, nc, sink))
     kw = dict(max_seqlen_kv=40, window=window, causal=causal, ratio=ratio, attn_sink=sink)
     out = torch.empty_like(q)
-    fmha(q, kv, cu_q, cu_kv, nc, out=out, **kw)
+    dense_fmha(q, kv, cu_q, cu_kv, nc, out=out, **kw)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fmha(q, kv, cu_q, cu_kv, nc, out=out, **kw)
+        dense_fmha(q, kv, cu_q, cu_kv, nc, out=out, **kw)
     q.copy_(torch.randn_like(q.float()).bfloat16())
     graph.replay()
-    eager, _ = fmha(q, kv, cu_q, cu_kv, nc, **kw)
+    eager, _ = dense_fmha(q, kv, cu_q, cu_kv, nc, **kw)
     assert torch.equal(out, eager)
 
 
@@ -337,13 +389,13 @@ def test_gpu_dense_cuda_graph_replay():
     kw = dict(max_seqlen_kv=1000, window=window, causal=causal, ratio=ratio, seq_start_pos=start, attn_sink=sink,
               max_seqlen_q=300)
     out = torch.empty_like(q)
-    fmha(q, (k, v), cu_q, cu_kv, nc, out=out, **kw)
+    dense_fmha(q, (k, v), cu_q, cu_kv, nc, out=out, **kw)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fmha(q, (k, v), cu_q, cu_kv, nc, out=out, **kw)
+        dense_fmha(q, (k, v), cu_q, cu_kv, nc, out=out, **kw)
     q.copy_(torch.randn_like(q.float()).bfloat16())
     graph.replay()
-    eager, _ = fmha(q, (k, v), cu_q, cu_kv, nc, **kw)
+    eager, _ = dense_fmha(q, (k, v), cu_q, cu_kv, nc, **kw)
     assert torch.equal(out, eager)
 
 
@@ -359,8 +411,8 @@ def test_gpu_dense_split_kv(splits, d):
                                             seq_start_pos=start, sink=sink, scale=d**-0.5)
     qd, kd, vd, cqd, ckd, ncd, sd, sinkd = (t.cuda() for t in (q, k, v, cu_q, cu_kv, nc, start, sink))
     out = torch.full_like(qd, float("nan"))
-    got, lse = fmha(qd, (kd, vd), cqd, ckd, ncd, max_seqlen_kv=2000, window=window, causal=causal, ratio=ratio,
-                    seq_start_pos=sd, attn_sink=sinkd, out=out, max_seqlen_q=3, num_splits=splits)
+    got, lse = dense_fmha(qd, (kd, vd), cqd, ckd, ncd, max_seqlen_kv=2000, window=window, causal=causal, ratio=ratio,
+                          seq_start_pos=sd, attn_sink=sinkd, out=out, max_seqlen_q=3, num_splits=splits)
     assert not torch.isnan(got).any()
     err = (got.float().cpu() - ref_out).norm() / ref_out.norm()
     assert err <= 3e-3, err
@@ -385,7 +437,7 @@ def test_gpu_rows_a_query_does_not_see_never_reach_it(poison_smem, heads, value)
         out = torch.full_like(qd, float("nan"))
         kvd = kv.cuda()
         poison_smem(smem)
-        runs.append(fmha(qd, kvd, cqd, ckd, ncd, out=out, **kw))
+        runs.append(dense_fmha(qd, kvd, cqd, ckd, ncd, out=out, **kw))
     (clean_o, clean_l), (o, lse) = runs
     ref_out, ref_lse = reference.dense_fmha(q, k, k, cu_q, cu_kv, nc, window=window, causal=causal, ratio=ratio,
                                             seq_start_pos=start, sink=sink, scale=512**-0.5)
@@ -403,7 +455,7 @@ def test_gpu_dense_rows_no_query_sees_are_never_read(poison_smem, d, splits, val
     """Dense kernel: rows that no query of their sequence sees (all rows of a sequence without
     queries) hold NaN / inf in k and v, and so does shared memory: bitwise the clean run. (Rows
     that another query of the same 64-query tile sees do reach a query as 0 * value: see the
-    dsv4.fmha docstring.)"""
+    dsv4.fmha module docstring.)"""
     q, k, v, cu_q, cu_kv, nc, window, causal, ratio, start, sink = _dense_inputs(SKIP_CASE, d, 8, 2, 92 + d, True)
     rows = ~_visibility(cu_q, cu_kv, nc, window, causal, ratio, start).any(0)
     assert rows.any()
@@ -415,7 +467,7 @@ def test_gpu_dense_rows_no_query_sees_are_never_read(poison_smem, d, splits, val
         out = torch.full_like(qd, float("nan"))
         kd, vd = kk.cuda(), vv.cuda()
         poison_smem(smem)
-        runs.append(fmha(qd, (kd, vd), cqd, ckd, ncd, out=out, **kw))
+        runs.append(dense_fmha(qd, (kd, vd), cqd, ckd, ncd, out=out, **kw))
     (clean_o, clean_l), (o, lse) = runs
     ref_out, _ = reference.dense_fmha(q, k, v, cu_q, cu_kv, nc, window=window, causal=causal, ratio=ratio,
                                       seq_start_pos=start, sink=sink, scale=d**-0.5)
@@ -431,8 +483,8 @@ def test_gpu_empty_and_bad_scale():
         cu_q = torch.tensor([0, tq], dtype=torch.int32, device="cuda")
         cu_kv = torch.tensor([0, 10], dtype=torch.int32, device="cuda")
         kv = torch.randn(10, 1, d, device="cuda").bfloat16()
-        out, lse = fmha(torch.randn(tq, hq, d, device="cuda").bfloat16(), kv, cu_q, cu_kv,
-                        torch.tensor([2], dtype=torch.int32, device="cuda"), max_seqlen_kv=10, window=4, ratio=2)
+        out, lse = dense_fmha(torch.randn(tq, hq, d, device="cuda").bfloat16(), kv, cu_q, cu_kv,
+                              torch.tensor([2], dtype=torch.int32, device="cuda"), max_seqlen_kv=10, window=4, ratio=2)
         assert out.shape == (tq, hq, d) and lse.shape == (tq, hq)
     torch.cuda.synchronize()
     q, k, v, cu_q, cu_kv, nc, *_ = _dense_inputs(CASES[0], 64, 4, 2, 3, True)

@@ -217,7 +217,8 @@ def _routing_with_local_routes(m, M, seed):
 
 @pytest.mark.parametrize("M", [1, 64])
 def test_moe_matches_the_float32_w4a8_reference_humming_w4a8(humming, vllm_c, M):
-    from dsv4 import mxfp4, reference
+    from dsv4 import reference
+    from dsv4.formats import mxfp4
     from dsv4.bench.incumbents import HummingW4A8
 
     m = I.MOE_MODELS["flash"]  # V4-Flash: K 4096, N 2048, 32 of 256 experts local (EP8 rank 0)

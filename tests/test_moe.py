@@ -415,18 +415,18 @@ def _ref_gemm1(x, ids, w, emap, limit, activation, a13):
         xe = x.float()[rows // k]
         if activation == "nvfp4":
             g = a13[e:e + 1]
-            xe = formats.dequantize_nvfp4(*formats.quantize_nvfp4(xe, g), g)
+            xe = formats.dequantize_nvfp4(*reference.quantize_nvfp4(xe, g), g)
         w13 = formats.dequantize_experts(w["w13"][e:e + 1], w["w13_scale"][e:e + 1], w["w13_scale_2"][e:e + 1])[0]
         h[rows] = reference.swiglu(xe @ w13[:N].T, xe @ w13[N:].T, limit)
     return h, flat
 
 
 def _explained_code_differences(codes, x, g) -> int:
-    """NVFP4 codes from the GPU (packed) vs dsv4.formats.quantize_nvfp4 of x (exact
+    """NVFP4 codes from the GPU (packed) vs dsv4.reference.quantize_nvfp4 of x (exact
     reciprocals): equal, except codes that the kernels' rcp.approx explains
-    (formats._nvfp4_rcp_approx_codes); returns how many differ."""
+    (reference.nvfp4_rcp_approx_codes); returns how many differ."""
     got = formats.unpack_fp4(codes)
-    cand = formats._nvfp4_rcp_approx_codes(x, g)
+    cand = reference.nvfp4_rcp_approx_codes(x, g)
     differ = got != cand[..., 4]
     unexplained = differ & ~(got.unsqueeze(-1) == cand).any(-1)
     assert not unexplained.any(), (f"{int(unexplained.sum())} NVFP4 codes differ from dsv4.formats beyond "
@@ -455,7 +455,7 @@ def _gemm1_debug(x, topk_ids, weights: Nvfp4MoeWeights, *, swiglu_limit=None, ac
 @pytest.mark.parametrize("M", [3, 300, 2048])
 def test_gpu_gemm1_epilogue(activation, M):
     """GEMM1 alone vs the fp32 reference; in nvfp4 mode the epilogue's NVFP4 output
-    matches dsv4.formats.quantize_nvfp4 of the same (fp32) GEMM1 output: scales bit
+    matches dsv4.reference.quantize_nvfp4 of the same (fp32) GEMM1 output: scales bit
     for bit, codes too except where rcp.approx rounding moves a tie (counted)."""
     w, p = _gpu_model(FLASH)
     x, ids, _, emap = _case(FLASH, M, "uniform", True, seed=M)
@@ -471,7 +471,7 @@ def test_gpu_gemm1_epilogue(activation, M):
             if e < 0:
                 continue
             rows = (flat == e).nonzero().squeeze(1)
-            _, scales = formats.quantize_nvfp4(h[rows], a2[e:e + 1])
+            _, scales = reference.quantize_nvfp4(h[rows], a2[e:e + 1])
             assert torch.equal(hs.view(torch.uint8)[rows], scales.view(torch.uint8))
             explained += _explained_code_differences(hq[rows], h[rows], a2[e:e + 1])
         print(f"GEMM1 epilogue M={M}: {explained} of {hq.numel() * 2} codes differ from dsv4.formats, each at a tie "
@@ -499,7 +499,7 @@ def _near_ties(M, K, g, gen):
     x = torch.randn(M, K, generator=gen) * torch.exp(torch.randn(M, K // 16, generator=gen) * 1.5).repeat_interleave(16, 1)
     x[:, :16] *= 3.0 / x[:, :16].abs().amax(1, keepdim=True)
     x = x.to(torch.bfloat16)
-    _, scales = formats.quantize_nvfp4(x, g)
+    _, scales = reference.quantize_nvfp4(x, g)
     d = (scales.float() * g).repeat_interleave(16, 1)
     ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])[torch.randint(0, 7, (M, K), generator=gen)]
     near = (ties * d).to(torch.bfloat16).view(torch.int16)
@@ -532,13 +532,13 @@ def test_gpu_gemm1_input_quantizer(M, g):
     a = torch.tensor([g], device="cuda")
     h, _, _, local = _gemm1_debug(x.cuda(), ids, p, activation="nvfp4", a13_scale=a, a2_scale=a)
     assert bool(local.all())
-    packed, scales = formats.quantize_nvfp4(x, g)
+    packed, scales = reference.quantize_nvfp4(x, g)
     step = scales.float().repeat_interleave(16, 1) * g  # value of one e2m1 unit per element
     xq = formats.dequantize_nvfp4(packed, scales, g)
     gate = xq[:, :1].double()
     up = h.cpu().double() / (gate * torch.sigmoid(gate))
     table = torch.tensor(formats.E2M1_VALUES, dtype=torch.float64)
-    values = table[formats._nvfp4_rcp_approx_codes(x, g).long()] * step.double().unsqueeze(-1)
+    values = table[reference.nvfp4_rcp_approx_codes(x, g).long()] * step.double().unsqueeze(-1)
     close = (up.unsqueeze(-1) - values).abs() <= 2e-3 * step.double().unsqueeze(-1)
     assert bool(close.any(-1).all()), f"GEMM1 input: {int((~close.any(-1)).sum())} elements match no allowed value"
     moved = int((~close[..., 4]).sum())

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import dsv4
-from dsv4 import formats
+from dsv4 import formats, reference
 
 
 def _activations(m, k, gen, device="cpu", outliers=True):
@@ -30,7 +30,7 @@ def test_cpu_kernel_is_the_reference():
     gen = torch.Generator().manual_seed(1)
     x = _activations(37, 96, gen)
     codes, scales = dsv4.quantize_nvfp4(x, _gscale(0.01))
-    ref_codes, ref_scales = formats.quantize_nvfp4(x, 0.01)
+    ref_codes, ref_scales = reference.quantize_nvfp4(x, 0.01)
     assert codes.shape == (37, 48) and codes.dtype == torch.uint8
     assert scales.shape == (37, 6) and scales.dtype == torch.float8_e4m3fn
     assert torch.equal(codes, ref_codes)
@@ -76,7 +76,7 @@ def test_torch_compile_fullgraph_cpu():
         return codes, scales.float() * 2
 
     codes, s2 = f(x, g)
-    ref_codes, ref_scales = formats.quantize_nvfp4(x, g)
+    ref_codes, ref_scales = reference.quantize_nvfp4(x, g)
     assert torch.equal(codes, ref_codes) and torch.equal(s2, ref_scales.float() * 2)
 
 
@@ -86,7 +86,7 @@ _BOUNDARIES = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 def _divisors(x, g):
     """Per block (of x [n, 16]): the reference's d = s * (1 / G), G = 1 / g."""
     one = torch.tensor(1.0)
-    _, scales = formats.quantize_nvfp4(x, g)
+    _, scales = reference.quantize_nvfp4(x, g)
     return scales.float() * (one / (one / torch.tensor(g, dtype=torch.float32)))
 
 
@@ -172,10 +172,10 @@ def test_threshold_rule_matches_the_product_cpu(g):
 
 def _check_codes(codes, x, g, what):
     """GPU codes (packed) vs dsv4.formats (exact reciprocals): equal, except codes
-    that rcp.approx rounding explains (formats._nvfp4_rcp_approx_codes: x * r within
+    that rcp.approx rounding explains (reference.nvfp4_rcp_approx_codes: x * r within
     a float32 ulp or so of a tie). Prints and returns how many were explained."""
     got = formats.unpack_fp4(codes.cpu())
-    cand = formats._nvfp4_rcp_approx_codes(x, g)
+    cand = reference.nvfp4_rcp_approx_codes(x, g)
     differ = got != cand[..., 4]
     unexplained = differ & ~(got.unsqueeze(-1) == cand).any(-1)
     where = unexplained.nonzero()[:3].tolist()
@@ -200,7 +200,7 @@ def test_gpu_vs_reference(m, k, g, poison_allocator):
     x = _activations(m, k, gen)
     poison_allocator(m * k)
     codes, scales = dsv4.quantize_nvfp4(x.cuda(), _gscale(g, "cuda"))
-    _, ref_scales = formats.quantize_nvfp4(x, g)
+    _, ref_scales = reference.quantize_nvfp4(x, g)
     assert torch.equal(scales.cpu().view(torch.uint8), ref_scales.view(torch.uint8)), "scales differ"
     _check_codes(codes, x, g, f"quantize_nvfp4 {m}x{k} g={g}")
 
@@ -213,7 +213,7 @@ def test_gpu_saturating_and_subnormal_scales():
     x = (torch.randn(64, 16, generator=gen) * mags[:, None]).to(torch.bfloat16)
     for g in (1.0, 1e-3, 2.0**-10):
         codes, scales = dsv4.quantize_nvfp4(x.cuda(), g)
-        _, ref_scales = formats.quantize_nvfp4(x, g)
+        _, ref_scales = reference.quantize_nvfp4(x, g)
         assert torch.equal(scales.cpu().view(torch.uint8), ref_scales.view(torch.uint8))
         _check_codes(codes, x, g, f"saturating/subnormal scales g={g}")
 
@@ -228,7 +228,7 @@ def test_gpu_rounding_boundaries(g):
     g = float(torch.tensor(g, dtype=torch.float32))
     x = _hard_blocks(g, torch.Generator().manual_seed(12))
     codes, scales = dsv4.quantize_nvfp4(x.cuda(), g)
-    _, ref_scales = formats.quantize_nvfp4(x, g)
+    _, ref_scales = reference.quantize_nvfp4(x, g)
     assert torch.equal(scales.cpu().view(torch.uint8), ref_scales.view(torch.uint8))
     _check_codes(codes, x, g, f"rounding boundaries g={g}")
 
@@ -251,7 +251,7 @@ def test_gpu_row_strided_input(m, k, pad):
     big = _activations(m, k + pad, gen).cuda()
     x = big[:, pad:]  # row stride k + pad (a multiple of 8), 16-byte aligned start
     codes, scales = dsv4.quantize_nvfp4(x, 0.05)
-    _, ref_scales = formats.quantize_nvfp4(x.cpu().contiguous(), 0.05)
+    _, ref_scales = reference.quantize_nvfp4(x.cpu().contiguous(), 0.05)
     assert torch.equal(scales.cpu().view(torch.uint8), ref_scales.view(torch.uint8))
     _check_codes(codes, x.cpu().contiguous(), 0.05, f"row-strided {m}x{k}")
 

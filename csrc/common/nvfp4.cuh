@@ -7,7 +7,7 @@
 //   code = RN-even onto the e2m1 grid of x * r, saturating at 6
 // with rcp = rcp.approx.ftz.f32. sm_90 has no cvt to e2m1, so the last step is done
 // in software, exactly (nvfp4_encode8, or per-block thresholds in nvfp4_thresholds).
-// dsv4.formats.quantize_nvfp4 is the same rule with exact IEEE reciprocals; the codes
+// dsv4.reference.quantize_nvfp4 is the same rule with exact IEEE reciprocals; the codes
 // can differ from it only where x * r lies within a few ulps of a rounding tie
 // (rcp.approx is within 1 ulp; tests/test_quantize.py counts those cases). No
 // fast-math anywhere: every product below is a plain RN float32 multiply.

@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(kRouteThreads) moe_place_kernel(const MoeParam
 
 // Padded rows of GEMM1's B operand: the token's x (bf16 mode) or its NVFP4
 // quantization with the expert's a13 scale expanded to bf16 code * block scale
-// (nvfp4 mode; the Blackwell rule of common/nvfp4.cuh, dsv4.formats.quantize_nvfp4
+// (nvfp4 mode; the Blackwell rule of common/nvfp4.cuh, dsv4.reference.quantize_nvfp4
 // with rcp.approx); zeros for padding.
 // Row-major, or tiled (act_offset) for the prefill kernel (ws).
 // Two adjacent lanes share a 16-element block. blockDim.x is a multiple of 32.

@@ -9,7 +9,7 @@
 //     q = e4m3_rn_satfinite(x / s)                         (w4a8_quant_x_kernel)
 //   weights: code * 2^(e - 127) = (code * 2^(e - b)) * 2^b, e4m3 * fp32, exactly, with
 //     one base b = gmax - 6 per row and per 128 of K (gmax: the largest scale byte of the
-//     4 blocks; prepare (dsv4.mxfp4.fit_fp8_operand) makes every block fit, e - b >= -8,
+//     4 blocks; prepare (dsv4.formats.mxfp4.fit_fp8_operand) makes every block fit, e - b >= -8,
 //     and sets the bytes of all-zero blocks to 0 so that they never raise gmax).
 //   accumulate each 128-wide K chunk in fp32 on the tensor cores, then
 //     acc += partial * (2^b[row] * s_x[token])                 (the promotion)

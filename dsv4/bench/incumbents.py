@@ -311,7 +311,7 @@ class HummingW4A8(_HummingMoe):
     Parameters
     ----------
     w : dict
-        vLLM's stacked MXFP4 layout of the local experts (``dsv4.mxfp4``): ``w13`` uint8
+        vLLM's stacked MXFP4 layout of the local experts (``dsv4.formats.mxfp4``): ``w13`` uint8
         [E, 2N, K/2], ``w13_scale`` e8m0 [E, 2N, K/32], ``w2`` uint8 [E, K, N/2],
         ``w2_scale`` e8m0 [E, K, N/32] (uint8 or float8_e8m0fnu). Converted once here.
     E_global : int
@@ -335,7 +335,7 @@ class HummingW4A8(_HummingMoe):
         from humming.config import InputQuantizationMode
         from humming.schema import BaseWeightSchema, HummingInputSchema
 
-        from .. import mxfp4
+        from ..formats import mxfp4
 
         p = mxfp4.pad_mxfp4_moe_weights(w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], multiple=64)
         E, two_n, half_k = p["w13"].shape

@@ -22,7 +22,7 @@ Prefill attention: q ``[T, H, 512]`` over vLLM's gathered bf16 workspace rows
 V4-Flash; vLLM's ``combined_topk``), int32 lengths.
 
 MoE: ModelOpt NVFP4 experts or DeepSeek V4's native MXFP4 experts, each in vLLM's stacked
-layout (``dsv4.formats``, ``dsv4.mxfp4``), random top-6 routing over the global experts and
+layout (``dsv4.formats``, ``dsv4.formats.mxfp4``), random top-6 routing over the global experts and
 the expert map of EP rank 0.
 """
 
@@ -35,7 +35,8 @@ import argparse
 
 import torch
 
-from .. import formats, mxfp4
+from .. import formats
+from ..formats import mxfp4
 
 __all__ = ["AttnModel", "ATTN_MODELS", "MoeModel", "MOE_MODELS", "SWA_BLOCK", "C4A_BLOCK", "C128A_BLOCK",
            "WINDOW", "c128a_width", "DecodePools", "decode_case", "prefill_case", "random_nvfp4_experts",
@@ -205,7 +206,7 @@ def random_nvfp4_experts(E: int, N: int, K: int, device, gen: torch.Generator) -
 
 def random_mxfp4_experts(E: int, N: int, K: int, device, gen: torch.Generator) -> dict:
     """Random MXFP4 experts in vLLM 0.33.0's DeepSeek V4 layout (``Mxfp4MoEMethod``'s
-    stacked parameters, ``dsv4.mxfp4``: ``w13`` uint8 [E, 2N, K/2] gate rows then up rows,
+    stacked parameters, ``dsv4.formats.mxfp4``: ``w13`` uint8 [E, 2N, K/2] gate rows then up rows,
     ``w13_scale`` uint8 e8m0 [E, 2N, K/32], ``w2`` uint8 [E, K, N/2], ``w2_scale`` uint8
     [E, K, N/32]), drawn directly as codes and e8m0 bytes in [118, 122] (values O(0.02);
     quantizing float weights would take longer than a sweep). Every block then lies

@@ -31,6 +31,10 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 # The tests read local configs only; offline, a missing file fails at once
 # instead of after the Hub client's retries.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The MXFP4 expert tests run dsv4's MXFP4 path, which is opt-in (dsv4_plugin.moe.
+# mxfp4_claimed); set here so spawned EP workers inherit it. The default (off) is
+# tested in test_rough_edges.py.
+os.environ["DSV4_MOE_MXFP4"] = "1"
 
 from dsv4_plugin._version import SUPPORTED_VLLM, version_problem  # noqa: E402
 

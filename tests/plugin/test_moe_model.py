@@ -43,8 +43,8 @@ def test_nvfp4_moe_layers_end_to_end(plugin, tmp_path):
 
 def _mxfp4_w4a8_quantizers_fp32():
     """GEMM1 / GEMM2 input quantize-dequantize of vLLM's W4A8 MXFP4 MoE on Hopper with
-    plain fp32 GEMM1 scales (dsv4.mxfp4; test_mxfp4_plugin.py has vLLM's own)."""
-    from dsv4 import mxfp4
+    plain fp32 GEMM1 scales (dsv4.reference; test_mxfp4_plugin.py has vLLM's own)."""
+    from dsv4 import reference as mxfp4
 
     return (lambda t: mxfp4.dequantize_fp8_groups(*mxfp4.quantize_fp8_gemm1(t, ue8m0=False)),
             lambda t: mxfp4.dequantize_fp8_groups(*mxfp4.quantize_fp8_gemm2(t)))

@@ -1,5 +1,5 @@
-"""dsv4.mxfp4 against vLLM 0.33.0's (and Humming's) own torch implementations, where
-they have them: the per-128 FP8 activation quantizer of GEMM1 (QuantFP8's native path,
+"""dsv4.formats.mxfp4 and dsv4.reference.mxfp4 against vLLM 0.33.0's (and Humming's) own
+torch implementations, where they have them: the per-128 FP8 activation quantizer of GEMM1 (QuantFP8's native path,
 the same math as the per_token_group_quant_fp8 CUDA kernel vLLM runs on an H200 apart
 from the floor of tiny groups), Humming's reference of its input quantization (GEMM2's
 input), vLLM's e8m0 upcast and fp4 nibble decoder, and the intermediate-size padding
@@ -8,7 +8,8 @@ of vLLM's Humming MXFP4 path."""
 import pytest
 import torch
 
-from dsv4 import mxfp4
+from dsv4 import reference
+from dsv4.formats import mxfp4
 
 
 def _acts(M, K, seed, scale=3.0):
@@ -32,7 +33,7 @@ def test_gemm1_quantizer_matches_vllm_quantfp8_native(ue8m0, K):
     # QuantFP8's native path floors the scale at 1 / (448 * 512) instead of flooring amax
     # at 1e-10; every group here has amax >> 1 / 512, where the two agree.
     vq, vs = quant.forward_native(x)
-    q, s = mxfp4.quantize_fp8_gemm1(x, ue8m0=ue8m0)
+    q, s = reference.quantize_fp8_gemm1(x, ue8m0=ue8m0)
     assert torch.equal(s, vs.float())
     assert torch.equal(q.view(torch.uint8), vq.view(torch.uint8))
 
@@ -49,7 +50,7 @@ def test_gemm2_quantizer_matches_humming_reference(K):
     a[2, :128] = 0  # an all-zero group: scale floored at 1e-30, codes 0
     hq, hs, _ = quant_input_ref(a, InputQuantizationMode.DynamicGroup, dtypes.float8e4m3, quant_group_size=128,
                                 group_scale_dtype=dtypes.float32)
-    q, s = mxfp4.quantize_fp8_gemm2(a)
+    q, s = reference.quantize_fp8_gemm2(a)
     assert torch.equal(s, hs.float().reshape(s.shape))
     assert torch.equal(q.view(torch.uint8), hq.view(torch.uint8).reshape(q.shape))
 

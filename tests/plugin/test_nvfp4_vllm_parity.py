@@ -15,7 +15,7 @@ import pytest
 import torch
 from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import ref_nvfp4_quant
 
-from dsv4 import formats
+from dsv4 import formats, reference
 
 _TIES = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 
@@ -46,7 +46,7 @@ def _compare(x, g):
     g = torch.tensor([g], dtype=torch.float32)
     G = 1.0 / g  # what vLLM passes to its quantizers
     v_values, v_scales = ref_nvfp4_quant(x, G, 16)
-    packed, scales = formats.quantize_nvfp4(x, g)
+    packed, scales = reference.quantize_nvfp4(x, g)
     table = torch.tensor(formats.E2M1_VALUES)
     d_values = table[formats.unpack_fp4(packed).long()]
     assert torch.equal(scales.float(), v_scales), "block scales differ from vLLM's ref_nvfp4_quant"

@@ -253,11 +253,11 @@ def _variant(tmp_path, example, edit):
     return str(d)
 
 
-@pytest.mark.parametrize("claim", [True, False])
+@pytest.mark.parametrize("claim", [True, False, None])
 @pytest.mark.parametrize("example", [V4_EXAMPLE, V41_EXAMPLE])
 def test_mxfp4_experts_claim_switch(plugin, tmp_path, monkeypatch, example, claim):
-    """MXFP4 (native V4-Flash / V4.1-Flash) experts: dsv4's MXFP4 method while
-    moe.CLAIM_MXFP4 is on; off, vLLM's method with one log line (dsv4 attention)."""
+    """MXFP4 (native V4-Flash / V4.1-Flash) experts: dsv4's MXFP4 method under
+    DSV4_MOE_MXFP4=1; by default (and =0), vLLM's method with one log line (dsv4 attention)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.fused_moe import RoutedExperts
 
@@ -268,17 +268,23 @@ def test_mxfp4_experts_claim_switch(plugin, tmp_path, monkeypatch, example, clai
     lines = []
     monkeypatch.setattr(moe, "logger", types.SimpleNamespace(
         info_once=lambda msg, *a: lines.append(msg % a)))
-    monkeypatch.setattr(moe, "CLAIM_MXFP4", claim)
+    if claim is None:
+        monkeypatch.delenv("DSV4_MOE_MXFP4", raising=False)
+    else:
+        monkeypatch.setenv("DSV4_MOE_MXFP4", "1" if claim else "0")
     layer = RoutedExperts.__new__(RoutedExperts)
     with set_current_vllm_config(cfg):
         for i in range(3):
             got = cfg.quant_config._dsv4_method_for(layer, f"model.layers.{i}.ffn.experts")
             assert got is (moe.DSV4Mxfp4FusedMoE if claim else None)
+    monkeypatch.setenv("DSV4_MOE_MXFP4", "yes")
+    with set_current_vllm_config(cfg), pytest.raises(ValueError, match="dsv4: DSV4_MOE_MXFP4 must be 0 or 1"):
+        cfg.quant_config._dsv4_method_for(layer, "model.layers.0.ffn.experts")
     if claim:
         assert not lines
     else:
         assert lines and all("MXFP4 routed experts stay on vLLM's MoE kernels" in ln for ln in lines)
-        assert "not validated on GPU" in lines[0]
+        assert "Humming W4A8, faster than dsv4's" in lines[0] and "DSV4_MOE_MXFP4=1" in lines[0]
 
 
 def test_fp8_experts_are_left_to_vllm_with_one_log_line(plugin, tmp_path, monkeypatch):

@@ -1,12 +1,10 @@
-"""MXFP4 routed-expert weights (DeepSeek V4 / V4.1 native checkpoints) and the FP8
-activation quantizers of the W4A8 MoE, as plain float32 torch code (CPU or GPU).
-
-This is the ground truth the MXFP4 MoE kernels are tested against (DESIGN.md section 2);
-the arithmetic order is spelled out and must not be "simplified".
+"""MXFP4 routed-expert weights (DeepSeek V4 / V4.1 native checkpoints): the e8m0 block
+format, vLLM's stacked MoE layout and the conversions to the MoE kernels' operands, as
+plain torch code (CPU or GPU).
 
 MXFP4 weights
 -------------
-* e2m1 codes as NVFP4 (``dsv4.formats``): 4 bits, bit 3 = sign, two per uint8 byte along
+* e2m1 codes as NVFP4 (``dsv4.formats.nvfp4``): 4 bits, bit 3 = sign, two per uint8 byte along
   K, the LOW nibble holding the even element (the OCP MX convention; vLLM's loaders copy
   the checkpoint bytes unchanged, and torch's ``float4_e2m1fn_x2`` reads them the same way).
 * One e8m0 scale byte ``e`` per 32 consecutive elements along K: the block's values are
@@ -30,24 +28,10 @@ MXFP4 weights
 Every element value is exact in bf16 (e2m1 has 2 significant bits) and exact in FP8 e4m3
 relative to a base carried in fp32 when the block exponent fits e4m3's range: see
 :func:`mxfp4_to_nvfp4` (the W4A16 kernels' operand) and :func:`fit_fp8_operand` (the
-W4A8 rule).
+W4A8 rule), the conversions the MoE prepare step runs.
 
-FP8 activations (W4A8), per token and per group of 128 along K
--------------------------------------------------------------
-* GEMM1's input, as vLLM 0.33.0 quantizes it on an H200 (``fused_moe/utils.py``
-  ``_fp8_quantize`` -> ``fp8_utils.per_token_group_quant_fp8``, group 128, eps 1e-10, its
-  CUDA kernel): ``s = max(amax, 1e-10) / 448``; with UE8M0 scales (vLLM's default on Hopper,
-  ``VLLM_USE_DEEP_GEMM_E8M0=1``, and DeepSeek's reference) ``s = 2^ceil(log2 s)``;
-  ``q = e4m3_rne(clamp(x / s, -448, 448))``. See :func:`quantize_fp8_gemm1`.
-* GEMM2's input, the clamped SwiGLU output in fp32 (not rounded to bf16), as Humming's
-  input processing quantizes it (``process_input/quantization.cuh`` ``quant_group``,
-  Float32 group scales, IEEE arithmetic): ``s = max(amax / 448, 1e-30)``,
-  ``q = cvt.rn.satfinite.e4m3(a * (1 / s))``. See :func:`quantize_fp8_gemm2`.
-* A last group shorter than 128 (GEMM2's K = N = 288 of V4.1-Flash at TP 8) is a group of
-  its own, as if zero-padded to 128 (vLLM and Humming pad N with zeros).
-
-Divisions are always between two tensors on the same device (``tensor / python_scalar``
-on CUDA multiplies by a rounded reciprocal).
+Divisions are always between two tensors on the same device (on CUDA, ``tensor /
+python_scalar`` is computed as ``tensor * (1 / scalar)``, not the correctly rounded quotient).
 """
 
 from __future__ import annotations
@@ -56,75 +40,48 @@ from typing import Optional
 
 import torch
 
-from . import formats
+from .. import _checks as C
+from ._float import ceil_log2, pow2
+from .nvfp4 import E2M1_MAX, e2m1_to_float, pack_fp4, round_to_e2m1, unpack_fp4
 
-__all__ = [
-    "MXFP4_BLOCK",
-    "FP8_GROUP",
-    "e8m0_to_float",
-    "quantize_mxfp4",
-    "dequantize_mxfp4",
-    "dequantize_mxfp4_experts",
-    "check_mxfp4_moe_weights",
-    "pad_mxfp4_moe_weights",
-    "random_mxfp4_moe_weights",
-    "quantize_fp8_gemm1",
-    "quantize_fp8_gemm2",
-    "dequantize_fp8_groups",
-    "mxfp4_to_nvfp4",
-    "fit_fp8_operand",
-]
 
 MXFP4_BLOCK = 32
 FP8_GROUP = 128
 E8M0_BIAS = 127
 E8M0_NAN = 255
-E4M3_MAX = 448.0
-GEMM1_EPS = 1e-10  # vLLM per_token_group_quant_fp8's eps (floor of the group amax)
-GEMM2_SCALE_FLOOR = 1e-30  # Humming quant_group's floor of the raw scale
+
 
 # e4m3 holds the powers of two 2^-9 (its smallest subnormal) .. 2^8 exactly.
 _E4M3_POW2_MIN, _E4M3_POW2_MAX = -9, 8
+
+
 # An e2m1 value (0.5 .. 6, one significant bit after the leading one) times 2^d is an
 # e4m3 value for every code iff -8 <= d <= 6: 0.5 * 2^-8 = 2^-9 is the smallest
 # subnormal, 6 * 2^6 = 384 <= 448 < 6 * 2^7.
 FP8_OPERAND_SHIFT_MIN, FP8_OPERAND_SHIFT_MAX = -8, 6
 
 
-# --------------------------------------------------------------------------------------
-# scales and blocks
-# --------------------------------------------------------------------------------------
-
-
-def e8m0_bytes(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
+def e8m0_bytes(scale: torch.Tensor, name: str = "scale", op: str = "e8m0_bytes") -> torch.Tensor:
     """The uint8 view of an e8m0 scale tensor (uint8 or float8_e8m0fnu)."""
-    if not isinstance(scale, torch.Tensor):
-        raise ValueError(f"dsv4: {name} must be a torch.Tensor of e8m0 bytes, got {type(scale).__name__}")
+    C.tensor(op, name, scale)
     if scale.dtype == torch.uint8:
         return scale
     if scale.dtype == torch.float8_e8m0fnu:
         return scale.view(torch.uint8)
-    raise ValueError(f"dsv4: {name} must hold MXFP4 e8m0 scales as torch.uint8 (vLLM's parameter dtype) or "
-                     f"torch.float8_e8m0fnu (the checkpoint's), got {scale.dtype}")
+    raise C.error(op, f"{name} must hold MXFP4 e8m0 scales as torch.uint8 (vLLM's parameter dtype) or "
+                      f"torch.float8_e8m0fnu (the checkpoint's), got {scale.dtype}")
 
 
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     """e8m0 bytes -> float32 ``2^(e - 127)``, exact (byte 0: 2^-127; byte 255: NaN)."""
-    e = e8m0_bytes(scale).to(torch.int32)
-    v = formats._pow2(e - E8M0_BIAS)
+    e = e8m0_bytes(scale, op="e8m0_to_float").to(torch.int32)
+    v = pow2(e - E8M0_BIAS)
     return torch.where(e == E8M0_NAN, torch.full_like(v, float("nan")), v)
 
 
-def _exp_ceil_log2(v: torch.Tensor) -> torch.Tensor:
-    """int32 ``ceil(log2(v))`` for finite v > 0, exact (frexp: v = m * 2^x, m in [0.5, 1))."""
-    m, x = torch.frexp(v)
-    return torch.where(m == 0.5, x - 1, x).to(torch.int32)
-
-
-def _check_last_dim(t: torch.Tensor, name: str, multiple: int) -> None:
+def _check_last_dim(op: str, t: torch.Tensor, name: str, multiple: int) -> None:
     if t.dim() == 0 or t.shape[-1] % multiple:
-        raise ValueError(f"dsv4: {name} must have a last dim that is a multiple of {multiple}, got shape "
-                         f"{tuple(t.shape)}")
+        raise C.error(op, f"{name} must have a last dim that is a multiple of {multiple}, got shape {tuple(t.shape)}")
 
 
 def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,30 +98,27 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns:
         ``(packed uint8 [..., K/2], scales uint8 [..., K/32])``.
     """
-    formats._require_float_tensor(x, "x")
-    _check_last_dim(x, "x", MXFP4_BLOCK)
+    C.floating("quantize_mxfp4", "x", x)
+    _check_last_dim("quantize_mxfp4", x, "x", MXFP4_BLOCK)
     K = x.shape[-1]
     xb = x.float().reshape(*x.shape[:-1], K // MXFP4_BLOCK, MXFP4_BLOCK)
     amax = xb.abs().amax(dim=-1, keepdim=True)
-    six = torch.tensor(formats.E2M1_MAX, dtype=torch.float32, device=x.device)
+    six = torch.tensor(E2M1_MAX, dtype=torch.float32, device=x.device)
     ratio = amax / six
-    e = torch.where(amax > 0, _exp_ceil_log2(torch.where(amax > 0, ratio, torch.ones_like(ratio))),
+    e = torch.where(amax > 0, ceil_log2(torch.where(amax > 0, ratio, torch.ones_like(ratio))),
                     torch.full_like(amax, -E8M0_BIAS, dtype=torch.int32))
     e = e.clamp(-E8M0_BIAS, 254 - E8M0_BIAS)
-    codes = formats.round_to_e2m1(xb * formats._pow2(-e)).reshape(x.shape)
-    return formats.pack_fp4(codes), (e + E8M0_BIAS).to(torch.uint8).squeeze(-1)
+    codes = round_to_e2m1(xb * pow2(-e)).reshape(x.shape)
+    return pack_fp4(codes), (e + E8M0_BIAS).to(torch.uint8).squeeze(-1)
 
 
-def _check_packed_scales(packed: torch.Tensor, scales: torch.Tensor, pname: str, sname: str) -> torch.Tensor:
-    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
-        got = packed.dtype if isinstance(packed, torch.Tensor) else type(packed).__name__
-        raise ValueError(f"dsv4: {pname} must be a torch.uint8 tensor of packed e2m1 codes, got {got}")
-    sb = e8m0_bytes(scales, sname)
-    _check_last_dim(packed, pname, MXFP4_BLOCK // 2)
-    expect = (*packed.shape[:-1], packed.shape[-1] * 2 // MXFP4_BLOCK)
-    if tuple(sb.shape) != expect:
-        raise ValueError(f"dsv4: {sname} must have shape {list(expect)} (one e8m0 byte per 32 elements of "
-                         f"{pname} {list(packed.shape)}), got {list(sb.shape)}")
+def _check_packed_scales(op: str, packed: torch.Tensor, scales: torch.Tensor, pname: str, sname: str) -> torch.Tensor:
+    """MXFP4 codes uint8 [..., K/2] with their e8m0 block scales [..., K/32]; the scales' bytes."""
+    C.dtype(op, pname, packed, torch.uint8, note=" (packed e2m1 codes)")
+    sb = e8m0_bytes(scales, sname, op)
+    _check_last_dim(op, packed, pname, MXFP4_BLOCK // 2)
+    C.shape(op, sname, sb, (*packed.shape[:-1], packed.shape[-1] * 2 // MXFP4_BLOCK),
+            f" (one e8m0 byte per 32 elements of {pname} {list(packed.shape)})")
     return sb
 
 
@@ -178,52 +132,47 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     Returns:
         ``dtype`` ``[..., K]``; NaN in blocks whose scale byte is 255.
     """
-    sb = _check_packed_scales(packed, scales, "packed", "scales")
-    codes = formats.unpack_fp4(packed)
+    sb = _check_packed_scales("dequantize_mxfp4", packed, scales, "packed", "scales")
+    codes = unpack_fp4(packed)
     K = codes.shape[-1]
-    vals = formats._e2m1_decode(codes).reshape(*codes.shape[:-1], K // MXFP4_BLOCK, MXFP4_BLOCK)
+    vals = e2m1_to_float(codes).reshape(*codes.shape[:-1], K // MXFP4_BLOCK, MXFP4_BLOCK)
     return (vals * e8m0_to_float(sb).unsqueeze(-1)).reshape(codes.shape).to(dtype)
 
 
 def dequantize_mxfp4_experts(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """Stacked MXFP4 expert weights (``[E, rows, Kd/2]``, ``[E, rows, Kd/32]``) -> float32
     ``[E, rows, Kd]``."""
-    if not isinstance(w, torch.Tensor) or w.dim() != 3:
-        raise ValueError(f"dsv4: w must be [E, rows, K/2], got {getattr(w, 'shape', type(w).__name__)}")
+    C.tensor("dequantize_mxfp4_experts", "w", w)
+    C.ndim("dequantize_mxfp4_experts", "w", w, 3, "[E, rows, K/2]")
     return dequantize_mxfp4(w, w_scale)
 
 
-# --------------------------------------------------------------------------------------
-# stacked MoE layout
-# --------------------------------------------------------------------------------------
-
-
-def check_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale) -> tuple[int, int, int]:
-    """Validates vLLM's stacked MXFP4 MoE tensors; returns (E, N, K).
+def check_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, *, op: str = "check_mxfp4_moe_weights"
+                            ) -> tuple[int, int, int]:
+    """Validates vLLM's stacked MXFP4 MoE tensors; returns (E, N, K). ``op``: the caller,
+    named in the errors.
 
     w13 uint8 [E, 2N, K/2], w13_scale e8m0 [E, 2N, K/32], w2 uint8 [E, K, N/2],
     w2_scale e8m0 [E, K, N/32]; K and N multiples of 32 (the MXFP4 block).
     """
     for name, t in (("w13", w13), ("w2", w2)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 3:
-            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"dsv4: {name} must be a 3-D torch.uint8 tensor of packed e2m1 codes (vLLM stacked "
-                             f"MXFP4 layout), got {got}")
-    s13, s2 = e8m0_bytes(w13_scale, "w13_scale"), e8m0_bytes(w2_scale, "w2_scale")
+        C.tensor(op, name, t)
+        if t.dtype != torch.uint8 or t.dim() != 3:
+            raise C.error(op, f"{name} must be a 3-D torch.uint8 tensor of packed e2m1 codes (vLLM stacked MXFP4 "
+                              f"layout), got {t.dtype} {tuple(t.shape)}")
+    s13, s2 = e8m0_bytes(w13_scale, "w13_scale", op), e8m0_bytes(w2_scale, "w2_scale", op)
     E, two_n, half_k = w13.shape
     N, K = two_n // 2, half_k * 2
     if two_n % 2 or K % MXFP4_BLOCK or N % MXFP4_BLOCK or N == 0 or K == 0:
-        raise ValueError(f"dsv4: w13 [E, 2N, K/2] needs the hidden size K and the intermediate size N to be "
-                         f"positive multiples of {MXFP4_BLOCK} (the MXFP4 block), got shape {tuple(w13.shape)} "
-                         f"(K = {K}, 2N = {two_n})")
-    expect = {"w13_scale": (s13, (E, 2 * N, K // 32)), "w2": (w2, (E, K, N // 2)), "w2_scale": (s2, (E, K, N // 32))}
-    for name, (t, shape) in expect.items():
-        if tuple(t.shape) != shape:
-            raise ValueError(f"dsv4: {name} must have shape {list(shape)} to match w13 {list(w13.shape)} "
-                             f"(E = {E}, N = {N}, K = {K}), got {list(t.shape)}")
+        raise C.error(op, f"w13 [E, 2N, K/2] needs the hidden size K and the intermediate size N to be positive "
+                          f"multiples of {MXFP4_BLOCK} (the MXFP4 block), got shape {tuple(w13.shape)} "
+                          f"(K = {K}, 2N = {two_n})")
+    note = f" to match w13 {list(w13.shape)} (E = {E}, N = {N}, K = {K})"
+    C.shape(op, "w13_scale", s13, (E, 2 * N, K // 32), note)
+    C.shape(op, "w2", w2, (E, K, N // 2), note)
+    C.shape(op, "w2_scale", s2, (E, K, N // 32), note)
     for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale), ("w2", w2)):
-        if t.device != w13.device:
-            raise ValueError(f"dsv4: {name} is on {t.device}, w13 on {w13.device}")
+        C.same_device(op, name, t, "w13", w13)
     return E, N, K
 
 
@@ -236,7 +185,7 @@ def pad_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, multiple: int = 64) -> d
     Returns a dict w13, w13_scale, w2, w2_scale (uint8; the inputs themselves when N is
     already a multiple).
     """
-    E, N, K = check_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale)
+    E, N, K = check_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, op="pad_mxfp4_moe_weights")
     s13, s2 = e8m0_bytes(w13_scale), e8m0_bytes(w2_scale)
     Np = -(-N // multiple) * multiple
     if Np == N:
@@ -271,11 +220,11 @@ def random_mxfp4_moe_weights(E: int, N: int, K: int, *, generator: Optional[torc
         dict ``w13`` uint8 [E, 2N, K/2], ``w13_scale`` uint8 [E, 2N, K/32], ``w2`` uint8
         [E, K, N/2], ``w2_scale`` uint8 [E, K, N/32].
     """
+    op = "random_mxfp4_moe_weights"
     for name, value in (("E", E), ("N", N), ("K", K)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"dsv4: {name} must be a positive int, got {value!r}")
+        C.host_int(op, name, value, lo=1)
         if name != "E" and value % MXFP4_BLOCK:
-            raise ValueError(f"dsv4: {name} must be a multiple of {MXFP4_BLOCK}, got {value}")
+            raise C.error(op, f"{name} must be a multiple of {MXFP4_BLOCK}, got {value}")
     gen_device = generator.device if generator is not None else torch.device("cpu")
     if not quantize:
         def codes(*shape):
@@ -297,119 +246,16 @@ def random_mxfp4_moe_weights(E: int, N: int, K: int, *, generator: Optional[torc
     return dict(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2)
 
 
-# --------------------------------------------------------------------------------------
-# FP8 activations (W4A8)
-# --------------------------------------------------------------------------------------
-
-
-def _groups(x: torch.Tensor, group: int) -> torch.Tensor:
-    """float32 [..., K] -> [..., ceil(K/group), group], the last group zero-padded."""
-    K = x.shape[-1]
-    G = -(-K // group)
-    xf = x.float()
-    if G * group != K:
-        xf = torch.nn.functional.pad(xf, (0, G * group - K))
-    return xf.reshape(*x.shape[:-1], G, group)
-
-
-def _to_e4m3_saturating(v: torch.Tensor) -> torch.Tensor:
-    """Round to nearest even e4m3, saturating at +-448 (``cvt.rn.satfinite``; clamping
-    first is the same: every value in (448, 464] rounds to 448 anyway)."""
-    return v.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-
-
-def _check_act(x: torch.Tensor, name: str, group: int) -> None:
-    formats._require_float_tensor(x, name)
-    if x.dim() == 0 or x.shape[-1] == 0:
-        raise ValueError(f"dsv4: {name} must have a non-empty last dim, got shape {tuple(x.shape)}")
-    if isinstance(group, bool) or not isinstance(group, int) or group <= 0:
-        raise ValueError(f"dsv4: group must be a positive int, got {group!r}")
-
-
-def quantize_fp8_gemm1(x: torch.Tensor, *, ue8m0: bool = True, group: int = FP8_GROUP):
-    """GEMM1's input, as vLLM's ``per_token_group_quant_fp8`` (CUDA kernel, eps 1e-10).
-
-    Per group of ``group`` along the last dim, in float32::
-
-        amax = max(max|x|, 1e-10)
-        s    = amax / 448                     # IEEE division
-        s    = 2^ceil(log2(s))                # ue8m0=True (vLLM's Hopper default)
-        q    = e4m3_rne(clamp(x / s, -448, 448))
-
-    The power of two is the exact ceil (vLLM's kernel takes ``exp2f(ceilf(log2f(s)))``,
-    which agrees except possibly when s is within an ulp of a power of two).
-
-    Args:
-        x: float ``[..., K]`` (bf16 activations; any float dtype).
-        ue8m0: round the scales up to powers of two (UE8M0) or keep them fp32.
-        group: elements per scale (128).
-
-    Returns:
-        ``(q float8_e4m3fn [..., K], s float32 [..., ceil(K / group)])``.
-    """
-    _check_act(x, "x", group)
-    xb = _groups(x, group)
-    amax = xb.abs().amax(dim=-1, keepdim=True).clamp(min=GEMM1_EPS)
-    s = amax / torch.tensor(E4M3_MAX, dtype=torch.float32, device=x.device)
-    if ue8m0:
-        s = formats._pow2(_exp_ceil_log2(s))
-    q = _to_e4m3_saturating(xb / s)
-    K = x.shape[-1]
-    return q.reshape(*x.shape[:-1], -1)[..., :K], s.squeeze(-1)
-
-
-def quantize_fp8_gemm2(a: torch.Tensor, *, group: int = FP8_GROUP):
-    """GEMM2's input (the fp32 clamped SwiGLU output), as Humming's ``quant_group``
-    (dynamic group scales in float32, IEEE arithmetic).
-
-    Per group, in float32::
-
-        amax = max|a|
-        s    = max(amax / 448, 1e-30)
-        r    = 1 / s                          # IEEE reciprocal
-        q    = cvt.rn.satfinite.e4m3(a * r)
-
-    Returns:
-        ``(q float8_e4m3fn [..., K], s float32 [..., ceil(K / group)])``.
-    """
-    _check_act(a, "a", group)
-    ab = _groups(a, group)
-    amax = ab.abs().amax(dim=-1, keepdim=True)
-    s = (amax / torch.tensor(E4M3_MAX, dtype=torch.float32, device=a.device)).clamp(min=GEMM2_SCALE_FLOOR)
-    r = torch.ones_like(s) / s
-    q = _to_e4m3_saturating(ab * r)
-    K = a.shape[-1]
-    return q.reshape(*a.shape[:-1], -1)[..., :K], s.squeeze(-1)
-
-
-def dequantize_fp8_groups(q: torch.Tensor, s: torch.Tensor, *, group: int = FP8_GROUP) -> torch.Tensor:
-    """``float(q) * s`` per group (float32 [..., K]); the inverse view of the quantizers above."""
-    if not isinstance(q, torch.Tensor) or q.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"dsv4: q must be a torch.float8_e4m3fn tensor, got {getattr(q, 'dtype', type(q))}")
-    K = q.shape[-1]
-    G = -(-K // group)
-    if not isinstance(s, torch.Tensor) or tuple(s.shape) != (*q.shape[:-1], G):
-        raise ValueError(f"dsv4: s must have shape {[*q.shape[:-1], G]} (one scale per {group} of q), got "
-                         f"{list(getattr(s, 'shape', []))}")
-    scale = s.float().repeat_interleave(group, dim=-1)[..., :K]
-    return q.float() * scale
-
-
-# --------------------------------------------------------------------------------------
-# folding the block exponents into the kernels' operands
-# --------------------------------------------------------------------------------------
-
-
 def _nonzero_blocks(codes: torch.Tensor) -> torch.Tensor:
     """[..., nb, 32] codes -> [..., nb] bool: some element is not +-0."""
     return ((codes & 7) != 0).any(dim=-1)
 
 
-def _reject_nan(sb: torch.Tensor, name: str) -> None:
+def _reject_nan(op: str, sb: torch.Tensor, name: str) -> None:
     bad = int((sb == E8M0_NAN).sum())
     if bad:
-        raise ValueError(f"dsv4: {name} holds {bad} block scale(s) with the e8m0 NaN byte 255; MXFP4 weights must "
-                         "have finite block scales")
+        raise C.error(op, f"{name} holds {bad} block scale(s) with the e8m0 NaN byte 255; MXFP4 weights must have "
+                          "finite block scales")
 
 
 def mxfp4_to_nvfp4(w: torch.Tensor, w_scale: torch.Tensor, halves: int = 1, name: str = "w"):
@@ -433,11 +279,12 @@ def mxfp4_to_nvfp4(w: torch.Tensor, w_scale: torch.Tensor, halves: int = 1, name
         ``(codes uint8 [E, R, Kd/2], scales float8_e4m3fn [E, R, Kd/16], global float32
         [E] (halves=1) or [E, 2], inexact_blocks int)``. A scale byte 255 (NaN) raises.
     """
-    sb = _check_packed_scales(w, w_scale, name, f"{name}_scale")
-    _reject_nan(sb, f"{name}_scale")
+    op = "mxfp4_to_nvfp4"
+    sb = _check_packed_scales(op, w, w_scale, name, f"{name}_scale")
+    _reject_nan(op, sb, f"{name}_scale")
     E, R, half_k = w.shape
     nb = half_k * 2 // MXFP4_BLOCK
-    codes = formats.unpack_fp4(w).reshape(E, halves, R // halves, nb, MXFP4_BLOCK)
+    codes = unpack_fp4(w).reshape(E, halves, R // halves, nb, MXFP4_BLOCK)
     e = sb.to(torch.int32).reshape(E, halves, R // halves, nb) - E8M0_BIAS
     live = _nonzero_blocks(codes)
     floor = torch.full_like(e, -10_000)
@@ -449,18 +296,18 @@ def mxfp4_to_nvfp4(w: torch.Tensor, w_scale: torch.Tensor, halves: int = 1, name
     inexact = 0
     if bool(low.any()):
         # re-round onto the window's lowest scale: value = code * 2^d = (code * 2^(d + 9)) * 2^-9
-        vals = formats._e2m1_decode(codes) * formats._pow2(d - _E4M3_POW2_MIN).unsqueeze(-1)
-        new = formats.round_to_e2m1(vals)
-        inexact = int((low & (formats._e2m1_decode(new) != vals).any(dim=-1)).sum())
+        vals = e2m1_to_float(codes) * pow2(d - _E4M3_POW2_MIN).unsqueeze(-1)
+        new = round_to_e2m1(vals)
+        inexact = int((low & (e2m1_to_float(new) != vals).any(dim=-1)).sum())
         codes = torch.where(low.unsqueeze(-1), new, codes)
         d = torch.where(low, torch.full_like(d, _E4M3_POW2_MIN), d)
-    scale = formats._pow2(d.clamp(_E4M3_POW2_MIN, _E4M3_POW2_MAX))
+    scale = pow2(d.clamp(_E4M3_POW2_MIN, _E4M3_POW2_MAX))
     live = _nonzero_blocks(codes)  # re-rounding can zero a block
     scale = torch.where(live, scale, torch.zeros_like(scale))
     scale16 = scale.repeat_interleave(2, dim=-1).reshape(E, R, nb * 2).to(torch.float8_e4m3fn)
-    g = formats._pow2(base)
+    g = pow2(base)
     g = g[:, 0] if halves == 1 else g
-    return formats.pack_fp4(codes.reshape(E, R, nb * MXFP4_BLOCK)), scale16, g.contiguous(), inexact
+    return pack_fp4(codes.reshape(E, R, nb * MXFP4_BLOCK)), scale16, g.contiguous(), inexact
 
 
 def fit_fp8_operand(w: torch.Tensor, w_scale: torch.Tensor, group: int = FP8_GROUP, name: str = "w"):
@@ -486,12 +333,13 @@ def fit_fp8_operand(w: torch.Tensor, w_scale: torch.Tensor, group: int = FP8_GRO
         of the group); the inputs themselves when nothing changes. A scale byte 255 (NaN)
         raises.
     """
-    sb = _check_packed_scales(w, w_scale, name, f"{name}_scale")
-    _reject_nan(sb, f"{name}_scale")
+    op = "fit_fp8_operand"
+    sb = _check_packed_scales(op, w, w_scale, name, f"{name}_scale")
+    _reject_nan(op, sb, f"{name}_scale")
     E, R, half_k = w.shape
     nb = half_k * 2 // MXFP4_BLOCK
     per = group // MXFP4_BLOCK
-    codes = formats.unpack_fp4(w).reshape(E, R, nb, MXFP4_BLOCK)
+    codes = unpack_fp4(w).reshape(E, R, nb, MXFP4_BLOCK)
     live = _nonzero_blocks(codes)
     e = sb.to(torch.int32)
     none = torch.full_like(e, -10_000)
@@ -507,9 +355,9 @@ def fit_fp8_operand(w: torch.Tensor, w_scale: torch.Tensor, group: int = FP8_GRO
     sb = torch.where(live, e, torch.zeros_like(e))
     if not bool(low.any()):
         return w, sb.to(torch.uint8), 0
-    vals = formats._e2m1_decode(codes) * formats._pow2(e - lowest).unsqueeze(-1)
-    new = formats.round_to_e2m1(vals)
-    inexact = int((low & (formats._e2m1_decode(new) != vals).any(dim=-1)).sum())
+    vals = e2m1_to_float(codes) * pow2(e - lowest).unsqueeze(-1)
+    new = round_to_e2m1(vals)
+    inexact = int((low & (e2m1_to_float(new) != vals).any(dim=-1)).sum())
     codes = torch.where(low.unsqueeze(-1), new, codes)
     sb = torch.where(low, lowest, sb).to(torch.uint8)
-    return formats.pack_fp4(codes.reshape(E, R, nb * MXFP4_BLOCK)), sb, inexact
+    return pack_fp4(codes.reshape(E, R, nb * MXFP4_BLOCK)), sb, inexact
