@@ -33,7 +33,7 @@ construction (:data:`REFUSALS`), each with one message naming it and ``DSV4_MOE=
 
 Activation mode (``DSV4_MOE_ACTIVATION``, unset = the format's default):
   * NVFP4: ``bf16`` (default, W4A16: e2m1 x e4m3 weights dequantize exactly to bf16;
-    what vLLM itself runs on Hopper, Marlin W4A16; Hopper has no FP4 tensor cores, so
+    what vLLM itself runs on Hopper (Humming W4A16); Hopper has no FP4 tensor cores, so
     A4 would cost accuracy for no speed) or ``nvfp4`` (W4A4 with the checkpoint's
     ``input_scale``, max over experts as vLLM's Blackwell NVFP4 backends use it: the
     numerics of a Blackwell deployment).
