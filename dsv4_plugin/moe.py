@@ -369,10 +369,33 @@ def _swiglu_limit(method: FusedMoEMethodBase, layer: RoutedExperts):
     return method.moe.swiglu_limit if limit is None else limit
 
 
+class _DSV4Method:
+    """What dsv4's two MoE methods share, ahead of vLLM's method in their bases: the
+    experts class, the activation mode and its log line, and the features the converted
+    weights cannot serve (EPLB, pre-processed weights)."""
+
+    # vLLM's ipc_cache loader checks this before loading; dsv4 converts the
+    # checkpoint layout itself (and REFUSALS names the feature at construction).
+    supports_pre_processed_weights = False
+
+    def _init_dsv4(self, fmt: str, moe_config: FusedMoEConfig, activation: str | None) -> None:
+        self.experts_cls = DSV4Experts
+        self.dsv4_activation = activation or activation_mode(fmt)
+        _refuse_eplb(fmt, moe_config)
+        logger.info_once(
+            "dsv4 plugin: DeepSeek V4 %s routed experts run dsv4.moe.routed_moe "
+            "(activation=%s, %s)", fmt.upper(), self.dsv4_activation, _NUMERICS[self.dsv4_activation]
+        )
+
+    @property
+    def supports_eplb(self) -> bool:
+        return False
+
+
 # The class name must contain "ModelOpt": vLLM 0.33.0's RoutedExperts.weight_loader
 # picks the ModelOpt loading rules (per-tensor weight_scale_2 / input_scale, combined
 # w13 scales) by the quantization method's class name (fused_moe/routed_experts.py).
-class DSV4ModelOptNvFp4FusedMoE(ModelOptNvFp4FusedMoE):
+class DSV4ModelOptNvFp4FusedMoE(_DSV4Method, ModelOptNvFp4FusedMoE):
     """vLLM's ModelOpt NVFP4 MoE method (same weights and loading), dsv4 kernel."""
 
     def __init__(self, quant_config: ModelOptNvFp4Config, moe_config: FusedMoEConfig,
@@ -384,22 +407,8 @@ class DSV4ModelOptNvFp4FusedMoE(ModelOptNvFp4FusedMoE):
         self.use_a16 = False
         self.per_token_activation = False
         self.nvfp4_backend = None
-        self.experts_cls = DSV4Experts
         self.use_global_sf = False
-        self.dsv4_activation = activation or activation_mode("nvfp4")
-        _refuse_eplb("nvfp4", moe_config)
-        logger.info_once(
-            "dsv4 plugin: DeepSeek V4 NVFP4 routed experts run dsv4.moe.routed_moe "
-            "(activation=%s, %s)", self.dsv4_activation, _NUMERICS[self.dsv4_activation]
-        )
-
-    # vLLM's ipc_cache loader checks this before loading; dsv4 converts the
-    # checkpoint layout itself (and REFUSALS names the feature at construction).
-    supports_pre_processed_weights = False
-
-    @property
-    def supports_eplb(self) -> bool:
-        return False
+        self._init_dsv4("nvfp4", moe_config, activation)
 
     def get_fused_moe_quant_config(self, layer: RoutedExperts) -> FusedMoEQuantConfig:
         # Activations enter unquantized (the experts quantize them themselves in
@@ -438,7 +447,7 @@ class DSV4ModelOptNvFp4FusedMoE(ModelOptNvFp4FusedMoE):
         self.moe_kernel = mk.FusedMoEKernel(_prepare_finalize(self, layer), experts)
 
 
-class DSV4Mxfp4FusedMoE(Mxfp4MoEMethod):
+class DSV4Mxfp4FusedMoE(_DSV4Method, Mxfp4MoEMethod):
     """vLLM's MXFP4 MoE method (same weights, DeepSeek V4's stacked w13 / w2 layout and
     its e8m0 scale loading), dsv4 kernel. N is not rounded up for a vLLM backend:
     dsv4's prepare pads it to its own tile with zeros."""
@@ -450,19 +459,7 @@ class DSV4Mxfp4FusedMoE(Mxfp4MoEMethod):
         # overridden below).
         FusedMoEMethodBase.__init__(self, moe_config)
         self.weight_dtype = "mxfp4"
-        self.experts_cls = DSV4Experts
-        self.dsv4_activation = activation or activation_mode("mxfp4")
-        _refuse_eplb("mxfp4", moe_config)
-        logger.info_once(
-            "dsv4 plugin: DeepSeek V4 MXFP4 routed experts run dsv4.moe.routed_moe "
-            "(activation=%s, %s)", self.dsv4_activation, _NUMERICS[self.dsv4_activation]
-        )
-
-    supports_pre_processed_weights = False
-
-    @property
-    def supports_eplb(self) -> bool:
-        return False
+        self._init_dsv4("mxfp4", moe_config, activation)
 
     @property
     def skip_forward_padding(self) -> bool:
