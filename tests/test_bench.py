@@ -366,3 +366,14 @@ def test_moe_incumbent_missing_names_what_each_case_needs():
     assert moe_incumbent_missing(neither, ("mxfp4", "fp8")) == "humming: h; vllm_c: c"
     assert moe_incumbent_missing(no_c, ("mxfp4", "bf16")) == "vllm_c: not in .anchors"  # Humming W4A8 too
     assert "no incumbent" in moe_incumbent_missing(everything, ("nvfp4", "nvfp4"))
+
+
+def test_decode_pools_for_cases_are_sized_from_the_largest_case(monkeypatch):
+    sizes = []
+    monkeypatch.setattr(I.DecodePools, "build", staticmethod(lambda *a, **k: sizes.append(a[:3])))
+    I.DecodePools.for_cases(256, 1 << 17, "cpu")
+    I.DecodePools.for_cases(1, 4096, "cpu")
+    # above L2 at any size; growing with the batch (window pool) and the context (compressed pools)
+    assert sizes == [(1 << 18, 1 << 20, 1 << 16), (1 << 18, 1 << 20, 1 << 16)]
+    I.DecodePools.for_cases(1024, 1 << 23, "cpu")
+    assert sizes[-1] == (4 * 128 * 1024, 2 * (1 << 23) // 4, 4 * (1 << 23) // 128)

@@ -72,10 +72,7 @@ def decode_rows(anchors: Anchors, models, kinds, batches, contexts, iters: int,
     from .timing import time_us
 
     dev = "cuda"
-    max_ctx, max_b = max(contexts), max(batches)
-    # Pools well above L2 (50 MB): every sequence draws a run of slots from them.
-    pools = I.DecodePools.build(max(1 << 18, 4 * I.WINDOW * max_b), max(1 << 20, 2 * max_ctx // 4),
-                                max(1 << 16, 4 * max_ctx // 128), dev)
+    pools = I.DecodePools.for_cases(max(batches), max(contexts), dev)
     rows = []
     for mname in models:
         m = I.ATTN_MODELS[mname]

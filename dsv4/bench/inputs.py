@@ -118,6 +118,13 @@ class DecodePools:
                            _random_fp8_pool(n_c4a, C4A_BLOCK, device, gen),
                            _random_fp8_pool(n_c128a, C128A_BLOCK, device, gen))
 
+    @staticmethod
+    def for_cases(max_batch: int, max_context: int, device) -> "DecodePools":
+        """Pools for decode cases up to ``max_batch`` sequences of ``max_context`` tokens,
+        each well above L2 (50 MB), so that every sequence draws a cold run of slots."""
+        return DecodePools.build(max(1 << 18, 4 * WINDOW * max_batch), max(1 << 20, 2 * max_context // 4),
+                                 max(1 << 16, 4 * max_context // 128), device)
+
     def slots(self, kind: str) -> int:
         c = {"swa": self.swa, "csa": self.c4a, "hca": self.c128a}[kind]
         return c.shape[0] * c.shape[1]

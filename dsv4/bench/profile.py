@@ -32,8 +32,7 @@ def _variants(args, anchors) -> dict:
     from .incumbents import FlashMLADecode
 
     m = I.ATTN_MODELS[args.model]
-    pools = I.DecodePools.build(max(1 << 18, 4 * I.WINDOW * args.batch), max(1 << 20, 2 * args.context // 4),
-                                max(1 << 16, 4 * args.context // 128), "cuda")
+    pools = I.DecodePools.for_cases(args.batch, args.context, "cuda")
     gen = torch.Generator(device="cuda").manual_seed(1)
     s = I.decode_case(args.kind, m, args.batch, args.context, pools, gen)
     out = torch.empty_like(s["q"])
