@@ -16,7 +16,23 @@ forward pass through them):
   platform has no block-FP8 GEMM to pick for the FP8 linear layers);
 * ``modelopt.select_nvfp4_moe_backend`` -> Marlin (what vLLM picks on Hopper; its
   oracle finds no NVFP4 backend on CPU). Only used when vLLM's own NVFP4 MoE
-  method is built, i.e. not with the dsv4 MoE.
+  method is built, i.e. not with the dsv4 MoE;
+* ``mxfp4.select_deepseek_v4_mxfp4_moe_backend`` -> Humming (what vLLM 0.33.0 picks
+  for DeepSeek V4's MXFP4 experts on Hopper: ``oracle/mxfp4.py``
+  ``_get_priority_backends``, Humming ahead of Marlin by ``prioritize_humming``).
+  On CPU the oracle offers only its CPU experts, which need AMX tiles
+  (``CPUExpertsMxfp4._supports_current_device``), so without this the build of
+  vLLM's own MXFP4 method would depend on the host's CPU. Only used when vLLM's own
+  MXFP4 MoE method is built (``DSV4_MOE=0``).
+
+The engine configuration is the one a Hopper worker gets (:func:`engine_config`):
+vLLM's CPU platform, on an x86 CPU without AMX tiles, turns chunked prefill and
+prefix caching off for MLA models and raises ``max_num_batched_tokens`` to
+``max_model_len`` (``vllm/platforms/cpu.py`` ``check_and_update_config``,
+``amx_mla_or_dsv4_enabled``); vLLM's CUDA platform leaves all three as the engine
+arguments set them. :func:`cuda_engine_limits` keeps them, so the tests see the same
+scheduler limits on any CPU, and :func:`engine_config` checks that vLLM kept the
+limits a test asked for.
 """
 
 from __future__ import annotations
@@ -56,6 +72,9 @@ def cuda_construction_stand_ins():
     import pytest
     import vllm.model_executor.layers.quantization.fp8 as fp8
     import vllm.model_executor.layers.quantization.modelopt as modelopt
+    import vllm.model_executor.layers.quantization.mxfp4 as mxfp4
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import (Mxfp4MoeBackend,
+                                                                   backend_to_kernel_cls)
     from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import NvFp4MoeBackend
     from vllm.platforms import current_platform
     from vllm.platforms.interface import DeviceCapability
@@ -69,21 +88,77 @@ def cuda_construction_stand_ins():
         mp.setattr(fp8, "init_fp8_linear_kernel", lambda **kw: UnrunFp8LinearKernel())
         mp.setattr(modelopt, "select_nvfp4_moe_backend",
                    lambda **kw: (NvFp4MoeBackend.MARLIN, None))
+        humming = Mxfp4MoeBackend.HUMMING
+        mp.setattr(mxfp4, "select_deepseek_v4_mxfp4_moe_backend",
+                   lambda moe: (humming, backend_to_kernel_cls(humming)[0]))
+        yield
+    finally:
+        mp.undo()
+
+
+# What vLLM's CPU platform may override for an MLA model and the CUDA platform leaves
+# as set: (config attribute of VllmConfig, field).
+CUDA_KEPT_LIMITS = (("scheduler_config", "enable_chunked_prefill"),
+                    ("scheduler_config", "max_num_batched_tokens"),
+                    ("cache_config", "enable_prefix_caching"))
+
+
+@contextlib.contextmanager
+def cuda_engine_limits():
+    """The CPU platform's ``check_and_update_config`` with the engine limits of
+    :data:`CUDA_KEPT_LIMITS` as they were before it ran, i.e. as vLLM's CUDA platform
+    leaves them. Everything else the CPU platform decides stays (block size, worker
+    class, compilation mode)."""
+    import pytest
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    real = platform.check_and_update_config
+
+    def keep_limits(cls, vllm_config):
+        kept = [getattr(getattr(vllm_config, part), name) for part, name in CUDA_KEPT_LIMITS]
+        real(vllm_config)
+        for (part, name), value in zip(CUDA_KEPT_LIMITS, kept):
+            setattr(getattr(vllm_config, part), name, value)
+
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(platform, "check_and_update_config", classmethod(keep_limits))
         yield
     finally:
         mp.undo()
 
 
 def engine_config(example: str, backend: str | None, **kwargs):
+    """vLLM's engine config for ``example`` as a Hopper worker gets it; the scheduler
+    limits given in ``kwargs`` (max_num_batched_tokens, max_num_seqs, max_model_len)
+    are checked to be the ones vLLM kept, with chunked prefill on."""
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(
-        model=example,
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        attention_backend=backend,
-        **{"max_model_len": 4096, **kwargs},
-    ).create_engine_config()
+    kwargs = {"max_model_len": 4096, **kwargs}
+    with cuda_engine_limits():
+        cfg = EngineArgs(
+            model=example,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            attention_backend=backend,
+            **kwargs,
+        ).create_engine_config()
+    check_engine_limits(cfg, kwargs)
+    return cfg
+
+
+def check_engine_limits(cfg, asked: dict) -> None:
+    """The limits ``asked`` are the ones in ``cfg``, and chunked prefill is on (as on
+    vLLM's CUDA platform for DeepSeek V4)."""
+    sched = cfg.scheduler_config
+    kept = {"max_num_batched_tokens": sched.max_num_batched_tokens,
+            "max_num_seqs": sched.max_num_seqs,
+            "max_model_len": cfg.model_config.max_model_len}
+    for name, value in kept.items():
+        if name in asked:
+            assert value == asked[name], f"vLLM changed {name}: asked {asked[name]}, got {value}"
+    assert sched.enable_chunked_prefill, "vLLM turned chunked prefill off"
 
 
 _dist_ready = False

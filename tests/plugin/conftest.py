@@ -2,6 +2,10 @@
 
 * Every test here is marked ``vllm`` and skipped, with one reason, when
   vllm==0.33.0 is not importable.
+* The suite's verdicts do not depend on the host: the engine limits and vLLM's
+  MXFP4 backend are those of a Hopper worker, whatever the CPU (_cpu_model.py,
+  held by test_host_independence.py with the AMX probe patched both ways), and the
+  plugin's switches are cleared from the environment before any test sets them.
 * ``VLLM_TARGET_DEVICE=cpu`` makes vLLM pick its CPU platform on a machine
   without a GPU driver (otherwise it cannot infer a device and the argument
   parser refuses to build). vLLM's compiled extension modules (vllm._C*,
@@ -31,6 +35,10 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 # The tests read local configs only; offline, a missing file fails at once
 # instead of after the Hub client's retries.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The plugin's switches and the vLLM setting it refuses come from the tests alone,
+# never from the shell that runs them (each test that needs one sets it).
+for _name in ("DSV4_MOE", "DSV4_MOE_ACTIVATION", "VLLM_HUMMING_INPUT_QUANT_CONFIG"):
+    os.environ.pop(_name, None)
 # The MXFP4 expert tests run dsv4's MXFP4 path, which is opt-in (dsv4_plugin.moe.
 # mxfp4_claimed); set here so spawned EP workers inherit it. The default (off) is
 # tested in test_rough_edges.py.
