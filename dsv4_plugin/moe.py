@@ -86,6 +86,8 @@ from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
 # and V4.1 checkpoints alike; vllm/model_executor/layers/quantization/__init__.py).
 from vllm.models.deepseek_v41.quant_config import DeepseekV4FP8Config
 
+from dsv4.moe import modes
+
 logger = init_logger(__name__)
 
 # vLLM's own name for DeepSeek V4 / V4.1 checkpoints; the plugin keeps it.
@@ -103,9 +105,8 @@ def mxfp4_claimed() -> bool:
         raise ValueError(f"dsv4: DSV4_MOE_MXFP4 must be 0 or 1 (or unset), got {raw!r}")
     return raw == "1"
 
-# Activation modes per expert format (dsv4.moe's names), the default first.
-ACTIVATION_MODES = {"nvfp4": ("bf16", "nvfp4"), "mxfp4": ("fp8", "bf16")}
-_NUMERICS = {"bf16": "W4A16", "nvfp4": "W4A4", "fp8": "W4A8"}
+# Activation modes per expert format, the default first (dsv4.moe.modes).
+ACTIVATION_MODES = modes.ACTIVATIONS
 
 
 def moe_enabled() -> bool:
@@ -384,7 +385,7 @@ class _DSV4Method:
         _refuse_eplb(fmt, moe_config)
         logger.info_once(
             "dsv4 plugin: DeepSeek V4 %s routed experts run dsv4.moe.routed_moe "
-            "(activation=%s, %s)", fmt.upper(), self.dsv4_activation, _NUMERICS[self.dsv4_activation]
+            "(activation=%s, %s)", fmt.upper(), self.dsv4_activation, modes.NUMERICS[self.dsv4_activation]
         )
 
     @property

@@ -37,6 +37,7 @@ import torch
 
 from .. import formats
 from ..formats import mxfp4
+from ..moe import modes
 
 __all__ = ["AttnModel", "ATTN_MODELS", "MoeModel", "MOE_MODELS", "SWA_BLOCK", "C4A_BLOCK", "C128A_BLOCK",
            "WINDOW", "c128a_width", "DecodePools", "decode_case", "prefill_case", "random_nvfp4_experts",
@@ -229,8 +230,7 @@ MOE_FORMATS = {"nvfp4": (random_nvfp4_experts, 9 / 16), "mxfp4": (random_mxfp4_e
 # The MoE cases, (weight format, dsv4 activation mode), and their labels: NVFP4 W4A16 and
 # W4A4 (dsv4.nvfp4_moe), MXFP4 W4A8 (vLLM 0.33.0's Hopper numerics) and W4A16
 # (dsv4.routed_moe).
-MOE_LABELS = {("nvfp4", "bf16"): "NVFP4 W4A16", ("nvfp4", "nvfp4"): "NVFP4 W4A4",
-              ("mxfp4", "fp8"): "MXFP4 W4A8", ("mxfp4", "bf16"): "MXFP4 W4A16"}
+MOE_LABELS = {(fmt, act): modes.label(fmt, act) for fmt, acts in modes.ACTIVATIONS.items() for act in acts}
 # The benchmarks' --moe-format names: "nvfp4" runs the NVFP4 activation modes asked for
 # (--activation), an MXFP4 name one mode.
 MOE_FORMAT_NAMES = {"nvfp4": None, "mxfp4-w4a8": ("mxfp4", "fp8"), "mxfp4-w4a16": ("mxfp4", "bf16")}

@@ -45,10 +45,11 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from . import _checks as C
-from . import formats, reference
-from ._ops import op
-from .formats import mxfp4
+from .. import _checks as C
+from .. import formats, reference
+from .._ops import op
+from ..formats import mxfp4
+from . import modes
 
 __all__ = [
     "Nvfp4MoeWeights", "prepare_nvfp4_moe_weights", "unprepare_nvfp4_moe_weights", "nvfp4_moe",
@@ -525,7 +526,6 @@ def nvfp4_moe(
 # mma.sync at every M for now (no prefill kernel yet; issue 26 item 4).
 
 _MOE_FORMATS = ("nvfp4", "mxfp4")
-_FORMAT_ACTIVATIONS = {"nvfp4": ("bf16", "nvfp4"), "mxfp4": ("bf16", "fp8")}
 
 
 class Mxfp4MoeWeights(NamedTuple):
@@ -586,7 +586,7 @@ def _warn_inexact(report: dict, what: str) -> None:
                       f"w13 {report['w13_inexact_blocks']}, w2 {report['w2_inexact_blocks']})", stacklevel=3)
 
 
-def prepare_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, *, activation: str = "fp8") -> MoeWeights:
+def prepare_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, *, activation: str = modes.default_activation("mxfp4")) -> MoeWeights:
     """One-time conversion of vLLM's stacked MXFP4 expert weights (DeepSeek V4's native
     checkpoints) for the dsv4 MoE.
 
@@ -609,7 +609,7 @@ def prepare_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, *, activation: str =
     """
     op = "prepare_mxfp4_moe_weights"
     E, N, K = mxfp4.check_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, op=op)
-    if activation not in _FORMAT_ACTIVATIONS["mxfp4"]:
+    if activation not in modes.ACTIVATIONS["mxfp4"]:
         raise C.error(op, f'activation must be "bf16" (W4A16) or "fp8" (W4A8) for MXFP4 weights, got {activation!r}')
     if K % _TILE:
         raise C.error(op, f"the hidden size K = {K} must be a multiple of {_TILE} (the MoE kernels' K tile)")
@@ -653,8 +653,8 @@ def prepare_moe_weights(w13, w13_scale, w2, w2_scale, *, w13_scale_2=None, w2_sc
     if fmt == "nvfp4":
         if w13_scale_2 is None or w2_scale_2 is None:
             raise C.error(op, "NVFP4 weights need w13_scale_2 and w2_scale_2 (the global scales)")
-        activation = "bf16" if activation is None else activation
-        if activation not in _FORMAT_ACTIVATIONS["nvfp4"]:
+        activation = modes.default_activation("nvfp4") if activation is None else activation
+        if activation not in modes.ACTIVATIONS["nvfp4"]:
             raise C.error(op, f'activation must be "bf16" (W4A16) or "nvfp4" (W4A4) for NVFP4 weights, got '
                               f'{activation!r}')
         w = prepare_nvfp4_moe_weights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
@@ -663,7 +663,7 @@ def prepare_moe_weights(w13, w13_scale, w2, w2_scale, *, w13_scale_2=None, w2_sc
                                                    "N_padded": N, "K": K, "inexact_blocks": 0})
     if w13_scale_2 is not None or w2_scale_2 is not None:
         raise C.error(op, "MXFP4 weights have no global scales: w13_scale_2 and w2_scale_2 must be None")
-    return prepare_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, activation="fp8" if activation is None
+    return prepare_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, activation=modes.default_activation("mxfp4") if activation is None
                                      else activation)
 
 
@@ -744,7 +744,7 @@ def routed_moe(
         raise C.error(op_name, "weights must be the MoeWeights that dsv4.prepare_moe_weights returns, got "
                                f"{type(weights).__name__} (dsv4.nvfp4_moe takes Nvfp4MoeWeights)")
     fmt, activation = weights.format, weights.activation
-    if fmt not in _MOE_FORMATS or activation not in _FORMAT_ACTIVATIONS[fmt]:
+    if fmt not in _MOE_FORMATS or activation not in modes.ACTIVATIONS[fmt]:
         raise C.error(op_name, f"weights prepared as format {fmt!r}, activation {activation!r}: not a supported pair")
     if activation != "nvfp4" and (a13_scale is not None or a2_scale is not None):
         raise C.error(op_name, f'a13_scale / a2_scale are the NVFP4 activation scales of activation "nvfp4"; these '
