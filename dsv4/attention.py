@@ -26,13 +26,12 @@ from __future__ import annotations
 import torch
 
 from . import _checks as C
-from .formats.kv_cache import dequantize_fp8_ds_mla_cache, kv_cache_layout
+from .formats.kv_cache import HEAD_DIM, dequantize_fp8_ds_mla_cache, kv_cache_layout
 from .reference import sparse_mqa
 from ._ops import op
 
 __all__ = ["sparse_mqa_decode", "sparse_mqa_prefill"]
 
-HEAD_DIM = 512
 DEFAULT_SOFTMAX_SCALE = HEAD_DIM**-0.5
 
 

@@ -42,7 +42,8 @@ import torch
 from . import _checks as C
 from . import reference
 from ._ops import op
-from .attention import HEAD_DIM, sparse_mqa_prefill
+from .attention import sparse_mqa_prefill
+from .formats.kv_cache import HEAD_DIM, WINDOW
 
 __all__ = ["dense_fmha", "dense_fmha_kernel", "index_width", "visible_rows"]
 
@@ -208,7 +209,7 @@ def dense_fmha(
     n_comp: torch.Tensor,
     *,
     max_seqlen_kv: int,
-    window: int = 128,
+    window: int = WINDOW,
     causal: bool = True,
     ratio: int = 1,
     seq_start_pos: Optional[torch.Tensor] = None,

@@ -6,8 +6,9 @@
 # 1. Python: ./.venv (created with python3 -m venv when missing), or the interpreter
 #    DSV4_PYTHON names (e.g. DSV4_PYTHON=python to install into the active environment).
 # 2. setuptools and wheel (a fresh venv has no bdist_wheel), then torch if it is missing:
-#    DSV4_TORCH (pip arguments, default torch==2.14.1, the release vllm 0.33.0 pins, so the
-#    plugin can be added without replacing torch). An installed torch is kept.
+#    DSV4_TORCH (pip arguments, default torch==2.14.0: vllm 0.33.0 requires exactly that
+#    release, so `pip install vllm==0.33.0` into the same venv keeps this torch and the
+#    dsv4._C built against it; .ci/run tests that sequence). An installed torch is kept.
 # 3. If torch has CUDA: the build prerequisite ninja (parallel nvcc jobs).
 # 4. dsv4 editable with its test extras (pip install --no-build-isolation -e ".[test]").
 #    setup.py builds dsv4._C when torch has CUDA and it finds the toolkit nvcc belongs to;
@@ -49,7 +50,7 @@ pipq "setuptools>=77" wheel
 if TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null); then
   step "torch $TORCH_VERSION is installed: kept"
 else
-  read -r -a TORCH_ARGS <<< "${DSV4_TORCH:-torch==2.14.1}"
+  read -r -a TORCH_ARGS <<< "${DSV4_TORCH:-torch==2.14.0}"
   step "installing torch (${TORCH_ARGS[*]}; several GB for a CUDA build)"
   pipq "${TORCH_ARGS[@]}" numpy
 fi

@@ -1,7 +1,8 @@
 """Tests for dsv4.sparse_mqa_decode / dsv4.sparse_mqa_prefill.
 
 CPU tests (always): wrappers vs the float32 reference, every bad-input error, opcheck,
-torch.compile(fullgraph). GPU tests (``-m gpu``, skipped without CUDA or the extension):
+torch.compile(fullgraph). GPU tests (``-m gpu``; tests/conftest.py skips them without a
+Hopper GPU and fails them on a Hopper GPU without the extension):
 the CUDA kernels against the float32 reference on fresh random data with poisoned
 outputs, CUDA-graph capture/replay, opcheck on CUDA, the same bad-input errors.
 """
@@ -18,11 +19,10 @@ import dsv4
 import dsv4._ops
 from dsv4 import formats, reference
 from dsv4.formats import kv_cache
+from dsv4.formats.kv_cache import HEAD_DIM
 from dsv4.attention import sparse_mqa_decode, sparse_mqa_prefill
 
-HAS_GPU = torch.cuda.is_available() and dsv4._ops.HAS_CUDA_EXTENSION
-gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")]
-SCALE = 512**-0.5
+SCALE = HEAD_DIM**-0.5
 
 # ----------------------------------------------------------------------------------------
 # data helpers
@@ -169,7 +169,7 @@ def test_prefill_cpu_matches_reference_and_vllm_shapes():
     assert o1 is out
     ro, rl = reference.sparse_mqa(q, kv.float(), idx, lens, None, SCALE)
     assert torch.equal(o1, ro.bfloat16()) and torch.equal(l1, rl)
-    o2, l2 = sparse_mqa_prefill(q, kv, idx, lens)  # default scale = 512 ** -0.5
+    o2, l2 = sparse_mqa_prefill(q, kv, idx, lens)  # default scale = HEAD_DIM ** -0.5
     assert torch.equal(o2, o1) and torch.equal(l2, l1)
 
 
@@ -428,7 +428,6 @@ def test_decode_bad_inputs_cpu(name, mutate, pattern):
 
 @pytest.mark.parametrize("name,mutate,pattern", DECODE_BAD, ids=[c[0] for c in DECODE_BAD])
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
 def test_decode_bad_inputs_cuda(name, mutate, pattern):
     _check_bad("cuda", mutate, pattern)
 
@@ -472,7 +471,6 @@ def test_prefill_bad_inputs_cpu(name, mutate, pattern):
 
 @pytest.mark.parametrize("name,mutate,pattern", PREFILL_BAD, ids=[c[0] for c in PREFILL_BAD])
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
 def test_prefill_bad_inputs_cuda(name, mutate, pattern):
     _check_bad_prefill("cuda", mutate, pattern)
 
@@ -545,7 +543,6 @@ DECODE_CASES = [
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=[str(c) for c in DECODE_CASES])
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
 def test_decode_gpu(case):
     b, s_q, h, topk, topk2, kind, bs, ragged, sink_kind = case
     dev = "cuda"
@@ -575,7 +572,6 @@ def test_decode_gpu(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
 def test_decode_fp8_dequant_exact():
     """One visible key per token: every head's output is exactly that key's dequantized row,
     for every e4m3 code but NaN and scale bytes from 2^-127 (results underflow into bf16
@@ -616,7 +612,6 @@ PREFILL_CASES = [
 
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=[str(c) for c in PREFILL_CASES])
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
 def test_prefill_gpu(case):
     t, h, n, topk, ragged, sink_kind = case
     dev = "cuda"
@@ -635,7 +630,6 @@ def test_prefill_gpu(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
 @pytest.mark.parametrize("b", [2, 200])  # split-KV + combine, and no split
 def test_decode_cuda_graph(b):
     dev = "cuda"
@@ -668,7 +662,6 @@ def test_decode_cuda_graph(b):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
 @pytest.mark.parametrize("extra", [False, True])
 def test_opcheck_cuda(extra):
     a = _opcheck_args("cuda", extra)
@@ -678,7 +671,6 @@ def test_opcheck_cuda(extra):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
 def test_prefill_cuda_graph():
     dev = "cuda"
     g = _gen(31)
@@ -719,7 +711,6 @@ def _cache_f32(cache, kind):
 @pytest.mark.parametrize("extra", [False, True])
 @pytest.mark.parametrize("b", [4, 200])  # split-KV + combine (8 tokens), one split (400 tokens)
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
 def test_decode_skipped_entries_gpu(poison_smem, b, extra, kind, value):
     """Slots that no used entry names (slot 0 included) hold NaN / inf and every SM's shared
     memory holds NaN / inf bytes when the kernel starts: the output is bitwise that of a clean
@@ -740,7 +731,6 @@ def test_decode_skipped_entries_gpu(poison_smem, b, extra, kind, value):
 @pytest.mark.parametrize("value", POISONS, ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("t", [3, 300])  # split-KV + combine, one split
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
 def test_prefill_skipped_rows_gpu(poison_smem, t, value):
     """The bf16 workspace rows that no used entry names hold NaN / inf, and so does shared
     memory: bitwise the clean run."""
@@ -766,7 +756,6 @@ def test_prefill_skipped_rows_gpu(poison_smem, t, value):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
 def test_empty_batches_gpu():
     """B = 0, s_q = 0 and T = 0 return empty outputs without launching a kernel."""
     cache, _ = make_cache("fp8", 2, 64, "cuda", 80)

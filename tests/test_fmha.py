@@ -11,8 +11,11 @@ import torch
 
 from dsv4 import reference
 from dsv4.attention import sparse_mqa_prefill
+from dsv4.formats.kv_cache import HEAD_DIM
 from dsv4.fmha import dense_fmha, dense_fmha_kernel, index_width, visible_rows
 from dsv4.reference.fmha import _visible_mask
+
+SCALE = HEAD_DIM**-0.5
 
 # (q lengths, kv lengths, n_comp, window, causal, ratio, start positions)
 CASES = [
@@ -41,7 +44,7 @@ def _inputs(case, heads=64, seed=0):
 def test_index_lists_match_dense_reference(case):
     q, kv, cu_q, cu_kv, nc, window, causal, ratio, start, sink = _inputs(case)
     ref_out, ref_lse = reference.dense_fmha(q, kv, kv, cu_q, cu_kv, nc, window=window, causal=causal,
-                                            ratio=ratio, seq_start_pos=start, sink=sink, scale=512**-0.5)
+                                            ratio=ratio, seq_start_pos=start, sink=sink, scale=SCALE)
     width = max(1, int((cu_kv[1:] - cu_kv[:-1]).max()))
     idx, lengths = visible_rows(q.shape[0], cu_q, cu_kv, nc, width=width, window=window, causal=causal,
                                 ratio=ratio, seq_start_pos=start)
@@ -50,7 +53,7 @@ def test_index_lists_match_dense_reference(case):
     col = torch.arange(width)[None, :]
     assert bool((idx[col >= lengths[:, None]] == -1).all())
     out, lse = sparse_mqa_prefill(q, kv.reshape(-1, 512) if kv.shape[0] else torch.zeros(1, 512).bfloat16(),
-                                  idx, lengths, sink, 512**-0.5)
+                                  idx, lengths, sink, SCALE)
     torch.testing.assert_close(out.float(), ref_out, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
@@ -171,15 +174,15 @@ def _poisoned(t, rows, value):
 def test_cpu_rows_a_query_does_not_see_never_reach_it(d, hq, hkv, value):
     """Rows that the early half of each sequence's queries do not see hold NaN / inf: those
     queries' outputs are bitwise the clean run's (the late queries see some of them)."""
-    q, k, v, cu_q, cu_kv, nc, window, causal, ratio, start, sink = _dense_inputs(SKIP_CASE, d, hq, hkv, 90, d != 512)
+    q, k, v, cu_q, cu_kv, nc, window, causal, ratio, start, sink = _dense_inputs(SKIP_CASE, d, hq, hkv, 90, d != HEAD_DIM)
     early = _early_queries(cu_q)
     vis = _visibility(cu_q, cu_kv, nc, window, causal, ratio, start)
     rows = ~vis[early].any(0)
     sees = (vis & rows).any(1)
     assert sees.any() and not sees[early].any()
     kw = dict(max_seqlen_kv=200, window=window, causal=causal, ratio=ratio, seq_start_pos=start, attn_sink=sink)
-    kv_clean = k if d == 512 else (k, v)
-    kv_bad = _poisoned(k, rows, value) if d == 512 else (_poisoned(k, rows, value), _poisoned(v, rows, value))
+    kv_clean = k if d == HEAD_DIM else (k, v)
+    kv_bad = _poisoned(k, rows, value) if d == HEAD_DIM else (_poisoned(k, rows, value), _poisoned(v, rows, value))
     clean_o, clean_l = dense_fmha(q, kv_clean, cu_q, cu_kv, nc, **kw)
     o, lse = dense_fmha(q, kv_bad, cu_q, cu_kv, nc, **kw)
     assert torch.isfinite(clean_o.float()).all()
@@ -271,7 +274,7 @@ def test_gpu_vs_reference(case, heads):
         pytest.skip("the CUDA path needs at least one kv row in the buffer")
     sink[0], sink[-1] = float("-inf"), float("inf")  # no sink / output forced to zero
     ref_out, ref_lse = reference.dense_fmha(q, kv, kv, cu_q, cu_kv, nc, window=window, causal=causal,
-                                            ratio=ratio, seq_start_pos=start, sink=sink, scale=512**-0.5)
+                                            ratio=ratio, seq_start_pos=start, sink=sink, scale=SCALE)
     dev = [t.cuda() if t is not None else None for t in (q, kv, cu_q, cu_kv, nc, start, sink)]
     qd, kvd, cqd, ckd, ncd, sd, sinkd = dev
     out = torch.full_like(qd, float("nan"))
@@ -440,7 +443,7 @@ def test_gpu_rows_a_query_does_not_see_never_reach_it(poison_smem, heads, value)
         runs.append(dense_fmha(qd, kvd, cqd, ckd, ncd, out=out, **kw))
     (clean_o, clean_l), (o, lse) = runs
     ref_out, ref_lse = reference.dense_fmha(q, k, k, cu_q, cu_kv, nc, window=window, causal=causal, ratio=ratio,
-                                            seq_start_pos=start, sink=sink, scale=512**-0.5)
+                                            seq_start_pos=start, sink=sink, scale=SCALE)
     assert (clean_o.float().cpu() - ref_out).norm() / ref_out.norm() <= 3e-3
     e = early.cuda()
     assert torch.equal(o[e].view(torch.int16), clean_o[e].view(torch.int16))

@@ -6,6 +6,7 @@ Fake toolkits (shell-script nvcc, empty libcudart.so) in a temporary folder; no 
 from __future__ import annotations
 
 import glob
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -136,3 +137,26 @@ def test_no_undeclared_or_unused_cutlass():
     for name in ("setup.py", "pyproject.toml", os.path.join("scripts", "install.sh")):
         with open(os.path.join(ROOT, name), encoding="utf-8") as f:
             assert "cutlass" not in f.read().lower(), f"{name} still asks for CUTLASS, which no kernel uses"
+
+
+def _install_sh_torch() -> str:
+    """The torch release scripts/install.sh installs by default (its DSV4_TORCH default)."""
+    with open(os.path.join(ROOT, "scripts", "install.sh"), encoding="utf-8") as f:
+        pins = re.findall(r"\$\{DSV4_TORCH:-torch==([0-9.]+)\}", f.read())
+    assert len(pins) == 1, f"install.sh should name one default torch, found {pins}"
+    return pins[0]
+
+
+def test_install_sh_torch_is_the_one_vllm_pins():
+    """install.sh's default torch is the release vllm 0.33.0 requires, so adding vLLM to that
+    venv keeps torch and the dsv4._C built against it (.ci/run runs that sequence); the
+    README says the same number. Where vllm is installed, its own metadata is checked too."""
+    pin = _install_sh_torch()
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    assert f"default `torch=={pin}`" in readme, "README's install steps name another default torch"
+    try:
+        reqs = importlib.metadata.requires("vllm") or []
+    except importlib.metadata.PackageNotFoundError:
+        return  # the CPU suite's venv; .ci/run checks the real install
+    assert [r for r in reqs if r.replace(" ", "").startswith("torch==")] == [f"torch=={pin}"]

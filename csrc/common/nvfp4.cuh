@@ -138,7 +138,8 @@ __device__ __forceinline__ bool nvfp4_thresholds_exact(float d) { return d >= 0x
 // x < 0, which excludes -0 as nvfp4_encode8 does): 128 + c is exact in bf16 for
 // c <= 15, so the code is the low byte. The adds run on the FMA pipes; a binary
 // search over the bounds with bit selects (3 compares + 7 LOP3 per word) was 5%
-// slower because the integer pipe was the limit (docs/perf-history/notebook-2026.md, quantize_nvfp4).
+// slower because the integer pipe was the limit
+// (docs/perf-history/2026-11-30-quantize-nvfp4.md).
 __device__ __forceinline__ uint32_t nvfp4_pair_codes(uint32_t w, const Nvfp4Thresholds& T) {
   const __nv_bfloat162 x = as_bf16x2(w), a = __habs2(x);
   __nv_bfloat162 acc = __hfma2(__hlt2(x, __float2bfloat162_rn(0.0f)), __float2bfloat162_rn(8.0f),

@@ -43,7 +43,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_nvfp4(const at::Tensor& x, const at:
 
   // 512 x 1 with 2 resident CTAs per SM (56 registers) was the fastest of the
   // thread/unroll/grid combinations measured with the threshold encoder
-  // (docs/perf-history/notebook-2026.md, quantize_nvfp4)
+  // (docs/perf-history/2026-11-30-quantize-nvfp4.md)
   constexpr int kThreads = 512, kUnroll = 1;
   const int64_t per_cta = int64_t(kThreads) * kUnroll;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;

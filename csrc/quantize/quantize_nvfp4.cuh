@@ -5,7 +5,7 @@
 // Numerics: the Blackwell rule of common/nvfp4.cuh (docs/design.md, section 2). Memory
 // bound in bytes, but exact e2m1 rounding in software is instruction bound per
 // element: the codes come from per-block bf16 thresholds (nvfp4_thresholds), which
-// roughly halves the per-element work (docs/perf-history/notebook-2026.md, quantize_nvfp4).
+// roughly halves the per-element work (docs/perf-history/2026-11-30-quantize-nvfp4.md).
 #pragma once
 
 #include <cuda_bf16.h>

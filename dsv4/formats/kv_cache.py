@@ -35,6 +35,10 @@ from ._float import E4M3_MAX, pow2
 
 
 KV_DIM = 512
+# The attention head dim: K and V are both this cached latent (MQA), so q's head dim is it too.
+HEAD_DIM = KV_DIM
+# Sliding-window length of every DeepSeek V4 / V4.1 layer (docs/design.md section 1).
+WINDOW = 128
 NOPE_DIM = 448
 ROPE_DIM = 64
 FP8_GROUP = 64
