@@ -71,7 +71,7 @@ def no_rich(tmp_path):
     """A PYTHONPATH entry that makes `import rich` fail, as in an install without the
     bench extra."""
     (tmp_path / "rich").mkdir()
-    (tmp_path / "rich" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'rich'\", name='rich')\n")
+    (tmp_path / "rich" / "__init__.py").write_text('raise ModuleNotFoundError("No module named rich", name="rich")\n')
     return {"PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")])}
 
 

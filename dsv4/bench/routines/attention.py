@@ -27,7 +27,7 @@ import torch
 from .. import traffic
 from ..argtypes import int_list
 from ..cases import random_fp8_pool
-from ..models import MODELS, SOFTMAX_SCALE
+from ..models import HEAD_DIM, MODELS, RATIO, SOFTMAX_SCALE, WINDOW
 from ..report import Table, print_tables, to_markdown
 
 SUMMARY = "sparse_mqa_decode / sparse_mqa_prefill / dense_fmha rates against the same-run ceilings"
@@ -60,12 +60,12 @@ def bench_decode(model, batches, iters, caches, eager, n_inputs=4) -> list[dict]
         g = torch.Generator(device="cuda").manual_seed(b)
         inputs = []
         for _ in range(n_inputs):
-            q = torch.randn(b, 1, h, 512, device="cuda", generator=g).bfloat16()
+            q = torch.randn(b, 1, h, HEAD_DIM, device="cuda", generator=g).bfloat16()
             idx = torch.randint(0, n_comp, (b, 1, topk), device="cuda", generator=g, dtype=torch.int32)
             swa = torch.randint(0, n_swa, (b, 1, window), device="cuda", generator=g, dtype=torch.int32)
             inputs.append((q, idx, swa))
         sink = torch.randn(h, device="cuda")
-        out = torch.empty(b, 1, h, 512, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(b, 1, h, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         lens_c = torch.full((b,), topk, device="cuda", dtype=torch.int32)
         lens_w = torch.full((b,), window, device="cuda", dtype=torch.int32)
 
@@ -86,15 +86,15 @@ def bench_prefill(model, ts, iters, eager, n_rows=1 << 16, n_inputs=2) -> list[d
     h, topk = model.heads, model.prefill_topk
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
-    kv = torch.randn(n_rows, 512, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(n_rows, HEAD_DIM, device="cuda", generator=g).bfloat16()
     sink = torch.randn(h, device="cuda")
     for t_ in ts:
         inputs = []
         for _ in range(n_inputs):
-            q = torch.randn(t_, h, 512, device="cuda", generator=g).bfloat16()
+            q = torch.randn(t_, h, HEAD_DIM, device="cuda", generator=g).bfloat16()
             idx = torch.randint(0, n_rows, (t_, topk), device="cuda", generator=g, dtype=torch.int32)
             inputs.append((q, idx))
-        out = torch.empty(t_, h, 512, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(t_, h, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
 
         def run(k):
             q, idx = inputs[k]
@@ -106,7 +106,8 @@ def bench_prefill(model, ts, iters, eager, n_rows=1 << 16, n_inputs=2) -> list[d
     return rows
 
 
-def bench_fmha(iters, eager, dims=(512, 128, 256), seqs=4, seqlen=4096, n_comp=1024, ratio=4, window=128):
+def bench_fmha(iters, eager, dims=(512, 128, 256), seqs=4, seqlen=4096, n_comp=1024, ratio=RATIO["csa"],
+               window=WINDOW):
     """dsv4.dense_fmha over [n_comp compressed | seqlen window] rows per sequence, causal: D=512
     H=128 MQA (through the sparse prefill kernel) and two dense-kernel shapes (GQA). Timed
     as the whole op (index construction included)."""

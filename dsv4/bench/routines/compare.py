@@ -19,12 +19,13 @@ import sys
 
 import torch
 
+from ...formats.kv_cache import FP8_DS_MLA_VIEW_LAST_DIM
 from .. import traffic
 from ..argtypes import anchor_paths, context_list, int_list, name_list
 from ..cases import DecodePools, decode_case, dsv4_decode, prefill_case
 from ..experts import MOE_LABELS, dsv4_moe, moe_cases, moe_format_list, moe_routing, prepare, random_experts
 from ..incumbents import MOE_INCUMBENTS
-from ..models import KINDS, MODELS, SCHEDULED, SOFTMAX_SCALE
+from ..models import HEAD_DIM, KINDS, MODELS, SCHEDULED, SOFTMAX_SCALE
 from .compare_tables import fmt_case, line, markdown, render
 
 SUMMARY = "dsv4 side by side with the kernels vLLM 0.33.0 runs on Hopper (FlashMLA SM90, Humming)"
@@ -88,7 +89,7 @@ def prefill_rows(anchors, models, tokens, iters: int, copy_tbps: float) -> list[
 
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(7)
-    kv = torch.randn(1 << 16, 512, generator=gen, device=dev).to(torch.bfloat16)  # 64 MB > L2
+    kv = torch.randn(1 << 16, HEAD_DIM, generator=gen, device=dev).to(torch.bfloat16)  # 64 MB > L2
     rows = []
     for mname in models:
         m = MODELS[mname]
@@ -109,7 +110,8 @@ def prefill_rows(anchors, models, tokens, iters: int, copy_tbps: float) -> list[
             # bf16 workspace first (a CuTe-DSL/Triton kernel not runnable without vLLM): its
             # cost here is a bandwidth estimate, fp8 rows read + bf16 rows written at the
             # measured copy rate, for a fresh T-token request (T window rows + T/4 compressed).
-            gather_us = (T + T // 4) * (584 + 1024) / (copy_tbps * 1e12) * 1e6
+            row_bytes = FP8_DS_MLA_VIEW_LAST_DIM + 2 * HEAD_DIM  # fp8 row read, bf16 row written
+            gather_us = (T + T // 4) * row_bytes / (copy_tbps * 1e12) * 1e6
             row = dict(op="prefill", model=m.name, kind=f"topk {topk}", context=None, batch=T, keys=topk,
                        dsv4_us=us, method=t["dsv4"].method, tflops=tr.tflops(us), tbps=tr.tbps(us),
                        gather_est_us=gather_us)
@@ -168,7 +170,8 @@ def moe_rows(anchors, models, Ms, iters: int, cases=(("nvfp4", "bf16"),)) -> lis
                     ref = hum(sets[0]["x"], sets[0]["tw"], plans[0])
                     row.update(incumbent=inc_name, incumbent_us=t["humming"].us, ratio=t["humming"].us / us,
                                maxdiff=_maxdiff(outs[0], ref),
-                               rel_l2=float((outs[0].float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)))
+                               rel_l2=float((outs[0].float() - ref.float()).norm()
+                                            / ref.float().norm().clamp_min(1e-30)))
                 elif why:
                     row["missing"] = why
                 rows.append(row)
