@@ -112,7 +112,7 @@ def test_cpu_reference_step_is_the_schedule_sum(bench_extra, tmp_path):
             assert step[impl]["total_us"] == pytest.approx(want)
 
 
-def test_without_gpu_one_line_and_nonzero_exit(tmp_path):
+def test_without_gpu_one_line_and_nonzero_exit(bench_extra, tmp_path):
     r = run_script("--out-dir", str(tmp_path / "out"), env={"CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode != 0
     assert r.stdout == ""
@@ -142,7 +142,7 @@ def test_argument_errors(argv, capsys):
         assert repr(argv[1]) in err, err
 
 
-def test_unusable_out_dir(tmp_path, capsys):
+def test_unusable_out_dir(bench_extra, tmp_path, capsys):
     """An --out-dir that cannot hold the results: one dsv4-style line, status 2, before the sweep."""
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
