@@ -13,10 +13,10 @@ mismatches, where the tables are) is printed last.
   racecheck (error counts must be 0; CUDA-graph tests excluded, they need the caching
   allocator that memcheck runs without);
 * --fuzz: scripts/gpu_fuzz.py with its defaults (2,000 attention, 500 MoE, 2,000 quantize);
-* --compare "ARGS": python -m dsv4.bench.compare ARGS (the incumbents side by side; set
+* --compare "ARGS": python -m dsv4.bench compare ARGS (the incumbents side by side; set
   DSV4_ANCHORS or pass --anchors inside ARGS);
 * --decode-latency "ARGS": scripts/decode_latency.py ARGS --out-dir OUT/decode_latency;
-* --bench: the per-family benchmark scripts (bench_quantize, bench_attention, bench_moe).
+* --bench: the per-family benchmark routines (python -m dsv4.bench quantize / attention / moe).
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# family -> (GPU test files, benchmark, extra benchmark arguments)
+# family -> (GPU test files, benchmark routine of python -m dsv4.bench, extra benchmark arguments)
 FAMILIES = {
-    "quantize": (["tests/test_quantize.py", "tests/test_formats.py"], "scripts/bench_quantize.py", []),
+    "quantize": (["tests/test_quantize.py", "tests/test_formats.py"], "quantize", []),
     "attention": (["tests/test_attention.py", "tests/test_batch_invariant.py", "tests/test_reference.py"],
-                  "scripts/bench_attention.py", ["--skip-fmha"]),
-    "fmha": (["tests/test_fmha.py"], "scripts/bench_attention.py", ["--only-fmha"]),
-    "moe": (["tests/test_moe.py", "tests/test_moe_config.py", "tests/test_mxfp4.py"], "scripts/bench_moe.py", []),
+                  "attention", ["--skip-fmha"]),
+    "fmha": (["tests/test_fmha.py"], "attention", ["--only-fmha"]),
+    "moe": (["tests/test_moe.py", "tests/test_moe_config.py", "tests/test_mxfp4.py"], "moe", []),
     "checks": (["tests/test_value_checks.py", "tests/test_ops_registry.py"], None, []),
     "incumbents": (["tests/test_incumbents.py"], None, []),
 }
@@ -75,9 +75,9 @@ def main() -> int:
     p.add_argument("--sanitize", default="", help="comma list of families to run under compute-sanitizer")
     p.add_argument("--sanitize-k", default=None, help="pytest -k expression for the sanitizer runs")
     p.add_argument("--fuzz", action="store_true")
-    p.add_argument("--compare", default=None, metavar="ARGS", help="run python -m dsv4.bench.compare ARGS")
+    p.add_argument("--compare", default=None, metavar="ARGS", help="run python -m dsv4.bench compare ARGS")
     p.add_argument("--decode-latency", default=None, metavar="ARGS", help="run scripts/decode_latency.py ARGS")
-    p.add_argument("--bench", action="store_true", help="also run the per-family benchmark scripts")
+    p.add_argument("--bench", action="store_true", help="also run the per-family benchmark routines")
     p.add_argument("--quick", action="store_true", help="pass --quick to the benchmarks that take it")
     p.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, "out")))
     args = p.parse_args()
@@ -131,7 +131,7 @@ def main() -> int:
         summary.append(("fuzz", ("; ".join(lines) or f"rc={rc} (no summary)") + f" ({dt:.0f}s)"))
 
     if args.compare is not None:
-        cmd = [sys.executable, "-m", "dsv4.bench.compare", "--json", f"{args.out}/compare.json", "--markdown",
+        cmd = [sys.executable, "-m", "dsv4.bench", "compare", "--json", f"{args.out}/compare.json", "--markdown",
                f"{args.out}/compare.md", *shlex.split(args.compare)]
         rc, out, dt = run(cmd, f"{args.out}/compare.log")
         summary.append(("compare", f"rc={rc} ({dt:.0f}s): {last_line(out, r'compared cases slower')}"))
@@ -145,10 +145,10 @@ def main() -> int:
     if args.bench:
         for f in fams:
             _, bench, extra = FAMILIES[f]
-            if bench is None or not os.path.exists(os.path.join(ROOT, bench)):
+            if bench is None:
                 continue
             quick = ["--quick"] if args.quick and f in ("attention", "moe") else []
-            cmd = [sys.executable, bench, "--json", f"{args.out}/bench_{f}.json", *extra, *quick]
+            cmd = [sys.executable, "-m", "dsv4.bench", bench, "--json", f"{args.out}/bench_{f}.json", *extra, *quick]
             rc, out, dt = run(cmd, f"{args.out}/bench_{f}.log")
             summary.append((f"bench {f}", f"rc={rc} ({dt:.0f}s), table in {args.out}/bench_{f}.log"))
     return report(summary, 1 if failed else 0)

@@ -1,12 +1,11 @@
-"""CPU tests of the benchmark package (dsv4.bench) and scripts/bench_moe.py: the
-incumbents' finder degrades cleanly, the fetch script's extraction, the input builders'
-shapes and strides against what FlashMLA's interface and vLLM's MoE layouts document, the
-MoE format cases (NVFP4, MXFP4 W4A8 / W4A16) on the CPU reference path, the comparison
-CLI's dry run."""
+"""CPU tests of the benchmark package (dsv4.bench): the incumbents' finder degrades
+cleanly, the fetch script's extraction, the one model table, the case builders' shapes
+and strides against what FlashMLA's interface and vLLM's MoE layouts document, the traffic
+counts, the report, the MoE format cases (NVFP4, MXFP4 W4A8 / W4A16) on the CPU reference
+path, the compare and moe routines' dry runs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import stat
@@ -15,11 +14,16 @@ import zipfile
 import pytest
 import torch
 
+from dataclasses import replace
+
 from dsv4 import formats
 from dsv4.formats import mxfp4
 from dsv4.bench import anchors as A
-from dsv4.bench import compare
-from dsv4.bench import inputs as I
+from dsv4.bench import cases as C
+from dsv4.bench import cli
+from dsv4.bench import experts as X
+from dsv4.bench import traffic
+from dsv4.bench.models import MODELS
 
 
 @pytest.fixture
@@ -113,25 +117,88 @@ def test_fetch_from_a_wheel_folder_writes_manifests(tmp_path):
         A.fetch(str(tmp_path / "b"), wheel_dir=str(tmp_path / "a"))
 
 
+@pytest.fixture
+def rich_extra():
+    pytest.importorskip("rich", reason="the routines' tables need rich (the bench extra)")
+
+
+# --------------------------------------------------------------------------------------
+# the model table (docs/design.md section 1)
+# --------------------------------------------------------------------------------------
+
+
+def test_model_table_has_the_design_facts():
+    facts = {"flash": (4096, 43, 64, 512, 256, 2048), "pro": (7168, 61, 128, 1024, 384, 3072),
+             "v41flash": (5120, 40, 64, 512, 384, 2304)}
+    for key, (hidden, layers, heads, topk, experts, inter) in facts.items():
+        m = MODELS[key]
+        assert (m.hidden, m.n_layers, m.heads, m.index_topk, m.n_experts, m.moe_inter) == \
+            (hidden, layers, heads, topk, experts, inter), key
+        assert (m.experts_per_token, m.swiglu_limit, m.window, m.key) == (6, 10.0, 128, key)
+    assert MODELS["flash"].layers == {"swa": 2, "csa": 21, "hca": 20}
+    assert MODELS["pro"].layers == {"swa": 0, "csa": 30, "hca": 31}
+    for m in MODELS.values():  # every layer of a scheduled model is counted once
+        assert m.layers is None or sum(m.layers.values()) == m.n_layers
+    assert [m.moe_name() for m in MODELS.values()] == ["V4-Flash local-32", "V4-Pro local-48",
+                                                       "V4.1-Flash local-48"]
+    assert (MODELS["flash"].prefill_topk, MODELS["pro"].prefill_topk) == (640, 1152)
+
+
+def test_one_room_for_head_dim_and_window():
+    """HEAD_DIM is dsv4.formats.kv_cache's KV_DIM; no benchmark file declares its own
+    HEAD_DIM, WINDOW or model numbers."""
+    import pathlib
+    import re
+
+    from dsv4.bench import models
+    from dsv4.formats import kv_cache
+
+    assert models.HEAD_DIM is kv_cache.KV_DIM
+    bench = pathlib.Path(models.__file__).parent
+    for path in bench.rglob("*.py"):
+        text = path.read_text()
+        if path.name != "models.py":
+            assert not re.search(r"^(HEAD_DIM|WINDOW|MODELS|LAYER_SCHEDULE)\s*=", text, re.M), path
+        assert len(text.splitlines()) <= 450, f"{path} has {len(text.splitlines())} lines"
+
+
+# --------------------------------------------------------------------------------------
+# attention cases
+# --------------------------------------------------------------------------------------
+
+
 @pytest.fixture(scope="module")
 def pools():
-    return I.DecodePools.build(4 * 128, 2048, 512, "cpu", seed=3)
+    return C.DecodePools.build(4 * 128, 2048, 512, "cpu", seed=3)
 
 
 def test_pools_have_vllm_block_sizes_and_576_byte_padded_strides(pools):
-    for cache, block in ((pools.swa, I.SWA_BLOCK), (pools.c4a, I.C4A_BLOCK), (pools.c128a, I.C128A_BLOCK)):
+    assert C.BLOCK == {"swa": 64, "csa": 64, "hca": 2}
+    for kind, cache in (("swa", pools.swa), ("csa", pools.c4a), ("hca", pools.c128a)):
+        block = C.BLOCK[kind]
+        assert cache is pools.cache(kind)
         assert cache.dtype == torch.uint8 and cache.shape[1:] == (block, 584)
         assert cache.stride(0) % 576 == 0 and cache.stride(0) >= block * 584 and cache.stride(1) == 584
         assert formats.kv_cache_layout(cache.unsqueeze(-2)) == ("fp8_ds_mla", block)
     assert pools.c128a.stride(0) == 1728  # 2 * 584 = 1168 bytes padded to 3 * 576
+    assert pools.rows_bf16 is None
+
+
+def test_pools_bf16_rows_are_the_cached_rows():
+    p = C.DecodePools.build(100, 70, 9, "cpu", seed=4, bf16_rows=True)
+    assert p.rows_bf16.shape == (128 + 128 + 10, 512)
+    for kind in ("swa", "csa", "hca"):
+        slots = torch.arange(p.slots(kind))
+        rows = p.rows_bf16[p.row_offset(kind):p.row_offset(kind) + p.slots(kind)]
+        assert torch.equal(formats.read_fp8_ds_mla(p.cache(kind), slots), rows), kind
 
 
 @pytest.mark.parametrize("kind,context", [("swa", 4096), ("swa", 50), ("csa", 4096), ("csa", 1000), ("hca", 4096),
                                           ("hca", 40000)])
 def test_decode_case_matches_flashmla_interface_shapes(pools, kind, context):
-    m = I.ATTN_MODELS["pro"]
+    m = MODELS["pro"]
     b = 3
-    c = I.decode_case(kind, m, b, context, pools, torch.Generator().manual_seed(0))
+    c = C.decode_case(kind, m, b, context, pools, torch.Generator().manual_seed(0))
     # flash_mla_with_kvcache: q (b, s_q, h_q, d), indices (b, s_q, topk) int32, topk_length (b,) int32
     assert c["q"].shape == (b, 1, 128, 512) and c["q"].dtype == torch.bfloat16
     assert c["swa_idx"].shape == (b, 1, 128) and c["swa_idx"].dtype == torch.int32
@@ -141,11 +208,13 @@ def test_decode_case_matches_flashmla_interface_shapes(pools, kind, context):
     n_slots = pools.slots("swa")
     valid = c["swa_idx"][..., : min(128, context)]
     assert bool(((valid >= 0) & (valid < n_slots)).all())
+    assert (c["window_keys"], c["compressed_keys"]) == C.attention_keys(kind, m, context)
     if kind == "swa":
         assert c["extra_cache"] is None and c["extra_idx"] is None
         return
-    width = m.index_topk if kind == "csa" else I.c128a_width(context)
+    width = m.index_topk if kind == "csa" else C.c128a_width(context)
     visible = min(context // 4, m.index_topk) if kind == "csa" else context // 128
+    assert c["extra_cache"] is pools.cache(kind)
     assert c["extra_idx"].shape == (b, 1, width) and width % 64 == 0
     assert c["extra_len"].tolist() == [visible] * b
     assert bool((c["extra_idx"][..., visible:] == -1).all())
@@ -155,24 +224,62 @@ def test_decode_case_matches_flashmla_interface_shapes(pools, kind, context):
     assert c["keys"] == min(128, context) + visible
 
 
+def test_attention_keys():
+    flash, pro = MODELS["flash"], MODELS["pro"]
+    assert C.attention_keys("swa", flash, 4096) == (128, 0)
+    assert C.attention_keys("csa", flash, 4096) == (128, 512)
+    assert C.attention_keys("csa", pro, 2048) == (128, 512)  # fewer visible entries than top-k
+    assert C.attention_keys("hca", pro, 131072) == (128, 1024)
+    assert C.attention_keys("swa", pro, 50) == (50, 0)
+    with pytest.raises(ValueError, match="kind must be"):
+        C.attention_keys("mla", pro, 4096)
+
+
 def test_c128a_width_is_vllms_active_topk_width():
-    assert I.c128a_width(4096) == 128 and I.c128a_width(32768) == 256 and I.c128a_width(131072) == 1024
-    assert I.c128a_width(100) == 128 and I.c128a_width(131072, max_compressed=512) == 512
+    assert C.c128a_width(4096) == 128 and C.c128a_width(32768) == 256 and C.c128a_width(131072) == 1024
+    assert C.c128a_width(100) == 128 and C.c128a_width(131072, max_compressed=512) == 512
+
+
+def test_decode_pools_for_cases_are_sized_from_the_largest_case(monkeypatch):
+    sizes = []
+    monkeypatch.setattr(C.DecodePools, "build", staticmethod(lambda *a, **k: sizes.append(a[:3])))
+    C.DecodePools.for_cases(256, 1 << 17, "cpu")
+    C.DecodePools.for_cases(1, 4096, "cpu")
+    # above L2 at any size; growing with the batch (window pool) and the context (compressed pools)
+    assert sizes == [(1 << 18, 1 << 20, 1 << 16), (1 << 18, 1 << 20, 1 << 16)]
+    C.DecodePools.for_cases(1024, 1 << 23, "cpu")
+    assert sizes[-1] == (4 * 128 * 1024, 2 * (1 << 23) // 4, 4 * (1 << 23) // 128)
+    C.DecodePools.for_cases(2, 2048, "cpu", above_l2=False)  # the CPU reference run's small pools
+    assert sizes[-1] == (1024, 4096, 512)
 
 
 def test_prefill_case_and_moe_builders():
     g = torch.Generator().manual_seed(1)
-    p = I.prefill_case(I.ATTN_MODELS["flash"], 5, 1000, g, "cpu")
+    p = C.prefill_case(MODELS["flash"], 5, 1000, g, "cpu")
     assert p["q"].shape == (5, 64, 512) and p["kv"].shape == (1000, 512) and p["idx"].shape == (5, 640)
     assert p["lens"].tolist() == [640] * 5 and int(p["idx"].max()) < 1000
-    m = I.MoeModel("tiny", 64, 64, 16, 4)
-    w = I.moe_experts(m, "cpu")
-    assert w["w13"].shape == (4, 128, 32) and w["w13_scale"].dtype == torch.float8_e4m3fn and w["w2"].shape == (4, 64, 32)
-    r = I.moe_routing(m, 7, "cpu", 0)
+    m = replace(MODELS["flash"], hidden=64, moe_inter=64, n_experts=16)
+    w = X.random_experts("nvfp4", m.local_experts(4), m.moe_inter, m.hidden, "cpu")
+    assert w["w13"].shape == (4, 128, 32) and w["w2"].shape == (4, 64, 32)
+    assert w["w13_scale"].dtype == torch.float8_e4m3fn
+    r = X.moe_routing(m, 7, torch.Generator().manual_seed(0), ep=4)
     assert r["ids"].shape == (7, 6) and r["ids"].dtype == torch.int32 and torch.allclose(r["tw"].sum(1), torch.ones(7))
     assert all(len(set(row.tolist())) == 6 for row in r["ids"])
     assert r["emap"].tolist() == [0, 1, 2, 3] + [-1] * 12
     assert r["n_local"] == int((r["ids"] < 4).sum())
+    assert r["touched"] == len(set(r["ids"][r["ids"] < 4].tolist()))
+
+
+def test_moe_routing_drawn_on_the_host_equals_drawn_on_the_device():
+    """The moe routine draws its routing with a CPU generator and moves it; the values are
+    those a CPU run of the same draw gives (x, then the scores)."""
+    m = replace(MODELS["flash"], hidden=64, moe_inter=64, n_experts=16)
+    a = X.moe_routing(m, 5, torch.Generator().manual_seed(3), "cpu", ep=4)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
+    tw, ids = torch.rand(5, 16, generator=gen).topk(6, dim=1)
+    assert torch.equal(a["x"], x) and torch.equal(a["ids"], ids.to(torch.int32))
+    assert torch.equal(a["tw"], (tw / tw.sum(1, keepdim=True)).float())
 
 
 def test_align_routes_semantics():
@@ -186,25 +293,97 @@ def test_align_routes_semantics():
     assert e.tolist() == [0, 1, 2] and n.tolist() == [12]
 
 
-def test_compare_dry_run_prints_cases_and_the_missing_incumbents(no_env, capsys):
-    assert compare.main(["--dry-run", "--batch", "1,4", "--context", "4K", "--moe-m", "1", "--tokens", "16"]) == 0
+# --------------------------------------------------------------------------------------
+# traffic: one count per op family
+# --------------------------------------------------------------------------------------
+
+
+def test_traffic_counts():
+    t = traffic.decode_attention(2, 64, 640)
+    assert t.flops == 2 * 64 * 2 * 512 * 640 * 2
+    assert t.bytes == 2 * (640 * (584 + 4) + 2 * 64 * 512 * 2 + 64 * 4)
+    assert t.tflops(1.0) == pytest.approx(t.flops / 1e6) and t.tbps(2.0) == pytest.approx(t.bytes / 2e6)
+    t = traffic.prefill_attention(4096, 128, 1152)
+    assert t.flops == 2 * 128 * 1024 * 1152 * 4096 and t.bytes == 4096 * (2 * 128 * 512 * 2 + 128 * 4 + 1152 * 1028)
+    t = traffic.dense_fmha(16384, 32, 128, 1000, 20480, 8, shared_kv=False)
+    assert t.flops == 4 * 128 * 32 * 1000
+    assert t.bytes == 2 * 16384 * 32 * 128 * 2 + 16384 * 32 * 4 + 20480 * 8 * 128 * 2 * 2
+    assert traffic.dense_fmha(1, 1, 512, 1, 10, 1, shared_kv=True).bytes == 2 * 512 * 2 + 4 + 10 * 512 * 2
+    t = traffic.moe(12, 3, 4096, 2048, "nvfp4")
+    assert t.flops == 12 * 6 * 4096 * 2048 and t.bytes == 3 * 3 * 2048 * 4096 * 9 / 16
+    assert traffic.moe_expert_bytes(256, 128, "mxfp4") / traffic.moe_expert_bytes(256, 128, "nvfp4") == \
+        pytest.approx(17 / 18)
+    assert traffic.moe_expert_bytes(256, 128, "bf16") == 3 * 256 * 128 * 2
+    assert traffic.quantize_nvfp4(128, 7168) == traffic.Traffic(0, 128 * 7168 * 2 + 128 * 7168 // 2 + 128 * 7168 // 16)
+
+
+# --------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------
+
+
+def test_markdown_tables():
+    from dsv4.bench.report import Table, fmt_ctx, fmt_ms, fmt_us, to_markdown
+
+    t = Table("A title", ["case", "us", "note"], [["a|b", "1.0", "x"]], caption="a caption")
+    md = to_markdown([t], notes=["n1"])
+    assert md == "**A title**\n\n| case | us | note |\n|---|---:|---|\n| a/b | 1.0 | x |\n\na caption\n\n- n1\n"
+    assert to_markdown([t], heading="h4", preamble=["P."]).startswith("P.\n\n#### A title\n")
+    assert to_markdown([Table("t", ["a", "b"], align="rl")]).splitlines()[3] == "|---:|---|"
+    assert (fmt_us(123.4), fmt_us(12.34), fmt_us(None), fmt_ms(1234.0)) == ("123", "12.3", "-", "1.23")
+    assert (fmt_ctx(None), fmt_ctx(4096), fmt_ctx(1 << 20), fmt_ctx(1000)) == ("any ctx", "4K", "1M", "1000")
+
+
+def test_text_tables(rich_extra):
+    from dsv4.bench.report import Table, to_text
+
+    text = to_text([Table("Title", ["case", "us"], [["x", "1.0"]], caption="cap")], 80, lines=["first"],
+                   notes=["a note"])
+    lines = text.splitlines()
+    assert lines[0] == "first" and "Title" in text and "cap" in text and lines[-1] == "- a note"
+    assert "\x1b[" not in text  # no colour codes in files
+
+
+# --------------------------------------------------------------------------------------
+# the compare routine (CPU: dry runs, argument errors, report)
+# --------------------------------------------------------------------------------------
+
+
+def compare(*argv):
+    return cli.main(["compare", *argv])
+
+
+def test_compare_dry_run_prints_cases_and_the_missing_incumbents(rich_extra, no_env, capsys):
+    assert compare("--dry-run", "--batch", "1,4", "--context", "4K", "--moe-m", "1", "--tokens", "16") == 0
     out = capsys.readouterr().out
-    assert "V4-Pro CSA 4K B=4" in out and "V4.1-Flash local-48 NVFP4 W4A16 M=1" in out and "prefill" in out
+    assert "V4-Pro CSA 4K B=4" in out and "V4.1-Flash local-48 NVFP4 W4A16 M=1" in out and "prefill topk 1152" in out
     if A._installed_version("vllm") != A.VLLM_VERSION:
         assert "missing" in out and "flashmla" in out
 
 
-@pytest.mark.parametrize("bad", [["--batch", "1,,2"], ["--batch", "0"], ["--context", "4Q"], ["--moe-m", ""]])
+def test_compare_alias_module(rich_extra, no_env, capsys):
+    from dsv4.bench import compare as alias
+
+    assert alias.main(["--dry-run", "--only", "prefill", "--models", "flash", "--tokens", "16"]) == 0
+    assert "V4-Flash prefill topk 640 T=16" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", [["--batch", "1,,2"], ["--batch", "0"], ["--context", "4Q"], ["--moe-m", ""],
+                                 ["--only", "decode,train"], ["--kinds", "mla"], ["--moe-format", "w4a8"]])
 def test_compare_rejects_bad_lists(no_env, bad, capsys):
     with pytest.raises(SystemExit) as e:
-        compare.main(["--dry-run", *bad])
+        compare("--dry-run", *bad)
     assert e.value.code == 2
     assert "error: argument" in capsys.readouterr().err
 
 
 def test_compare_rejects_unknown_names(no_env, capsys):
-    assert compare.main(["--dry-run", "--models", "flash,nope"]) == 2
-    assert "--models takes flash, pro; got nope" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        compare("--dry-run", "--models", "flash,nope")
+    assert e.value.code == 2
+    assert "--models: takes a comma-separated list of flash, pro; got 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compare("--dry-run", "--models", "v41flash")  # no V4 layer schedule: attention rows need one
 
 
 # --------------------------------------------------------------------------------------
@@ -213,8 +392,7 @@ def test_compare_rejects_unknown_names(no_env, capsys):
 
 
 def test_random_mxfp4_experts_are_vllms_deepseek_v4_layout():
-    m = I.MoeModel("tiny", 128, 96, 16, 3)
-    w = I.moe_experts(m, "cpu", fmt="mxfp4")
+    w = X.random_experts("mxfp4", 3, 96, 128, "cpu")
     assert set(w) == {"w13", "w13_scale", "w2", "w2_scale"}
     shapes = {"w13": (3, 192, 64), "w13_scale": (3, 192, 4), "w2": (3, 128, 48), "w2_scale": (3, 128, 3)}
     for k, shape in shapes.items():
@@ -222,64 +400,69 @@ def test_random_mxfp4_experts_are_vllms_deepseek_v4_layout():
     assert 118 <= int(w["w13_scale"].min()) and int(w["w2_scale"].max()) <= 122
     vals = mxfp4.dequantize_mxfp4_experts(w["w13"], w["w13_scale"])
     assert bool(torch.isfinite(vals).all()) and 0.005 < float(vals.abs().mean()) < 0.1  # O(0.02), like real weights
-    again = I.moe_experts(m, "cpu", fmt="mxfp4")
+    again = X.random_experts("mxfp4", 3, 96, 128, "cpu")
     assert all(torch.equal(w[k], again[k]) for k in w)  # seeded
-    assert not torch.equal(w["w13"], I.moe_experts(m, "cpu", seed=2, fmt="mxfp4")["w13"])
+    assert not torch.equal(w["w13"], X.random_experts("mxfp4", 3, 96, 128, "cpu", seed=2)["w13"])
     with pytest.raises(ValueError, match="fmt must be one of nvfp4, mxfp4"):
-        I.moe_experts(m, "cpu", fmt="mxfp8")
-    assert I.MOE_FORMATS["nvfp4"][1] == 9 / 16 and I.MOE_FORMATS["mxfp4"][1] == 17 / 32
+        X.random_experts("mxfp8", 3, 96, 128, "cpu")
+    assert traffic.WEIGHT_BYTES == {"bf16": 2.0, "nvfp4": 9 / 16, "mxfp4": 17 / 32}
 
 
 def test_moe_format_names_and_cases():
-    assert I.moe_format_list("mxfp4-w4a8, nvfp4,mxfp4-w4a8") == ["mxfp4-w4a8", "nvfp4"]
+    from dsv4.moe import modes
+
+    assert X.moe_format_list("mxfp4-w4a8, nvfp4,mxfp4-w4a8") == ["mxfp4-w4a8", "nvfp4"]
     for bad in ("fp8", "nvfp4,", "mxfp4"):
         with pytest.raises(Exception, match="nvfp4, mxfp4-w4a8, mxfp4-w4a16"):
-            I.moe_format_list(bad)
-    assert I.moe_cases(["nvfp4", "mxfp4-w4a8", "mxfp4-w4a16"]) == [("nvfp4", "bf16"), ("mxfp4", "fp8"),
+            X.moe_format_list(bad)
+    assert X.moe_cases(["nvfp4", "mxfp4-w4a8", "mxfp4-w4a16"]) == [("nvfp4", "bf16"), ("mxfp4", "fp8"),
                                                                    ("mxfp4", "bf16")]
-    assert I.moe_cases(["mxfp4-w4a16", "nvfp4"], ["bf16", "nvfp4"]) == [("mxfp4", "bf16"), ("nvfp4", "bf16"),
+    assert X.moe_cases(["mxfp4-w4a16", "nvfp4"], ["bf16", "nvfp4"]) == [("mxfp4", "bf16"), ("nvfp4", "bf16"),
                                                                          ("nvfp4", "nvfp4")]
-    assert {I.MOE_LABELS[c] for c in I.moe_cases(["mxfp4-w4a8", "mxfp4-w4a16"])} == {"MXFP4 W4A8", "MXFP4 W4A16"}
+    assert {X.MOE_LABELS[c] for c in X.moe_cases(["mxfp4-w4a8", "mxfp4-w4a16"])} == {"MXFP4 W4A8", "MXFP4 W4A16"}
+    # the labels are dsv4.moe.modes'
+    assert X.MOE_LABELS == {(f, a): modes.label(f, a) for f, acts in modes.ACTIVATIONS.items() for a in acts}
 
 
-def test_compare_dry_run_lists_the_w4a8_row_set(no_env, capsys):
+def test_compare_dry_run_lists_the_w4a8_row_set(rich_extra, no_env, capsys):
     argv = ["--dry-run", "--only", "moe", "--moe-models", "flash,v41flash", "--moe-m", "1,64"]
-    assert compare.main(argv) == 0
+    assert compare(*argv) == 0
     out = capsys.readouterr().out
     for model in ("V4-Flash local-32", "V4.1-Flash local-48"):
         for M in (1, 64):  # the W4A8 rows at the same models and M as the W4A16 ones
             assert f"{model} NVFP4 W4A16 M={M}" in out and f"{model} MXFP4 W4A8 M={M}" in out
     assert "Humming W4A8" in out and "8 cases listed" in out
-    assert compare.main(argv + ["--moe-format", "nvfp4"]) == 0
+    assert compare(*argv, "--moe-format", "nvfp4") == 0
     out = capsys.readouterr().out
     assert "MXFP4" not in out and "4 cases listed" in out
-    assert compare.main(argv + ["--moe-format", "mxfp4-w4a8"]) == 0
+    assert compare(*argv, "--moe-format", "mxfp4-w4a8") == 0
     assert "NVFP4" not in capsys.readouterr().out
 
 
-def test_compare_mxfp4_w4a16_is_measured_against_what_vllm_runs_for_mxfp4(no_env, capsys):
+def test_compare_mxfp4_w4a16_is_measured_against_what_vllm_runs_for_mxfp4(rich_extra, no_env, capsys):
     # vLLM serves MXFP4 checkpoints on Hopper only with Humming W4A8: that is the incumbent
     # of dsv4's MXFP4 W4A16 path too.
-    assert compare.main(["--dry-run", "--only", "moe", "--moe-models", "flash", "--moe-m", "64",
-                         "--moe-format", "mxfp4-w4a16"]) == 0
+    assert compare("--dry-run", "--only", "moe", "--moe-models", "flash", "--moe-m", "64",
+                   "--moe-format", "mxfp4-w4a16") == 0
     out = capsys.readouterr().out
     assert "V4-Flash local-32 MXFP4 W4A16 M=64" in out and "Humming W4A8" in out and "1 cases listed" in out
 
 
-def test_compare_rejects_unknown_moe_formats(no_env, capsys):
-    with pytest.raises(SystemExit) as e:
-        compare.main(["--dry-run", "--moe-format", "w4a8"])
-    assert e.value.code == 2
-
-
 def test_markdown_has_one_moe_table_per_format():
+    from dsv4.bench.routines.compare_tables import markdown
+
     rows = [dict(op="moe", model="V4-Flash local-32", kind=kind, batch=1, dsv4_us=10.0, tflops=1.0, tbps=1.0,
                  incumbent=inc, incumbent_us=12.0, ratio=1.2, rel_l2=1e-2)
             for kind, inc in (("NVFP4 W4A16", "Humming W4A16"), ("MXFP4 W4A8", "Humming W4A8"))]
-    md = compare.markdown(rows)
-    assert "Routed-expert MoE (NVFP4 W4A16), dsv4 vs Humming W4A16" in md
-    assert "Routed-expert MoE (MXFP4 W4A8), dsv4 vs Humming W4A8" in md
+    md = markdown(rows)
+    assert "#### Routed-expert MoE (NVFP4 W4A16), dsv4 vs Humming W4A16" in md
+    assert "#### Routed-expert MoE (MXFP4 W4A8), dsv4 vs Humming W4A8" in md
     assert md.count("| V4-Flash local-32 | 1 | 10.0 | 12.0 | 1.20x |") == 2
+    dec = [dict(op="decode", model="V4-Pro", kind="csa", context=4096, batch=128, dsv4_us=134.5, tflops=287.0,
+                incumbent_us=125.8, ratio=0.935, pct_gemm=36.6)]
+    md = markdown(dec, {"copy TB/s": 4.25})
+    assert md.startswith("Ceilings measured in the same process: copy TB/s 4.25.\n\n#### Decode attention")
+    assert "|---|---|---|---:|" in md and "| V4-Pro | CSA | 4K | 128 | 134.5 | 125.8 | **0.94x** | 287 | 37 |" in md
 
 
 def test_humming_w4a8_needs_vllms_quantizer():
@@ -289,66 +472,6 @@ def test_humming_w4a8_needs_vllms_quantizer():
         pytest.skip("vLLM's kernel library is loaded in this process")
     with pytest.raises(RuntimeError, match="per_token_group_fp8_quant.*vllm_c"):
         HummingW4A8({}, 256, 10.0)
-
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def bench_moe():
-    spec = importlib.util.spec_from_file_location("bench_moe", os.path.join(ROOT, "scripts", "bench_moe.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_bench_moe_vs_vllm_passes_the_formats_to_compare(no_env, bench_moe, capsys, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # compare lists the cases, times nothing
-    base = ["--vs", "vllm", "--models", "flash", "--decode", "1", "--prefill", ""]
-    assert bench_moe.main(base) == 0
-    out = capsys.readouterr().out
-    assert "V4-Flash local-32 NVFP4 W4A16 M=1" in out and "V4-Flash local-32 MXFP4 W4A8 M=1" in out
-    assert "2 cases listed" in out  # --prefill '' adds none
-    assert bench_moe.main(base + ["--moe-format", "mxfp4-w4a8"]) == 0
-    out = capsys.readouterr().out
-    assert "MXFP4 W4A8 M=1" in out and "NVFP4" not in out
-
-
-@pytest.mark.parametrize("argv", [["--moe-format", "mxfp4-w4a8", "--activation", "nvfp4"],
-                                  ["--moe-format", "nvfp4,fp8"]])
-def test_bench_moe_rejects_bad_formats(bench_moe, argv, capsys):
-    with pytest.raises(SystemExit) as e:
-        bench_moe.main(argv)
-    assert e.value.code == 2
-    assert "error:" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("fmt,act,tol", [("nvfp4", "bf16", 0.02), ("mxfp4", "bf16", 0.02), ("mxfp4", "fp8", 0.1)])
-def test_bench_moe_cases_on_the_cpu_reference_path(bench_moe, fmt, act, tol):
-    """make_weights + moe_call of every MoE case (the CPU kernels are the float32
-    references) against the script's bf16 baseline on the same dequantized weights:
-    W4A16 within bf16 rounding, W4A8 within its FP8 activation rounding (e4m3, up to
-    2^-4 relative per element at GEMM1's and GEMM2's inputs) and visibly above W4A16's
-    difference (the FP8 mode really ran)."""
-    m = dict(K=256, N=128, E_global=16, E_local=10)  # two chunks of the 8-expert builder
-    w, prepared, w13, w2 = bench_moe.make_weights(m, fmt, [act], device="cpu")
-    assert w13.shape == (10, 256, 256) and w2.shape == (10, 256, 128) and w13.dtype == torch.bfloat16
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(12, 256, generator=gen).to(torch.bfloat16)
-    tw, ids = torch.rand(12, 16, generator=gen).topk(6, dim=1)
-    emap = torch.full((16,), -1, dtype=torch.int32)
-    emap[:10] = torch.arange(10, dtype=torch.int32)
-    s = dict(x=x, ids=ids.to(torch.int32), tw=(tw / tw.sum(1, keepdim=True)).float(), emap=emap)
-    out = torch.full((12, 256), float("nan"), dtype=torch.bfloat16)
-    bench_moe.moe_call(fmt, act, prepared[act], s, out)
-    ref = bench_moe.baseline(s, w13, w2, 10, 128).float()
-    diff = float((out.float() - ref).abs().max() / ref.abs().max())
-    assert diff < tol, diff
-    if act == "fp8":
-        w16, p16, _, _ = bench_moe.make_weights(m, fmt, ["bf16"], device="cpu")
-        out16 = torch.empty_like(out)
-        bench_moe.moe_call(fmt, "bf16", p16["bf16"], s, out16)
-        assert float((out.float() - out16.float()).abs().max() / ref.abs().max()) > 0.02
 
 
 def test_moe_incumbent_missing_names_what_each_case_needs():
@@ -368,12 +491,76 @@ def test_moe_incumbent_missing_names_what_each_case_needs():
     assert "no incumbent" in moe_incumbent_missing(everything, ("nvfp4", "nvfp4"))
 
 
-def test_decode_pools_for_cases_are_sized_from_the_largest_case(monkeypatch):
-    sizes = []
-    monkeypatch.setattr(I.DecodePools, "build", staticmethod(lambda *a, **k: sizes.append(a[:3])))
-    I.DecodePools.for_cases(256, 1 << 17, "cpu")
-    I.DecodePools.for_cases(1, 4096, "cpu")
-    # above L2 at any size; growing with the batch (window pool) and the context (compressed pools)
-    assert sizes == [(1 << 18, 1 << 20, 1 << 16), (1 << 18, 1 << 20, 1 << 16)]
-    I.DecodePools.for_cases(1024, 1 << 23, "cpu")
-    assert sizes[-1] == (4 * 128 * 1024, 2 * (1 << 23) // 4, 4 * (1 << 23) // 128)
+# --------------------------------------------------------------------------------------
+# the moe routine
+# --------------------------------------------------------------------------------------
+
+
+def test_moe_vs_vllm_passes_the_formats_to_compare(rich_extra, no_env, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # compare lists the cases, times nothing
+    base = ["moe", "--vs", "vllm", "--models", "flash", "--decode", "1", "--prefill", ""]
+    assert cli.main(base) == 0
+    out = capsys.readouterr().out
+    assert "V4-Flash local-32 NVFP4 W4A16 M=1" in out and "V4-Flash local-32 MXFP4 W4A8 M=1" in out
+    assert "2 cases listed" in out  # --prefill '' adds none
+    assert cli.main(base + ["--moe-format", "mxfp4-w4a8"]) == 0
+    out = capsys.readouterr().out
+    assert "MXFP4 W4A8 M=1" in out and "NVFP4" not in out
+
+
+@pytest.mark.parametrize("argv", [["--moe-format", "mxfp4-w4a8", "--activation", "nvfp4"],
+                                  ["--moe-format", "nvfp4,fp8"], ["--variants", "sk=2"], ["--decode", "1,x"],
+                                  ["--models", "flash,v5"]])
+def test_moe_rejects_bad_arguments(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["moe", *argv])
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_moe_table_with_fake_numbers():
+    from dsv4.bench.report import to_markdown
+    from dsv4.bench.routines.moe import table
+
+    row = dict(model="V4-Flash local-32", M=64, experts="NVFP4 W4A16", variant="", cta="auto", us=120.0,
+               graph_us=105.6, tbps=3.52, pct_copy=82.0, tflops=5.0, pct_gemm=1.0, base_us=600.0, base_tbps=1.2,
+               speedup=5.68, speedup_eager=5.0, two_vs_one=None)
+    md = to_markdown([table([row], 4.28, 790.0)])
+    assert "| V4-Flash local-32 | 64 | NVFP4 W4A16 | default | auto | 120.0 | 105.6 | 3.52 | 82% |" in md
+
+
+@pytest.mark.parametrize("fmt,act,tol", [("nvfp4", "bf16", 0.02), ("mxfp4", "bf16", 0.02), ("mxfp4", "fp8", 0.1)])
+def test_moe_cases_on_the_cpu_reference_path(fmt, act, tol):
+    """The moe routine's experts (quantized_experts) prepared by MoeSetup and called by
+    dsv4_moe (the CPU kernels are the float32 references) against the bf16 baseline on the
+    same dequantized weights: W4A16 within bf16 rounding, W4A8 within its FP8 activation
+    rounding (e4m3, up to 2^-4 relative per element at GEMM1's and GEMM2's inputs) and
+    visibly above W4A16's difference (the FP8 mode really ran)."""
+    w = X.quantized_experts(fmt, 10, 128, 256, "cpu")  # two chunks of the 8-expert builder
+    setup = X.MoeSetup.build(w, fmt, [act])
+    assert setup.w13_bf16.shape == (10, 256, 256) and setup.w2_bf16.shape == (10, 256, 128)
+    assert setup.w13_bf16.dtype == torch.bfloat16
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(12, 256, generator=gen).to(torch.bfloat16)
+    tw, ids = torch.rand(12, 16, generator=gen).topk(6, dim=1)
+    emap = torch.full((16,), -1, dtype=torch.int32)
+    emap[:10] = torch.arange(10, dtype=torch.int32)
+    s = dict(x=x, ids=ids.to(torch.int32), tw=(tw / tw.sum(1, keepdim=True)).float(), emap=emap)
+    out = torch.full((12, 256), float("nan"), dtype=torch.bfloat16)
+    X.dsv4_moe(s, fmt, act, setup.weights[act], out, swiglu_limit=10.0, scales=setup.scales)
+    ref = X.moe_bf16_baseline(x, s["ids"], s["tw"], emap, setup.w13_bf16, setup.w2_bf16, 10.0).float()
+    diff = float((out.float() - ref).abs().max() / ref.abs().max())
+    assert diff < tol, diff
+    if act == "fp8":
+        s16 = X.MoeSetup.build(w, fmt, ["bf16"], bf16=False)
+        out16 = torch.empty_like(out)
+        X.dsv4_moe(s, fmt, "bf16", s16.weights["bf16"], out16, swiglu_limit=10.0)
+        assert float((out.float() - out16.float()).abs().max() / ref.abs().max()) > 0.02
+
+
+def test_act_scales_are_the_experts_own_when_they_carry_them():
+    w = X.quantized_experts("nvfp4", 2, 64, 64, "cpu")
+    a13, a2 = X.act_scales(w, "cpu")
+    assert a13 is w["w13_input_scale"] and a2 is w["w2_input_scale"]
+    a13, a2 = X.act_scales(X.random_experts("nvfp4", 2, 64, 64, "cpu"), "cpu")
+    assert float(a13) == pytest.approx(5 / 2688) and float(a2) == pytest.approx(20 / 2688)

@@ -1,7 +1,9 @@
 """GPU parity of dsv4 with the kernels vLLM 0.33.0 runs on Hopper, on identical inputs.
 
 Skipped (with the reason) without a Hopper GPU or without the incumbents (see
-dsv4.bench.anchors: ``DSV4_ANCHORS`` or an installed vllm==0.33.0 / humming-kernels).
+dsv4.bench.anchors: ``DSV4_ANCHORS`` or an installed vllm==0.33.0 / humming-kernels). The
+cases are the benchmarks' own (dsv4.bench.cases, dsv4.bench.experts), shapes from
+dsv4.bench.models.
 
 Tolerances:
 * attention outputs: both kernels accumulate q.k and p.v in fp32 and round p to bf16
@@ -30,16 +32,32 @@ Tolerances:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from dsv4 import formats
 from dsv4.attention import sparse_mqa_decode, sparse_mqa_prefill
-from dsv4.bench import inputs as I
+from dsv4.bench import cases as C
+from dsv4.bench import experts as X
 from dsv4.bench.anchors import find_anchors
+from dsv4.bench.models import MODELS, SOFTMAX_SCALE as SCALE
 
 pytestmark = pytest.mark.gpu
-SCALE = 512**-0.5
+
+
+def _attn_model(heads, topk):
+    return replace(MODELS["flash"], heads=heads, index_topk=topk)
+
+
+def _moe_model(K, N, E_global):
+    """A MoE shape whose EP8 rank 0 holds E_global / 8 local experts."""
+    return replace(MODELS["flash"], hidden=K, moe_inter=N, n_experts=E_global)
+
+
+def _routing(m, M, seed):
+    return X.moe_routing(m, M, torch.Generator(device="cuda").manual_seed(seed))
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +88,7 @@ def vllm_c(anchors):
 
 @pytest.fixture(scope="module")
 def pools():
-    return I.DecodePools.build(1 << 14, 1 << 15, 1 << 12, "cuda", seed=11)
+    return C.DecodePools.build(1 << 14, 1 << 15, 1 << 12, "cuda", seed=11)
 
 
 def _ragged_case(pools, heads, b, s_q, sink_kind, gen):
@@ -119,9 +137,9 @@ def test_decode_vllm_shaped_cases_match_flashmla(flashmla, pools, heads, kind, c
     """The benchmark's own cases (vLLM-shaped rows, block-2 C128A cache)."""
     from dsv4.bench.incumbents import FlashMLADecode
 
-    m = I.AttnModel("t", heads, 512 if heads == 64 else 1024)
+    m = _attn_model(heads, 512 if heads == 64 else 1024)
     gen = torch.Generator(device="cuda").manual_seed(context + heads)
-    c = I.decode_case(kind, m, 19, min(context, 4 * pools.slots("hca")), pools, gen)
+    c = C.decode_case(kind, m, 19, min(context, 4 * pools.slots("hca")), pools, gen)
     ours, lse = sparse_mqa_decode(c["q"], c["swa_cache"], c["swa_idx"], c["swa_len"], c["sink"], SCALE,
                                   extra_kv_cache=c["extra_cache"], extra_indices=c["extra_idx"],
                                   extra_topk_length=c["extra_len"])
@@ -137,8 +155,8 @@ def test_prefill_matches_flashmla(flashmla, heads, T):
     from dsv4.bench.incumbents import flashmla_prefill
 
     gen = torch.Generator(device="cuda").manual_seed(T + heads)
-    m = I.AttnModel("t", heads, 1024)
-    p = I.prefill_case(m, T, 20000, gen, "cuda")
+    m = _attn_model(heads, 1024)
+    p = C.prefill_case(m, T, 20000, gen, "cuda")
     p["lens"] = torch.randint(1, p["topk"] + 1, (T,), generator=gen, device="cuda", dtype=torch.int32)
     p["idx"][torch.rand(p["idx"].shape, generator=gen, device="cuda") < 0.05] = -1
     ours, lse = sparse_mqa_prefill(p["q"], p["kv"], p["idx"], p["lens"], p["sink"], SCALE)
@@ -179,14 +197,14 @@ def test_moe_matches_humming_w4a16(humming, M):
     from dsv4.bench.incumbents import HummingW4A16
     from dsv4.moe import nvfp4_moe, prepare_nvfp4_moe_weights
 
-    m = I.MoeModel("t", 2048, 768, 64, 8)
+    m = _moe_model(2048, 768, 64)
     gen = torch.Generator(device="cuda").manual_seed(5)
-    w = formats.random_nvfp4_moe_weights(m.E_local, m.N, m.K, generator=gen, device="cuda")
-    r = I.moe_routing(m, M, "cuda", seed=M)
+    w = formats.random_nvfp4_moe_weights(m.local_experts(), m.moe_inter, m.hidden, generator=gen, device="cuda")
+    r = _routing(m, M, seed=M)
     prepared = prepare_nvfp4_moe_weights(*(w[k] for k in ("w13", "w13_scale", "w13_scale_2", "w2", "w2_scale",
                                                           "w2_scale_2")))
     ours = nvfp4_moe(r["x"], r["ids"], r["tw"], prepared, expert_map=r["emap"], swiglu_limit=m.swiglu_limit)
-    hum = HummingW4A16(w, m.E_global, m.swiglu_limit)
+    hum = HummingW4A16(w, m.n_experts, m.swiglu_limit)
     theirs = hum(r["x"], r["tw"], hum.plan(r["ids"], r["emap"]))
     ref = _float32_moe(w, r["x"], r["ids"], r["tw"], r["emap"], m.swiglu_limit)
 
@@ -206,12 +224,12 @@ def _routing_with_local_routes(m, M, seed):
     """``moe_routing`` with every token given a local route (slot 0 moved to a random local
     expert where it had none; its other slots are all non-local, so ids stay distinct):
     every output row is then checked, not only an all-zero one."""
-    r = I.moe_routing(m, M, "cuda", seed)
-    none = ~(r["ids"] < m.E_local).any(1)
+    r = _routing(m, M, seed)
+    none = ~(r["ids"] < m.local_experts()).any(1)
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)
-    r["ids"][none, 0] = torch.randint(0, m.E_local, (int(none.sum()),), generator=gen, device="cuda",
+    r["ids"][none, 0] = torch.randint(0, m.local_experts(), (int(none.sum()),), generator=gen, device="cuda",
                                       dtype=torch.int32)
-    assert bool((r["ids"] < m.E_local).any(1).all())
+    assert bool((r["ids"] < m.local_experts()).any(1).all())
     return r
 
 
@@ -221,11 +239,11 @@ def test_moe_matches_the_float32_w4a8_reference_humming_w4a8(humming, vllm_c, M)
     from dsv4.formats import mxfp4
     from dsv4.bench.incumbents import HummingW4A8
 
-    m = I.MOE_MODELS["flash"]  # V4-Flash: K 4096, N 2048, 32 of 256 experts local (EP8 rank 0)
+    m = MODELS["flash"]  # V4-Flash: K 4096, N 2048, 32 of 256 experts local (EP8 rank 0)
     gen = torch.Generator(device="cuda").manual_seed(11)
-    w = mxfp4.random_mxfp4_moe_weights(m.E_local, m.N, m.K, generator=gen, device="cuda")
+    w = mxfp4.random_mxfp4_moe_weights(m.local_experts(), m.moe_inter, m.hidden, generator=gen, device="cuda")
     r = _routing_with_local_routes(m, M, seed=300 + M)
-    hum = HummingW4A8(w, m.E_global, m.swiglu_limit)
+    hum = HummingW4A8(w, m.n_experts, m.swiglu_limit)
     plan = hum.plan(r["ids"], r["emap"])
     for name in ("gate_up", "down"):  # poisoned: a local row Humming does not write shows up as NaN
         plan[name].fill_(float("nan"))

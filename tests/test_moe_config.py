@@ -4,7 +4,7 @@ validated), the workspace (one layout that counts, then carves) and the test-onl
 out of the public schema.
 
 CPU: the variable lists of env.h and README.md agree, nothing else in csrc reads the
-environment, the debug op is not a dsv4 op, bench_moe's variants map to the variables.
+environment, the debug op is not a dsv4 op, the moe benchmark's variants map to the variables.
 GPU (and dsv4._C): the parser and the read-once rule through test-only ops; in child
 processes (the variables are read once per process), the configuration printed under
 DSV4_PRINT_CONFIG=1 against the documented rules for a range of shapes, and every
@@ -13,7 +13,6 @@ override against the reference on the cases of tests/test_moe.py.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -80,21 +79,15 @@ def test_debug_op_is_not_in_the_public_schema():
     assert not hasattr(dsv4.moe, "_gemm1_debug")
 
 
-def _bench_moe():
-    spec = importlib.util.spec_from_file_location("bench_moe", ROOT / "scripts/bench_moe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_bench_moe_variants_map_to_the_overrides():
-    b = _bench_moe()
+    from dsv4.bench.routines import moe as b
+
     assert sorted(b.SWITCHES.values()) == sorted(OVERRIDES)
     assert b.variant_env("") == {}
     assert b.variant_env(" sk=1, pdl=0 ") == {"DSV4_MOE_SPLITK": "1", "DSV4_MOE_PDL": "0"}
     assert b.variant_env("dx=0,ws=1") == {"DSV4_MOE_DIRECT_X": "0", "DSV4_MOE_WS": "1"}
     for bad in ("sk=2", "sk", "xx=1", "pdl=", "sk=yes"):
-        with pytest.raises(ValueError, match="bench_moe: variant item"):
+        with pytest.raises(ValueError, match="moe --variants item"):
             b.variant_env(bad)
     argv = ["--quick", "--variants", "sk=0;sk=1", "--json", "a.json", "--decode=1,64", "--variants=x"]
     assert b.child_argv(argv, "sk=1", "/t/v.json") == ["--quick", "--decode=1,64", "--variants", "sk=1",

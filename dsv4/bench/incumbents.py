@@ -43,10 +43,10 @@ from typing import Optional
 
 import torch
 
+from .models import HEAD_DIM
+
 __all__ = ["FlashMLADecode", "flashmla_prefill", "HummingW4A16", "HummingW4A8", "MOE_INCUMBENTS",
            "moe_incumbent_missing", "align_routes"]
-
-HEAD_DIM = 512
 
 
 # --------------------------------------------------------------------------------------
@@ -60,7 +60,7 @@ class FlashMLADecode:
     Parameters
     ----------
     case : dict
-        :func:`dsv4.bench.inputs.decode_case` output (q bf16 [B, s_q, H, 512], fp8_ds_mla
+        :func:`dsv4.bench.cases.decode_case` output (q bf16 [B, s_q, H, 512], fp8_ds_mla
         caches [nb, B, 584], int32 index rows [B, s_q, W] and lengths [B], sink fp32 [H]).
     softmax_scale : float
     out : torch.Tensor

@@ -1,4 +1,4 @@
-"""The one timer of every dsv4 benchmark (CUDA only).
+"""The one timer of every dsv4 benchmark (CUDA), and the CPU reference run's wall clock.
 
 :func:`time_us` times several variants of one call (e.g. dsv4 and the incumbent) on the
 same inputs, round-robin, so clock and temperature drift hit every variant alike:
@@ -14,17 +14,23 @@ same inputs, round-robin, so clock and temperature drift hit every variant alike
 
 Median of ``iters`` timed calls after ``warmup`` untimed ones, one CUDA event pair
 around each call only.
+
+:func:`cpu_median_us` is the wall clock of the decode-step routine's ``--cpu-reference``
+run (float32 reference kernels on the CPU): it shows the report machinery, its times are
+not performance numbers.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["Timing", "time_us", "copy_bandwidth_tbps", "bf16_gemm_tflops", "fp8_gemm_tflops", "l2_flush"]
+__all__ = ["Timing", "time_us", "cpu_median_us", "copy_bandwidth_tbps", "bf16_gemm_tflops", "fp8_gemm_tflops",
+           "l2_flush"]
 
 _FLUSH: dict = {}
 
@@ -108,6 +114,20 @@ def time_us(variants: Mapping[str, Sequence[Callable[[], object]]], *, iters: in
            for k, ev in events.items()}
     del keep
     return out
+
+
+def cpu_median_us(calls: Sequence[Callable[[], object]], *, iters: int = 3, warmup: int = 1) -> Timing:
+    """Median wall time of one call on the CPU, rotating over ``calls`` (one per input
+    set); method "cpu"."""
+    n = len(calls)
+    for i in range(warmup):
+        calls[i % n]()
+    times = []
+    for i in range(iters):
+        t0 = time.perf_counter()
+        calls[i % n]()
+        times.append(time.perf_counter() - t0)
+    return Timing(statistics.median(times) * 1e6, "cpu")
 
 
 def copy_bandwidth_tbps(nbytes: int = 1 << 31) -> float:
