@@ -2,10 +2,9 @@
 V4.1-Flash (docs/design.md section 1). The decode cases, the MoE cases, the layer
 schedules of the decode-step estimate and the names in every report derive from it.
 
-``HEAD_DIM`` is the KV latent width of ``dsv4.formats.kv_cache`` (``KV_DIM``, 512 = 448
-no-rope + 64 rope; K and V are the same vector). The sliding window (128 tokens, every
-layer of every model) is a model fact, not a cache-format one: ``dsv4.formats.kv_cache``
-has no constant for it, so it lives here (``WINDOW``).
+``HEAD_DIM`` (512 = 448 no-rope + 64 rope; K and V are the same vector) and ``WINDOW``
+(128 sliding-window keys, every layer of every model) live once, in
+``dsv4.formats.kv_cache``, beside the kernels that read them.
 """
 
 from __future__ import annotations
@@ -13,12 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from ..formats.kv_cache import KV_DIM as HEAD_DIM
+from ..formats.kv_cache import HEAD_DIM, WINDOW
 
 __all__ = ["HEAD_DIM", "WINDOW", "SOFTMAX_SCALE", "KINDS", "RATIO", "BENCH_EP", "ModelShape", "MODELS",
            "SCHEDULED", "tiny_shape"]
 
-WINDOW = 128  # sliding-window keys of every layer (docs/design.md section 1)
 SOFTMAX_SCALE = HEAD_DIM**-0.5
 KINDS = ("swa", "csa", "hca")  # V4's attention layer types: window only, ratio 4 (indexer top-k), ratio 128
 RATIO = {"csa": 4, "hca": 128}  # compress ratio of each compressed layer type
