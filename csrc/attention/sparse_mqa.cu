@@ -1,5 +1,7 @@
 // C++ entries for dsv4::sparse_mqa_decode and dsv4::sparse_mqa_prefill: validate every
-// argument, pick the split count from shapes only (CUDA-graph safe), launch.
+// argument, pick the split count from shapes only (CUDA-graph safe, sparse_mqa_splits.h),
+// launch. Development switches (csrc/common/env.h, README "Environment variables"):
+// DSV4_ATTN_PRICED_SPLITS.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -10,8 +12,10 @@
 #include <optional>
 
 #include "attention/sparse_mqa.cuh"
+#include "attention/sparse_mqa_splits.h"
 #include "common/checks.h"
 #include "common/dynamic_smem.h"
+#include "common/env.h"
 
 namespace dsv4 {
 namespace {
@@ -117,26 +121,6 @@ void check_qo(const at::Tensor& t, const char* name, const char* shape) {
   if (t.numel() > 0) check_aligned(t, 16, name);
 }
 
-// Splits of the KV axis when the (token, head block) CTAs do not fill the GPU: a split
-// takes whole pairs of 64-key tiles (the kernel's rounds). Chosen from shapes only.
-int pick_splits(int64_t base_ctas, int64_t max_tiles, int sms) {
-  const int64_t max_pairs = (max_tiles + 1) / 2;
-  if (base_ctas >= sms || max_pairs <= 1) return 1;
-  int best = 1;
-  double best_cost = 1e30;
-  const int64_t limit = std::min<int64_t>(max_pairs, attention::kMaxSplits);
-  for (int s = 1; s <= limit; ++s) {
-    const double waves = std::ceil(double(base_ctas * s) / sms);
-    const double per_cta = 2.0 * std::ceil(double(max_pairs) / s) + 1.0;  // +1: prologue/epilogue/combine
-    const double cost = waves * per_cta;
-    if (cost < best_cost - 1e-9) {
-      best_cost = cost;
-      best = s;
-    }
-  }
-  return best;
-}
-
 template <bool kFp8>
 void launch_main(const SparseMqaParams& p, int64_t grid, cudaStream_t stream) {
   constexpr auto kernel = attention::sparse_mqa_fwd_kernel<kFp8>;
@@ -204,7 +188,7 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
     p.num_splits = static_cast<int>(std::max<int64_t>(2, splits));
   } else {
     p.pairs_per_split = 0;
-    p.num_splits = pick_splits(base, max_tiles, sms);
+    p.num_splits = attention::pick_splits(base, max_tiles, sms, env::switches().attn_priced_splits.value_or(true));
   }
   at::Tensor part_o, part_lse;
   p.part_o = nullptr;
@@ -296,4 +280,15 @@ at::Tensor sparse_mqa_prefill(const at::Tensor& q, const at::Tensor& kv, const a
 TORCH_LIBRARY_IMPL(dsv4, CUDA, m) {
   m.impl("sparse_mqa_decode", &dsv4::sparse_mqa_decode);
   m.impl("sparse_mqa_prefill", &dsv4::sparse_mqa_prefill);
+}
+
+// Test-only (dsv4_testing, tests/test_attention.py): the split count a default-mode call
+// gets, without a GPU. No tensor argument: the function is the op's only kernel.
+TORCH_LIBRARY_FRAGMENT(dsv4_testing, m) {
+  m.def("sparse_mqa_num_splits(int base_ctas, int max_tiles, int sms, bool priced) -> int",
+        [](int64_t base_ctas, int64_t max_tiles, int64_t sms, bool priced) -> int64_t {
+          TORCH_CHECK(base_ctas > 0 && max_tiles >= 0 && sms > 0, "dsv4: sparse_mqa_num_splits takes base_ctas > 0, "
+                      "max_tiles >= 0, sms > 0, got ", base_ctas, ", ", max_tiles, ", ", sms);
+          return dsv4::attention::pick_splits(base_ctas, max_tiles, static_cast<int>(sms), priced);
+        });
 }
