@@ -1,7 +1,7 @@
 // C++ entries for dsv4::sparse_mqa_decode and dsv4::sparse_mqa_prefill: validate every
 // argument, pick the split count from shapes only (CUDA-graph safe, sparse_mqa_splits.h),
 // launch. Development switches (csrc/common/env.h, README "Environment variables"):
-// DSV4_ATTN_PRICED_SPLITS.
+// DSV4_ATTN_PRICED_SPLITS, DSV4_ATTN_PDL.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -129,6 +129,25 @@ void launch_main(const SparseMqaParams& p, int64_t grid, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The combine, one CTA per (token, head). With `pdl` it is launched with programmatic
+// stream serialization: its CTAs are scheduled once every main CTA has reached its last
+// item's epilogue (pdl_launch_dependents), and wait for the main grid only before reading
+// the partials (sparse_mqa_combine.cuh), so its launch and prologue overlap the main
+// kernel's tail instead of following it. Captured into CUDA graphs as a programmatic edge.
+void launch_combine(const SparseMqaParams& p, int64_t ctas, cudaStream_t stream, bool pdl) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(ctas));
+  cfg.blockDim = dim3(128);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, attention::sparse_mqa_combine_kernel, p));
+}
+
 // Shared body: q4/out4 are [B, s_q, H, 512]; idx are [B, s_q, topk].
 at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p, CacheKind kind,
                const std::optional<at::Tensor>& attn_sink, double softmax_scale, bool batch_invariant) {
@@ -207,10 +226,7 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   } else {
     launch_main<false>(p, grid, stream);
   }
-  if (p.num_splits > 1) {
-    attention::sparse_mqa_combine_kernel<<<dim3(static_cast<unsigned>(tokens * H)), 128, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  if (p.num_splits > 1) launch_combine(p, tokens * H, stream, env::switches().attn_pdl.value_or(true));
   return lse;
 }
 

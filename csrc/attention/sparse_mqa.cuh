@@ -40,6 +40,7 @@
 #include "common/mma/wgmma.cuh"
 #include "common/ptx/math.cuh"
 #include "common/ptx/memory.cuh"
+#include "common/ptx/pdl.cuh"
 #include "common/ptx/regs.cuh"
 #include "common/ptx/sync.cuh"
 
@@ -398,6 +399,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     if (item + static_cast<int>(gridDim.x) < num_items) load_q(item + gridDim.x);
 
     // ---- epilogue ----
+    // The CTA's last item: let the combine (launched with programmatic stream serialization
+    // when the call splits) get its CTAs scheduled and run its prologue during these stores.
+    if (item + static_cast<int>(gridDim.x) >= num_items) pdl_launch_dependents();
     const int h0 = wi.hb * kHeadsPerCta + r0, h1 = h0 + 8;
     constexpr float kLn2 = 0.6931471805599453f;
     constexpr float kLog2e = 1.4426950408889634f;

@@ -33,6 +33,7 @@ struct Switches {
   bool print_config;                 // DSV4_PRINT_CONFIG=1: each MoE call prints its config to stderr
   // Sparse MQA attention (csrc/attention/sparse_mqa.cu); unset: the library's rule.
   std::optional<bool> attn_priced_splits;  // DSV4_ATTN_PRICED_SPLITS: 0 = the earlier split-count rule
+  std::optional<bool> attn_pdl;            // DSV4_ATTN_PDL: 0 = the combine launched without PDL
 };
 
 inline Switches read_switches() {
@@ -44,6 +45,7 @@ inline Switches read_switches() {
   s.moe_pdl = get("DSV4_MOE_PDL");
   s.print_config = get("DSV4_PRINT_CONFIG").value_or(false);
   s.attn_priced_splits = get("DSV4_ATTN_PRICED_SPLITS");
+  s.attn_pdl = get("DSV4_ATTN_PDL");
   return s;
 }
 
