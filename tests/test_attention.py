@@ -864,3 +864,50 @@ def test_split_count_rules():
         assert base * s <= 132 or s == 1, (base, s)
     with pytest.raises(RuntimeError, match="dsv4: sparse_mqa_num_splits takes"):
         _splits(0, 4)
+
+
+# ----------------------------------------------------------------------------------------
+# GPU: the development switches of csrc/common/env.h (read once per process, so each
+# setting runs in a child process) keep every result right
+# ----------------------------------------------------------------------------------------
+
+SWITCH_DECODE_CASES = [
+    (1, 1, 64, 512, 128, "fp8", 64, False, "finite"),   # splits, two sources
+    (32, 1, 128, 128, 128, "fp8", 64, True, "finite"),  # two tile pairs: 2 splits by the earlier rule, 1 priced
+    (64, 1, 64, 256, 128, "fp8", 64, True, None),       # three pairs at B=64: 2 splits earlier, 1 priced
+    (3, 2, 64, 128, None, "fp8", 64, True, "finite"),   # one source (SWA)
+    (133, 2, 128, 512, 127, "fp8", 64, True, "+inf"),
+    (64, 2, 64, 1, None, "bf16", 32, False, "+inf"),    # one source, bf16
+    (2, 1, 64, 1088, None, "fp8", 64, True, "finite"),  # one source, splits
+]
+
+
+def child_switch_cases() -> None:
+    for case in SWITCH_DECODE_CASES:
+        test_decode_gpu(case)
+    test_decode_cuda_graph(2)
+    test_prefill_gpu(PREFILL_CASES[1])
+    test_prefill_gpu(PREFILL_CASES[2])
+    print("switch cases passed")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
+@pytest.mark.parametrize("env", [{}, {"DSV4_ATTN_PRICED_SPLITS": "0"}, {"DSV4_ATTN_PDL": "0"},
+                                 {"DSV4_ATTN_SPECIALIZE": "0"}], ids=["default", "splits0", "pdl0", "specialize0"])
+def test_development_switches_keep_results(env):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    full = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_ATTN_")}
+    full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(dsv4.__file__).parent.parent),
+                                                       os.environ.get("PYTHONPATH")]))
+    full.update(env)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_attention as t; t.child_switch_cases()")
+    proc = subprocess.run([sys.executable, "-c", code, str(tests)], env=full, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0 and "switch cases passed" in proc.stdout, \
+        f"under {env} (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

@@ -1,7 +1,7 @@
 // C++ entries for dsv4::sparse_mqa_decode and dsv4::sparse_mqa_prefill: validate every
 // argument, pick the split count from shapes only (CUDA-graph safe, sparse_mqa_splits.h),
 // launch. Development switches (csrc/common/env.h, README "Environment variables"):
-// DSV4_ATTN_PRICED_SPLITS, DSV4_ATTN_PDL.
+// DSV4_ATTN_PRICED_SPLITS, DSV4_ATTN_PDL, DSV4_ATTN_SPECIALIZE.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -121,9 +121,9 @@ void check_qo(const at::Tensor& t, const char* name, const char* shape) {
   if (t.numel() > 0) check_aligned(t, 16, name);
 }
 
-template <bool kFp8>
+template <bool kFp8, int kNumSrc>
 void launch_main(const SparseMqaParams& p, int64_t grid, cudaStream_t stream) {
-  constexpr auto kernel = attention::sparse_mqa_fwd_kernel<kFp8>;
+  constexpr auto kernel = attention::sparse_mqa_fwd_kernel<kFp8, kNumSrc>;
   ensure_max_dynamic_smem<kernel>(attention::kSmemBytes);
   kernel<<<dim3(static_cast<unsigned>(grid)), attention::kThreads, attention::kSmemBytes, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -221,10 +221,13 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   // Persistent CTAs: one per SM (the kernel's smem allows one), each walking work items.
   const int64_t grid = std::min<int64_t>(base * p.num_splits, sms);
+  // One-source calls (SWA layers, prefill) run the instance that reads one list: less code
+  // on the cold path of a small batch. DSV4_ATTN_SPECIALIZE=0: the general instance for all.
+  const bool one = p.num_src == 1 && env::switches().attn_specialize.value_or(true);
   if (kind == CacheKind::kFp8) {
-    launch_main<true>(p, grid, stream);
+    one ? launch_main<true, 1>(p, grid, stream) : launch_main<true, 2>(p, grid, stream);
   } else {
-    launch_main<false>(p, grid, stream);
+    one ? launch_main<false, 1>(p, grid, stream) : launch_main<false, 2>(p, grid, stream);
   }
   if (p.num_splits > 1) launch_combine(p, tokens * H, stream, env::switches().attn_pdl.value_or(true));
   return lse;

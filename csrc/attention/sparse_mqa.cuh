@@ -53,7 +53,9 @@ namespace attention {
 // (conditional rescaling, as in FlashAttention-4).
 constexpr float kMaxSlack = 8.f;
 
-template <bool kFp8>
+// kNumSrc: 1 for calls with one source (SWA layers, prefill), 2 for any call
+// (sparse_mqa_schedule.cuh, token_tiles).
+template <bool kFp8, int kNumSrc>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __grid_constant__ SparseMqaParams p) {
   extern __shared__ uint8_t smem_raw[];
   // (Not align_smem_1024: that form changes this kernel's code, 64 fewer instructions, so it
@@ -83,11 +85,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     int round_base = 0;
     for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
       const WorkItem wi = work_item(p, item);
-      const TokenTiles tt = token_tiles(p, wi.b, wi.split);
+      const TokenTiles tt = token_tiles<kNumSrc>(p, wi.b, wi.split);
       if (kFp8) {
-        producer_loop_fp8(p, tt, wi.b, wi.i, smem, round_base);
+        producer_loop_fp8<kNumSrc>(p, tt, wi.b, wi.i, smem, round_base);
       } else {
-        producer_loop_bf16(p, tt, wi.b, wi.i, smem, round_base);
+        producer_loop_bf16<kNumSrc>(p, tt, wi.b, wi.i, smem, round_base);
       }
       round_base += token_rounds(tt);
     }
@@ -276,7 +278,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   int round_base = 0;  // rounds of the CTA's earlier items: the barrier phases continue
   for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
     const WorkItem wi = work_item(p, item);
-    const int rounds = token_rounds(token_tiles(p, wi.b, wi.split));
+    const int rounds = token_rounds(token_tiles<kNumSrc>(p, wi.b, wi.split));
 #pragma unroll
     for (int k = 0; k < 128; ++k) o[k] = 0.f;
     m0 = m1 = -INFINITY;

@@ -54,8 +54,9 @@ struct PagedSource {
   int block_size;
   FastDivmod block_div;
 };
+template <int kNumSrc>
 __device__ __forceinline__ PagedSource paged_source(const SparseMqaParams& p, int list) {
-  const bool l0 = list == 0;
+  const bool l0 = kNumSrc == 1 || list == 0;
   return {l0 ? p.src[0].base : p.src[1].base, l0 ? p.src[0].block_stride : p.src[1].block_stride,
           l0 ? p.src[0].block_size : p.src[1].block_size, l0 ? p.src[0].block_div : p.src[1].block_div};
 }
@@ -168,6 +169,7 @@ __device__ __forceinline__ void publish_mask(uint8_t* smem, int buf, unsigned va
 }
 
 // fp8_ds_mla rows: register-staged loads, dequantized into the buffer.
+template <int kNumSrc>
 __device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, const TokenTiles& tt, int b, int i,
                                                   uint8_t* smem, int round_base) {
   // Everything from the one smem base: separate pointers would cost registers.
@@ -186,7 +188,7 @@ __device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, cons
   const auto fetch_scales = [&](int tile, int sl) {
     uint2 sw = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
     if (sl >= 0) {
-      const PagedSource s = paged_source(p, tile_list(tt, tile));
+      const PagedSource s = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile));
       int64_t d, so;
       row_offsets<true>(s, sl, d, so);
       sw = ldg_nc_v2(s.base + so);
@@ -196,9 +198,9 @@ __device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, cons
   const bool row_lane_ok = lane < 16;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
-    const int raw = row_lane_ok ? tile_index(p, tt, b, i, tt.t0 + k, row_lane) : -1;
-    raw_next[k] = row_lane_ok ? tile_index(p, tt, b, i, tt.t0 + 2 + k, row_lane) : -1;
-    slot[k] = index_slot(p, tt, tt.t0 + k, raw);
+    const int raw = row_lane_ok ? tile_index<kNumSrc>(p, tt, b, i, tt.t0 + k, row_lane) : -1;
+    raw_next[k] = row_lane_ok ? tile_index<kNumSrc>(p, tt, b, i, tt.t0 + 2 + k, row_lane) : -1;
+    slot[k] = index_slot<kNumSrc>(p, tt, tt.t0 + k, raw);
     scales[k] = fetch_scales(tt.t0 + k, slot[k]);
   }
 
@@ -208,11 +210,11 @@ __device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, cons
     // the round after next: its indices.
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
-      slot_next[k] = index_slot(p, tt, tile0 + 2 + k, raw_next[k]);
-      raw_next[k] = row_lane_ok ? tile_index(p, tt, b, i, tile0 + 4 + k, row_lane) : -1;
+      slot_next[k] = index_slot<kNumSrc>(p, tt, tile0 + 2 + k, raw_next[k]);
+      raw_next[k] = row_lane_ok ? tile_index<kNumSrc>(p, tt, b, i, tile0 + 4 + k, row_lane) : -1;
       scales_next[k] = fetch_scales(tile0 + 2 + k, slot_next[k]);
       // Rows into L2: lane l covers row l % 16 at bytes min(128 (l / 16 + 2 m), 575), m < 3.
-      const PagedSource s = paged_source(p, tile_list(tt, tile0 + 2 + k));
+      const PagedSource s = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile0 + 2 + k));
       int64_t d, so;
       row_offsets<true>(s, slot_next[k], d, so);
       d = __shfl_sync(0xffffffffu, d, lane & 15);
@@ -225,7 +227,7 @@ __device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, cons
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       int64_t so;
-      row_offsets<true>(paged_source(p, tile_list(tt, tile0 + k)), slot[k], data_off[k], so);
+      row_offsets<true>(paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile0 + k)), slot[k], data_off[k], so);
     }
 
     // Halves in half_step order. Not unrolled: the compiler would hoist every step's row
@@ -237,7 +239,7 @@ __device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, cons
         wait_half_free(smem, hb, round_base + r);
         if (step < 2) publish_mask(smem, buf, __ballot_sync(0xffffffffu, (buf ? slot[1] : slot[0]) >= 0) & 0xFFFFu);
       };
-      const uint8_t* base = paged_source(p, tile_list(tt, tile0 + buf)).base;
+      const uint8_t* base = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile0 + buf)).base;
       // (Selects, not data_off[buf]: a runtime index would put the arrays in local memory.)
       uint8_t* dst = smem + kOffKV + buf * kBufBytes;
       const int64_t off = buf ? data_off[1] : data_off[0];
@@ -257,6 +259,7 @@ __device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, cons
 // one 16-byte chunk of each 128-byte column block, so every copy address is a per-row base plus
 // an immediate and each lane resolves its own rows (no shuffles: this loop is the producer's
 // whole instruction budget).
+template <int kNumSrc>
 __device__ __forceinline__ void producer_loop_bf16(const SparseMqaParams& p, const TokenTiles& tt, int b, int i,
                                                    uint8_t* smem, int round_base) {
   uint64_t* ready = reinterpret_cast<uint64_t*>(smem + kOffBar);
@@ -273,7 +276,7 @@ __device__ __forceinline__ void producer_loop_bf16(const SparseMqaParams& p, con
   // Byte offset of a raw index's row from its source base, -1 when skipped.
   const auto row_off = [&](int tile, int raw) {
     int64_t d, so;
-    row_offsets<false>(paged_source(p, tile_list(tt, tile)), index_slot(p, tt, tile, raw), d, so);
+    row_offsets<false>(paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile)), index_slot<kNumSrc>(p, tt, tile, raw), d, so);
     return d;
   };
   // Raw indices of this lane's rows: this round's and the next round's (loaded two rounds ahead).
@@ -282,8 +285,8 @@ __device__ __forceinline__ void producer_loop_bf16(const SparseMqaParams& p, con
   for (int t = 0; t < 2; ++t) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      raw[t][k] = tile_index(p, tt, b, i, tt.t0 + t, 4 * grp + k);
-      raw_next[t][k] = tile_index(p, tt, b, i, tt.t0 + 2 + t, 4 * grp + k);
+      raw[t][k] = tile_index<kNumSrc>(p, tt, b, i, tt.t0 + t, 4 * grp + k);
+      raw_next[t][k] = tile_index<kNumSrc>(p, tt, b, i, tt.t0 + 2 + t, 4 * grp + k);
     }
   }
 
@@ -296,10 +299,10 @@ __device__ __forceinline__ void producer_loop_bf16(const SparseMqaParams& p, con
       for (int k = 0; k < 4; ++k) {
         off[t][k] = row_off(tile0 + t, raw[t][k]);
         raw[t][k] = raw_next[t][k];
-        raw_next[t][k] = tile_index(p, tt, b, i, tile0 + 4 + t, 4 * grp + k);
+        raw_next[t][k] = tile_index<kNumSrc>(p, tt, b, i, tile0 + 4 + t, 4 * grp + k);
       }
       // Next round's rows into L2, one 128-byte line per lane and row.
-      const uint8_t* nbase = paged_source(p, tile_list(tt, tile0 + 2 + t)).base;
+      const uint8_t* nbase = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile0 + 2 + t)).base;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const int64_t d = row_off(tile0 + 2 + t, raw[t][k]);
@@ -327,7 +330,7 @@ __device__ __forceinline__ void producer_loop_bf16(const SparseMqaParams& p, con
         }
         publish_mask(smem, buf, valid);
       }
-      const uint8_t* base = paged_source(p, tile_list(tt, tile0 + buf)).base;
+      const uint8_t* base = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile0 + buf)).base;
       const uint32_t sbase = buf * kBufBytes + half * (kBufBytes / 2);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {

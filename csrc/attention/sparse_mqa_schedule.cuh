@@ -17,12 +17,16 @@ struct TokenTiles {
   int t0, t1;    // this split's tile range [t0, t1) over the concatenated lists; t0 even
 };
 
+// kNumSrc: the sources the kernel instance reads, 1 (p.num_src == 1 only, so a one-source
+// call skips the second list's loads and selects) or 2 (either; p.num_src decides).
+template <int kNumSrc>
 __device__ __forceinline__ TokenTiles token_tiles(const SparseMqaParams& p, int b, int split) {
+  static_assert(kNumSrc == 1 || kNumSrc == 2, "one or two sources");
   TokenTiles tt;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     int len = 0;
-    if (k < p.num_src) {
+    if (k == 0 || (k < kNumSrc && k < p.num_src)) {
       len = p.src[k].topk;
       if (p.src[k].lengths != nullptr) {
         const int l = p.src[k].lengths[b];
@@ -74,14 +78,18 @@ __device__ __forceinline__ int num_work_items(const SparseMqaParams& p) {
   return p.batch * p.s_q * p.num_splits * (p.num_heads / kHeadsPerCta);
 }
 
-__device__ __forceinline__ int tile_list(const TokenTiles& tt, int tile) { return tile < tt.ntile[0] ? 0 : 1; }
+template <int kNumSrc>
+__device__ __forceinline__ int tile_list(const TokenTiles& tt, int tile) {
+  return kNumSrc == 1 ? 0 : (tile < tt.ntile[0] ? 0 : 1);
+}
 
 // Raw index of row `row` of concatenated tile `tile` (one global load), or -1 when the entry
 // is past its list's length or the tile past this split's range.
+template <int kNumSrc>
 __device__ __forceinline__ int tile_index(const SparseMqaParams& p, const TokenTiles& tt, int b, int i, int tile,
                                           int row) {
   if (tile >= tt.t1) return -1;
-  const bool l0 = tile_list(tt, tile) == 0;
+  const bool l0 = tile_list<kNumSrc>(tt, tile) == 0;
   const int pos = (l0 ? tile : tile - tt.ntile[0]) * kTileKeys + row;
   if (pos >= (l0 ? tt.len[0] : tt.len[1])) return -1;
   // Field selects, not p.src[list]: a runtime index into the kernel parameters makes the
@@ -93,8 +101,9 @@ __device__ __forceinline__ int tile_index(const SparseMqaParams& p, const TokenT
 }
 
 // The slot a raw index of `tile` names, or -1 when it is skipped (negative or out of range).
+template <int kNumSrc>
 __device__ __forceinline__ int index_slot(const SparseMqaParams& p, const TokenTiles& tt, int tile, int v) {
-  const int64_t ns = tile_list(tt, tile) == 0 ? p.src[0].num_slots : p.src[1].num_slots;
+  const int64_t ns = tile_list<kNumSrc>(tt, tile) == 0 ? p.src[0].num_slots : p.src[1].num_slots;
   return (v >= 0 && static_cast<int64_t>(v) < ns) ? v : -1;
 }
 

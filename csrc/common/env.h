@@ -34,6 +34,7 @@ struct Switches {
   // Sparse MQA attention (csrc/attention/sparse_mqa.cu); unset: the library's rule.
   std::optional<bool> attn_priced_splits;  // DSV4_ATTN_PRICED_SPLITS: 0 = the earlier split-count rule
   std::optional<bool> attn_pdl;            // DSV4_ATTN_PDL: 0 = the combine launched without PDL
+  std::optional<bool> attn_specialize;     // DSV4_ATTN_SPECIALIZE: 0 = the general kernel instance for all
 };
 
 inline Switches read_switches() {
@@ -46,6 +47,7 @@ inline Switches read_switches() {
   s.print_config = get("DSV4_PRINT_CONFIG").value_or(false);
   s.attn_priced_splits = get("DSV4_ATTN_PRICED_SPLITS");
   s.attn_pdl = get("DSV4_ATTN_PDL");
+  s.attn_specialize = get("DSV4_ATTN_SPECIALIZE");
   return s;
 }
 
