@@ -279,6 +279,15 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
     const WorkItem wi = work_item(p, item);
     const int rounds = token_rounds(token_tiles<kNumSrc>(p, wi.b, wi.split));
+    const int h0 = wi.hb * kHeadsPerCta + r0, h1 = h0 + 8;
+    // The sink logits of this thread's rows, loaded now (their latency overlaps Q's and the
+    // rounds), so that the epilogue does not start with a dependent global load. Only the
+    // unsplit path needs them (the combine applies the sink otherwise).
+    float sink0 = -INFINITY, sink1 = -INFINITY;
+    if (p.num_splits == 1 && p.sink != nullptr) {
+      sink0 = p.sink[h0];
+      sink1 = p.sink[h1];
+    }
 #pragma unroll
     for (int k = 0; k < 128; ++k) o[k] = 0.f;
     m0 = m1 = -INFINITY;
@@ -404,21 +413,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     // The CTA's last item: let the combine (launched with programmatic stream serialization
     // when the call splits) get its CTAs scheduled and run its prologue during these stores.
     if (item + static_cast<int>(gridDim.x) >= num_items) pdl_launch_dependents();
-    const int h0 = wi.hb * kHeadsPerCta + r0, h1 = h0 + 8;
     constexpr float kLn2 = 0.6931471805599453f;
     constexpr float kLog2e = 1.4426950408889634f;
     const float lse0 = l0 > 0.f ? (m0 + __log2f(l0)) * kLn2 : -INFINITY;
     const float lse1 = l1 > 0.f ? (m1 + __log2f(l1)) * kLn2 : -INFINITY;
     if (p.num_splits == 1) {
       float inv0 = 0.f, inv1 = 0.f;
-      if (l0 > 0.f) {
-        const float sk = p.sink != nullptr ? p.sink[h0] * kLog2e : -INFINITY;
-        inv0 = 1.f / (l0 + ex2_approx_ftz(sk - m0));
-      }
-      if (l1 > 0.f) {
-        const float sk = p.sink != nullptr ? p.sink[h1] * kLog2e : -INFINITY;
-        inv1 = 1.f / (l1 + ex2_approx_ftz(sk - m1));
-      }
+      if (l0 > 0.f) inv0 = 1.f / (l0 + ex2_approx_ftz(sink0 * kLog2e - m0));
+      if (l1 > 0.f) inv1 = 1.f / (l1 + ex2_approx_ftz(sink1 * kLog2e - m1));
       // A quad holds 8 columns of each 8-column chunk j, two per lane. Lanes q and q ^ 1 swap one
       // word so that each stores 4 contiguous columns (8 bytes): even lanes of chunk j, odd lanes
       // of chunk j + 1. A warp store then writes whole 32-byte sectors, half as many as with
