@@ -419,8 +419,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     const float lse1 = l1 > 0.f ? (m1 + __log2f(l1)) * kLn2 : -INFINITY;
     if (p.num_splits == 1) {
       float inv0 = 0.f, inv1 = 0.f;
-      if (l0 > 0.f) inv0 = 1.f / (l0 + ex2_approx_ftz(sink0 * kLog2e - m0));
-      if (l1 > 0.f) inv1 = 1.f / (l1 + ex2_approx_ftz(sink1 * kLog2e - m1));
+      // rcp.approx (1 ulp) rather than an IEEE division (a refinement sequence with a
+      // slow-path call): the sums are >= 1 (the reference max is at most the row's max, so
+      // its key contributes 2^(max - m) >= 1), far from subnormals, and the result is
+      // rounded to bf16.
+      if (l0 > 0.f) inv0 = rcp_approx_ftz(l0 + ex2_approx_ftz(sink0 * kLog2e - m0));
+      if (l1 > 0.f) inv1 = rcp_approx_ftz(l1 + ex2_approx_ftz(sink1 * kLog2e - m1));
       // A quad holds 8 columns of each 8-column chunk j, two per lane. Lanes q and q ^ 1 swap one
       // word so that each stores 4 contiguous columns (8 bytes): even lanes of chunk j, odd lanes
       // of chunk j + 1. A warp store then writes whole 32-byte sectors, half as many as with
@@ -445,8 +449,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
         p.lse[static_cast<int64_t>(wi.token) * p.num_heads + h1] = lse1;
       }
     } else {
-      const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
-      const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+      const float inv0 = l0 > 0.f ? rcp_approx_ftz(l0) : 0.f;  // >= 1, see above
+      const float inv1 = l1 > 0.f ? rcp_approx_ftz(l1) : 0.f;
       const int64_t row = (static_cast<int64_t>(wi.split) * p.batch * p.s_q + wi.token) * p.num_heads;
       const int dcol = 256 * g + 2 * quad;
       float* o0p = p.part_o + (row + h0) * kHeadDim + dcol;

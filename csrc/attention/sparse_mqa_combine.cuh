@@ -5,6 +5,7 @@
 
 #include "attention/sparse_mqa_params.cuh"
 #include "common/cvt.cuh"
+#include "common/ptx/math.cuh"
 #include "common/ptx/pdl.cuh"
 
 namespace dsv4 {
@@ -44,7 +45,7 @@ __global__ void __launch_bounds__(128) sparse_mqa_combine_kernel(const __grid_co
   }
   float inv = 0.f, lse = -INFINITY;
   if (lsum > 0.f) {
-    inv = 1.f / (lsum + __expf(sk - mx));
+    inv = rcp_approx_ftz(lsum + __expf(sk - mx));  // lsum >= 1 (the largest split's weight is 1)
     lse = mx + __logf(lsum);
   }
   uint2 packed;
