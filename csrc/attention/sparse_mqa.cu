@@ -209,6 +209,8 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
     p.pairs_per_split = 0;
     p.num_splits = attention::pick_splits(base, max_tiles, sms, env::switches().attn_priced_splits.value_or(true));
   }
+  p.splits_div = FastDivmod(static_cast<uint32_t>(p.num_splits));
+  p.sq_div = FastDivmod(static_cast<uint32_t>(s_q));
   at::Tensor part_o, part_lse;
   p.part_o = nullptr;
   p.part_lse = nullptr;

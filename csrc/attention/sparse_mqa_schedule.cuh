@@ -40,16 +40,17 @@ __device__ __forceinline__ TokenTiles token_tiles(const SparseMqaParams& p, int 
   const int n = tt.ntile[0] + tt.ntile[1];
   const int pairs = (n + 1) / 2;
   // Unsigned 32-bit: pairs <= 2^25 (two int32 lists of 64-key tiles) and num_splits <= 64,
-  // so the products stay below 2^32; a 64-bit division is a subroutine call, a far jump that
-  // a cold instruction cache pays for.
+  // so the products stay below 2^31, where FastDivmod is exact; a 64-bit division is a
+  // subroutine call, a far jump that a cold instruction cache pays for, and a 32-bit one
+  // ~20 instructions.
   int p0, p1;
   if (p.pairs_per_split > 0) {  // batch-invariant: boundaries at fixed key positions
     p0 = min(split * p.pairs_per_split, pairs);
     p1 = min(p0 + p.pairs_per_split, pairs);
   } else {
-    const uint32_t up = static_cast<uint32_t>(pairs), ns = static_cast<uint32_t>(p.num_splits);
-    p0 = static_cast<int>(up * static_cast<uint32_t>(split) / ns);
-    p1 = static_cast<int>(up * static_cast<uint32_t>(split + 1) / ns);
+    const uint32_t up = static_cast<uint32_t>(pairs);
+    p0 = static_cast<int>(p.splits_div.div(up * static_cast<uint32_t>(split)));
+    p1 = static_cast<int>(p.splits_div.div(up * static_cast<uint32_t>(split + 1)));
   }
   tt.t0 = 2 * p0;
   tt.t1 = 2 * p1 < n ? 2 * p1 : n;
@@ -63,15 +64,20 @@ __device__ __forceinline__ int token_rounds(const TokenTiles& tt) { return (tt.t
 struct WorkItem {
   int hb, split, token, b, i;
 };
+// Every CTA's producer and consumers decode their first item before anything else, so no
+// division by a run-time value here: H is 64 or 128 (the launcher checks), one bit of head
+// block, and FastDivmod for the split count and s_q (item < 2^31, the launcher's bound).
 __device__ __forceinline__ WorkItem work_item(const SparseMqaParams& p, int item) {
   WorkItem w;
-  const int hblocks = p.num_heads / kHeadsPerCta;
-  w.hb = item % hblocks;
-  item /= hblocks;
-  w.split = item % p.num_splits;
-  w.token = item / p.num_splits;
-  w.b = w.token / p.s_q;
-  w.i = w.token % p.s_q;
+  const int two = p.num_heads > kHeadsPerCta;
+  w.hb = item & two;
+  uint32_t q, r;
+  p.splits_div.divmod(static_cast<uint32_t>(item) >> two, q, r);
+  w.split = static_cast<int>(r);
+  w.token = static_cast<int>(q);
+  p.sq_div.divmod(q, q, r);
+  w.b = static_cast<int>(q);
+  w.i = static_cast<int>(r);
   return w;
 }
 __device__ __forceinline__ int num_work_items(const SparseMqaParams& p) {
