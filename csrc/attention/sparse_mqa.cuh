@@ -58,9 +58,10 @@ constexpr float kMaxSlack = 8.f;
 template <bool kFp8, int kNumSrc>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __grid_constant__ SparseMqaParams p) {
   extern __shared__ uint8_t smem_raw[];
-  // (Not align_smem_1024: that form changes this kernel's code, 64 fewer instructions, so it
-  // waits for a measured change: docs/perf-history/2026-12-01-device-helpers.md.)
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // By pointer arithmetic (align_smem_1024), so that the compiler sees shared memory: the
+  // maxima, sums, masks and P tiles go by LDS / STS, not by generic LD / ST through the
+  // 64-bit address window (docs/perf-history/2026-12-04-attention-racecheck.md).
+  uint8_t* smem = align_smem_1024(smem_raw);
   uint64_t* ready = reinterpret_cast<uint64_t*>(smem + kOffBar);  // [2 * buf + half]
   uint64_t* freed = ready + 4;
   uint64_t* mask_ready = ready + 8;                               // [buf]
@@ -372,6 +373,18 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
         // round exceeds it by more than the slack.
         const float mn0 = fmaxf(smax_fw[64 * ph + r0], mx0), mn1 = fmaxf(smax_fw[64 * ph + r0 + 8], mx1);
         const float t0 = mn0 > m0 + kMaxSlack ? mn0 : m0, t1 = mn1 > m1 + kMaxSlack ? mn1 : m1;
+        // The hand-off to consumer 0, which compute-sanitizer racecheck reports as a RAW hazard
+        // (this store against consumer 0's load after its named_bar_sync(kBarMax1)). It is
+        // ordered: the store precedes this thread's bar.arrive, and "a bar.arrive operation
+        // synchronizes with a bar.sync operation executed on the same barrier" (PTX ISA,
+        // memory consistency model, synchronizes-with), which consumer 0 executes before its
+        // load; the barrier completes only with these 128 arrivals. The slot's previous reader
+        // (consumer 0, two rounds earlier: the buffers alternate by round parity) loaded it
+        // before its bar.arrive(kBarP0), which this consumer's bar.sync(kBarP0) of that round
+        // waited for. scripts/racecheck_named_barrier.cu runs the same pattern in 64 variants
+        // (generic addressing, a late arrive, quad stores, the producer warpgroup, an mbarrier
+        // arrive before the sync, several items) for racecheck to show which one it flags:
+        // docs/perf-history/2026-12-04-attention-racecheck.md.
         if (quad == 0) {
           smax_bw[64 * ph + r0] = t0;
           smax_bw[64 * ph + r0 + 8] = t1;
