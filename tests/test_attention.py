@@ -793,3 +793,110 @@ def test_gpu_single_block_caches(block):
     assert_close(o.cpu(), lse.cpu(), ro, rl)
     o2, lse2 = sparse_mqa_decode(q.cuda(), big.cuda(), idx2.cuda(), None, sink.cuda(), SCALE, cache.cuda(), idx.cuda())
     assert_close(o2.cpu(), lse2.cpu(), ro, rl)
+
+
+# ----------------------------------------------------------------------------------------
+# split count (csrc/attention/sparse_mqa_splits.h), through the test-only op
+# dsv4_testing::sparse_mqa_num_splits: needs the extension, not a GPU
+# ----------------------------------------------------------------------------------------
+
+needs_ext = pytest.mark.skipif(not dsv4._ops.HAS_CUDA_EXTENSION, reason="needs the dsv4 CUDA extension")
+
+
+def _splits(base_ctas, max_tiles, sms=132, priced=True):
+    return torch.ops.dsv4_testing.sparse_mqa_num_splits(base_ctas, max_tiles, sms, priced)
+
+
+# The benchmark's decode cases (dsv4.bench.inputs): per layer type, the index widths in
+# 64-key tiles (window 128 + extra list) and H. Expected split counts on 132 SMs at
+# B = 1, 2, 4, 8, 16, 32, 64, 128, 256: (priced rule, earlier rule where it differs).
+SPLIT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SPLIT_CASES = {  # name: (H, max_tiles, priced, earlier)
+    "V4-Flash SWA": (64, 2, (1,) * 9, None),
+    "V4-Flash CSA": (64, 10, (5, 5, 5, 5, 5, 3, 2, 1, 1), None),
+    "V4-Flash HCA 4K": (64, 4, (2, 2, 2, 2, 2, 1, 1, 1, 1), (2, 2, 2, 2, 2, 2, 2, 1, 1)),
+    "V4-Flash HCA 32K": (64, 6, (3, 3, 3, 3, 3, 3, 1, 1, 1), (3, 3, 3, 3, 3, 3, 2, 1, 1)),
+    "V4-Flash HCA 128K": (64, 18, (9, 9, 9, 9, 5, 3, 2, 1, 1), None),
+    "V4-Pro SWA": (128, 2, (1,) * 9, None),
+    "V4-Pro CSA": (128, 18, (9, 9, 9, 5, 3, 2, 1, 1, 1), None),
+    "V4-Pro HCA 4K": (128, 4, (2, 2, 2, 2, 1, 1, 1, 1, 1), (2, 2, 2, 2, 2, 2, 1, 1, 1)),
+    "V4-Pro HCA 32K": (128, 6, (3, 3, 3, 3, 3, 1, 1, 1, 1), (3, 3, 3, 3, 3, 2, 1, 1, 1)),
+}
+
+
+@needs_ext
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_split_count_of_the_benchmark_cases(name):
+    h, tiles, priced, earlier = SPLIT_CASES[name]
+    got = tuple(_splits(b * h // 64, tiles) for b in SPLIT_BATCHES)
+    assert got == priced, name
+    got = tuple(_splits(b * h // 64, tiles, priced=False) for b in SPLIT_BATCHES)
+    assert got == (earlier or priced), name
+
+
+@needs_ext
+def test_split_count_rules():
+    for priced in (True, False):
+        for sms in (1, 78, 132):
+            for base in (1, 2, 3, 7, 33, 64, 131, 132, 500):
+                for tiles in (0, 1, 2, 3, 4, 5, 9, 18, 33, 200, 512):
+                    s = _splits(base, tiles, sms, priced)
+                    pairs = (tiles + 1) // 2
+                    assert 1 <= s <= max(1, min(pairs, 64)), (base, tiles, sms, priced, s)
+                    if base >= sms or pairs <= 1:
+                        assert s == 1, (base, tiles, sms, priced, s)
+    # priced: two tile pairs are not split once the partials outweigh the round saved
+    # (tokens x heads >= 1856 on 132 SMs), never into a second wave
+    assert _splits(28, 4) == 2 and _splits(29, 4) == 1
+    for base in range(1, 132):
+        s = _splits(base, 18)
+        assert base * s <= 132 or s == 1, (base, s)
+    with pytest.raises(RuntimeError, match="dsv4: sparse_mqa_num_splits takes"):
+        _splits(0, 4)
+
+
+# ----------------------------------------------------------------------------------------
+# GPU: the development switches of csrc/common/env.h (read once per process, so each
+# setting runs in a child process) keep every result right
+# ----------------------------------------------------------------------------------------
+
+SWITCH_DECODE_CASES = [
+    (1, 1, 64, 512, 128, "fp8", 64, False, "finite"),   # splits, two sources
+    (32, 1, 128, 128, 128, "fp8", 64, True, "finite"),  # two tile pairs: 2 splits by the earlier rule, 1 priced
+    (64, 1, 64, 256, 128, "fp8", 64, True, None),       # three pairs at B=64: 2 splits earlier, 1 priced
+    (3, 2, 64, 128, None, "fp8", 64, True, "finite"),   # one source (SWA)
+    (133, 2, 128, 512, 127, "fp8", 64, True, "+inf"),
+    (64, 2, 64, 1, None, "bf16", 32, False, "+inf"),    # one source, bf16
+    (2, 1, 64, 1088, None, "fp8", 64, True, "finite"),  # one source, splits
+]
+
+
+def child_switch_cases() -> None:
+    for case in SWITCH_DECODE_CASES:
+        test_decode_gpu(case)
+    test_decode_cuda_graph(2)
+    test_prefill_gpu(PREFILL_CASES[1])
+    test_prefill_gpu(PREFILL_CASES[2])
+    print("switch cases passed")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
+@pytest.mark.parametrize("env", [{"DSV4_ATTN_PRICED_SPLITS": "0"}, {"DSV4_ATTN_PDL": "0"},
+                                 {"DSV4_ATTN_SPECIALIZE": "0"}], ids=["splits0", "pdl0", "specialize0"])
+def test_development_switches_keep_results(env):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    full = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_ATTN_")}
+    full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(dsv4.__file__).parent.parent),
+                                                       os.environ.get("PYTHONPATH")]))
+    full.update(env)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_attention as t; t.child_switch_cases()")
+    proc = subprocess.run([sys.executable, "-c", code, str(tests)], env=full, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0 and "switch cases passed" in proc.stdout, \
+        f"under {env} (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

@@ -29,7 +29,8 @@ import dsv4._ops
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 OVERRIDES = ("DSV4_MOE_WS", "DSV4_MOE_SPLITK", "DSV4_MOE_DIRECT_X", "DSV4_MOE_PDL")
-VARIABLES = OVERRIDES + ("DSV4_PRINT_CONFIG",)
+ATTN_OVERRIDES = ("DSV4_ATTN_PRICED_SPLITS", "DSV4_ATTN_PDL", "DSV4_ATTN_SPECIALIZE")  # csrc/attention (tests/test_attention.py)
+VARIABLES = OVERRIDES + ("DSV4_PRINT_CONFIG",) + ATTN_OVERRIDES
 
 
 # ---------------------------------------------------------------- CPU ---------

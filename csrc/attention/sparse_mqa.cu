@@ -1,5 +1,7 @@
 // C++ entries for dsv4::sparse_mqa_decode and dsv4::sparse_mqa_prefill: validate every
-// argument, pick the split count from shapes only (CUDA-graph safe), launch.
+// argument, pick the split count from shapes only (CUDA-graph safe, sparse_mqa_splits.h),
+// launch. Development switches (csrc/common/env.h, README "Environment variables"):
+// DSV4_ATTN_PRICED_SPLITS, DSV4_ATTN_PDL, DSV4_ATTN_SPECIALIZE.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -10,8 +12,10 @@
 #include <optional>
 
 #include "attention/sparse_mqa.cuh"
+#include "attention/sparse_mqa_splits.h"
 #include "common/checks.h"
 #include "common/dynamic_smem.h"
+#include "common/env.h"
 
 namespace dsv4 {
 namespace {
@@ -117,32 +121,31 @@ void check_qo(const at::Tensor& t, const char* name, const char* shape) {
   if (t.numel() > 0) check_aligned(t, 16, name);
 }
 
-// Splits of the KV axis when the (token, head block) CTAs do not fill the GPU: a split
-// takes whole pairs of 64-key tiles (the kernel's rounds). Chosen from shapes only.
-int pick_splits(int64_t base_ctas, int64_t max_tiles, int sms) {
-  const int64_t max_pairs = (max_tiles + 1) / 2;
-  if (base_ctas >= sms || max_pairs <= 1) return 1;
-  int best = 1;
-  double best_cost = 1e30;
-  const int64_t limit = std::min<int64_t>(max_pairs, attention::kMaxSplits);
-  for (int s = 1; s <= limit; ++s) {
-    const double waves = std::ceil(double(base_ctas * s) / sms);
-    const double per_cta = 2.0 * std::ceil(double(max_pairs) / s) + 1.0;  // +1: prologue/epilogue/combine
-    const double cost = waves * per_cta;
-    if (cost < best_cost - 1e-9) {
-      best_cost = cost;
-      best = s;
-    }
-  }
-  return best;
-}
-
-template <bool kFp8>
+template <bool kFp8, int kNumSrc>
 void launch_main(const SparseMqaParams& p, int64_t grid, cudaStream_t stream) {
-  constexpr auto kernel = attention::sparse_mqa_fwd_kernel<kFp8>;
+  constexpr auto kernel = attention::sparse_mqa_fwd_kernel<kFp8, kNumSrc>;
   ensure_max_dynamic_smem<kernel>(attention::kSmemBytes);
   kernel<<<dim3(static_cast<unsigned>(grid)), attention::kThreads, attention::kSmemBytes, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The combine, one CTA per (token, head). With `pdl` it is launched with programmatic
+// stream serialization: its CTAs are scheduled once every main CTA has reached its last
+// item's epilogue (pdl_launch_dependents), and wait for the main grid only before reading
+// the partials (sparse_mqa_combine.cuh), so its launch and prologue overlap the main
+// kernel's tail instead of following it. Captured into CUDA graphs as a programmatic edge.
+void launch_combine(const SparseMqaParams& p, int64_t ctas, cudaStream_t stream, bool pdl) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(ctas));
+  cfg.blockDim = dim3(128);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, attention::sparse_mqa_combine_kernel, p));
 }
 
 // Shared body: q4/out4 are [B, s_q, H, 512]; idx are [B, s_q, topk].
@@ -204,8 +207,10 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
     p.num_splits = static_cast<int>(std::max<int64_t>(2, splits));
   } else {
     p.pairs_per_split = 0;
-    p.num_splits = pick_splits(base, max_tiles, sms);
+    p.num_splits = attention::pick_splits(base, max_tiles, sms, env::switches().attn_priced_splits.value_or(true));
   }
+  p.splits_div = FastDivmod(static_cast<uint32_t>(p.num_splits));
+  p.sq_div = FastDivmod(static_cast<uint32_t>(s_q));
   at::Tensor part_o, part_lse;
   p.part_o = nullptr;
   p.part_lse = nullptr;
@@ -218,15 +223,15 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   // Persistent CTAs: one per SM (the kernel's smem allows one), each walking work items.
   const int64_t grid = std::min<int64_t>(base * p.num_splits, sms);
+  // One-source calls (SWA layers, prefill) run the instance that reads one list: less code
+  // on the cold path of a small batch. DSV4_ATTN_SPECIALIZE=0: the general instance for all.
+  const bool one = p.num_src == 1 && env::switches().attn_specialize.value_or(true);
   if (kind == CacheKind::kFp8) {
-    launch_main<true>(p, grid, stream);
+    one ? launch_main<true, 1>(p, grid, stream) : launch_main<true, 2>(p, grid, stream);
   } else {
-    launch_main<false>(p, grid, stream);
+    one ? launch_main<false, 1>(p, grid, stream) : launch_main<false, 2>(p, grid, stream);
   }
-  if (p.num_splits > 1) {
-    attention::sparse_mqa_combine_kernel<<<dim3(static_cast<unsigned>(tokens * H)), 128, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  if (p.num_splits > 1) launch_combine(p, tokens * H, stream, env::switches().attn_pdl.value_or(true));
   return lse;
 }
 
@@ -296,4 +301,15 @@ at::Tensor sparse_mqa_prefill(const at::Tensor& q, const at::Tensor& kv, const a
 TORCH_LIBRARY_IMPL(dsv4, CUDA, m) {
   m.impl("sparse_mqa_decode", &dsv4::sparse_mqa_decode);
   m.impl("sparse_mqa_prefill", &dsv4::sparse_mqa_prefill);
+}
+
+// Test-only (dsv4_testing, tests/test_attention.py): the split count a default-mode call
+// gets, without a GPU. No tensor argument: the function is the op's only kernel.
+TORCH_LIBRARY_FRAGMENT(dsv4_testing, m) {
+  m.def("sparse_mqa_num_splits(int base_ctas, int max_tiles, int sms, bool priced) -> int",
+        [](int64_t base_ctas, int64_t max_tiles, int64_t sms, bool priced) -> int64_t {
+          TORCH_CHECK(base_ctas > 0 && max_tiles >= 0 && sms > 0, "dsv4: sparse_mqa_num_splits takes base_ctas > 0, "
+                      "max_tiles >= 0, sms > 0, got ", base_ctas, ", ", max_tiles, ", ", sms);
+          return dsv4::attention::pick_splits(base_ctas, max_tiles, static_cast<int>(sms), priced);
+        });
 }

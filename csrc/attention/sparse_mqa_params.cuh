@@ -48,6 +48,8 @@ struct SparseMqaParams {
   float* part_lse;          // fp32 [num_splits, B * s_q, H]       (num_splits > 1 only)
   int batch, s_q, num_heads, num_splits;
   int pairs_per_split;      // > 0: batch-invariant splits of this many tile pairs; 0: num_splits equal parts
+  FastDivmod splits_div;    // by num_splits  (set by the launcher with num_splits: the work-item
+  FastDivmod sq_div;        // by s_q          decode runs before a CTA's first load, divisions cost)
 };
 
 }  // namespace attention

@@ -1,5 +1,5 @@
 // The environment variables that the CUDA entries read: development overrides of the
-// kernel choice and one debug switch. All are read here and only here, once per process
+// kernel choice (MoE and attention) and one debug switch. All are read here and only here, once per process
 // (at the first call of an op that reads them), and validated: a value other than the
 // documented ones is an error naming the variable, on every call, never a silent default.
 // README.md, "Environment variables", lists the same variables; tests/test_moe_config.py
@@ -31,6 +31,10 @@ struct Switches {
   std::optional<bool> moe_direct_x;  // DSV4_MOE_DIRECT_X: 0 keeps the gather kernel in bf16 decode
   std::optional<bool> moe_pdl;       // DSV4_MOE_PDL: programmatic dependent launches
   bool print_config;                 // DSV4_PRINT_CONFIG=1: each MoE call prints its config to stderr
+  // Sparse MQA attention (csrc/attention/sparse_mqa.cu); unset: the library's rule.
+  std::optional<bool> attn_priced_splits;  // DSV4_ATTN_PRICED_SPLITS: 0 = the earlier split-count rule
+  std::optional<bool> attn_pdl;            // DSV4_ATTN_PDL: 0 = the combine launched without PDL
+  std::optional<bool> attn_specialize;     // DSV4_ATTN_SPECIALIZE: 0 = the general kernel instance for all
 };
 
 inline Switches read_switches() {
@@ -41,6 +45,9 @@ inline Switches read_switches() {
   s.moe_direct_x = get("DSV4_MOE_DIRECT_X");
   s.moe_pdl = get("DSV4_MOE_PDL");
   s.print_config = get("DSV4_PRINT_CONFIG").value_or(false);
+  s.attn_priced_splits = get("DSV4_ATTN_PRICED_SPLITS");
+  s.attn_pdl = get("DSV4_ATTN_PDL");
+  s.attn_specialize = get("DSV4_ATTN_SPECIALIZE");
   return s;
 }
 

@@ -1,0 +1,71 @@
+// Sparse MQA: how many splits of the KV axis a call gets (host only, torch-free). Chosen
+// from shapes only, so a CUDA graph captured for one shape replays with the same plan.
+//
+// A split takes whole pairs of 64-key tiles (the kernel's rounds, sparse_mqa_schedule.cuh).
+// Splitting shortens each CTA's chain of rounds but adds work items (a wave more once they
+// pass the SM count), fp32 partials written and read back, and the combine kernel.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "attention/sparse_mqa_params.cuh"
+
+namespace dsv4 {
+namespace attention {
+
+// The cost model, in microseconds of an H200 (132 SMs), fitted to the decode table of
+// docs/perf.md (graph replay, cold L2, measured on 3caf183) where the same case differs only
+// in the split count or in one round per CTA:
+//  * a round (one tile pair) more per CTA: 4.7 us at HCA 4K vs SWA, one wave (V4-Pro B=64
+//    31.8 vs 26.9 us, V4-Flash B=128 32.1 vs 27.5), 6.5 us per round at CSA (V4-Flash
+//    B=128 53.7 vs SWA 27.5 over 4 rounds): 6 us;
+//  * a work item more per CTA, beyond its rounds: SWA B=128 -> 256 adds 11.5-12 us for one
+//    one-round item per CTA, so ~6-7 us;
+//  * a split at all: the combine's launch and run (2.9-4.2 us in
+//    docs/perf-history/2026-12-02-small-batch-profile.md), 3 us;
+//  * the partials: 4 KB per (token, head, split) written by the main kernel and read by the
+//    combine (most of it from L2), 5 MB per us. Fits V4-Pro HCA 4K B=32 (2 splits: 34.3 us,
+//    against ~29 us unsplit = SWA 24.2 + one round) and V4-Flash CSA 4K B=32 (4 splits:
+//    37.6 us against ~43 us unsplit).
+// docs/perf-history/2026-12-04-attention-fixed-cost.md has the decisions it makes.
+constexpr double kSplitRoundUs = 6.0;
+constexpr double kSplitItemUs = 7.0;
+constexpr double kSplitCombineUs = 3.0;
+constexpr double kSplitPartialBytesPerUs = 5.0e6;
+constexpr double kSplitPartialBytes = 2.0 * kHeadDim * 4;  // per (token, head, split): fp32 out + in
+
+// Split count for `base_ctas` (token, head block) work items whose longest index lists hold
+// `max_tiles` 64-key tiles in all, on `sms` SMs. `priced`: the cost model above; otherwise
+// the earlier rule, which counted a CTA's tiles plus one and nothing for a split itself
+// (kept for the A/B through DSV4_ATTN_PRICED_SPLITS=0).
+inline int pick_splits(int64_t base_ctas, int64_t max_tiles, int sms, bool priced = true) {
+  const int64_t max_pairs = (max_tiles + 1) / 2;
+  if (base_ctas >= sms || max_pairs <= 1) return 1;
+  int best = 1;
+  double best_cost = 1e30;
+  const int64_t limit = std::min<int64_t>(max_pairs, kMaxSplits);
+  for (int s = 1; s <= limit; ++s) {
+    const double waves = std::ceil(double(base_ctas * s) / sms);
+    const double rounds = std::ceil(double(max_pairs) / s);
+    double cost;
+    if (priced) {
+      cost = waves * (kSplitRoundUs * rounds + kSplitItemUs);
+      if (s > 1) {
+        const double heads = double(base_ctas) * kHeadsPerCta;  // tokens x heads
+        cost += kSplitCombineUs + s * heads * kSplitPartialBytes / kSplitPartialBytesPerUs;
+      }
+    } else {
+      cost = waves * (2.0 * rounds + 1.0);
+    }
+    if (cost < best_cost - 1e-9) {
+      best_cost = cost;
+      best = s;
+    }
+  }
+  return best;
+}
+
+}  // namespace attention
+}  // namespace dsv4
