@@ -811,7 +811,7 @@ def test_gpu_w4a8_bad_inputs():
 
 
 def test_w4a8_draft_code_conversion_integer_ops():
-    """csrc/moe/mxfp4_w4a8.cuh e2m1x4_to_e4m3x4 with build_shift_tables, emulated
+    """csrc/moe/mxfp4_gemm.cuh e2m1x4_to_e4m3x4 with build_shift_tables, emulated
     with the same integer steps (PRMT's default mode, the nibble spread) for every 4-code
     word and every shift: four e4m3 bytes of code * 2^d."""
     q = torch.arange(65536, dtype=torch.int64)
@@ -829,7 +829,7 @@ def test_w4a8_draft_code_conversion_integer_ops():
         assert torch.equal(got.double(), want), d
 
 
-# An emulation of csrc/moe/mxfp4_w4a8.cuh with the kernels' own index arithmetic: the
+# An emulation of csrc/moe/mxfp4_gemm.cuh with the kernels' own index arithmetic: the
 # threads' fragments (PTX m16n8k32 layouts), the per-thread block loads, the quad max of
 # the scale bytes, the shift tables, the promotion with ldexp, and both epilogues. It
 # checks the kernels' indexing and numerics on the CPU against the W4A8 reference.
