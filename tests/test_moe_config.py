@@ -63,6 +63,76 @@ def test_env_h_and_readme_list_the_same_variables():
         assert cells[0] == "`0`, `1`", f"README row {name}: env.h's switches take 0 or 1, the row says {cells[0]}"
 
 
+def test_python_switches_follow_env_h(monkeypatch):
+    """dsv4._env.switch: env.h's rule (unset or empty -> default, "0", "1", anything else
+    an error naming the variable) and env.h's message, word for word."""
+    from dsv4 import _env
+
+    env_h = (ROOT / "csrc/common/env.h").read_text()
+    assert '"dsv4: environment variable ", name,\n              " must be 0 or 1 (or unset), got \\"", value, "\\""' in env_h
+    name = "DSV4_MOE_MXFP4"
+    monkeypatch.delenv(name, raising=False)
+    assert _env.switch(name, True) is True and _env.switch(name, False) is False
+    for value, want in (("", None), ("0", False), ("1", True)):
+        monkeypatch.setenv(name, value)
+        assert _env.switch(name, True) is (True if want is None else want)
+    for bad in ("yes", "2", " 1", "1 ", "01", "true", "-1", "on"):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError) as ei:
+            _env.switch(name, False)
+        assert str(ei.value) == f'dsv4: environment variable {name} must be 0 or 1 (or unset), got "{bad}"'
+    with pytest.raises(KeyError, match="DSV4_NOT_LISTED is not in dsv4._env.VARIABLES"):
+        _env.switch("DSV4_NOT_LISTED", False)
+
+
+def test_python_choice(monkeypatch):
+    from dsv4 import _env
+
+    name = "DSV4_MOE_ACTIVATION"
+    monkeypatch.delenv(name, raising=False)
+    assert _env.choice(name, ("a", "b", "c"), "b") == "b"
+    monkeypatch.setenv(name, "")
+    assert _env.choice(name, ("a", "b", "c"), "b") == "b"
+    monkeypatch.setenv(name, "c")
+    assert _env.choice(name, ("a", "b", "c"), "b") == "c"
+    for bad in ("C", " c", "d"):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError) as ei:
+            _env.choice(name, ("a", "b", "c"), "b", " here")
+        assert str(ei.value) == f'dsv4: environment variable {name} must be a, b or c here (or unset: b), got "{bad}"'
+    with pytest.raises(ValueError, match="the default 'x' of DSV4_MOE_ACTIVATION is not one of"):
+        _env.choice(name, ("a", "b"), "x")
+
+
+# Reads of a literal DSV4_* name: _env.switch("X" / _env.choice("X", os.environ.get("X" /
+# os.environ["X"] / os.getenv("X"), or a module constant ENV_VAR = "X" (dsv4.bench.anchors).
+_ENV_READ = re.compile(r'(?:_env\.switch\(|_env\.choice\(|environ\.get\(|environ\[|getenv\(|ENV_VAR = )'
+                       r'\s*["\'](DSV4_[A-Z0-9_]+)["\']')
+
+
+def test_python_variables_are_listed():
+    """Every DSV4_* variable Python code reads (outside the tests, which set them for
+    children) is in dsv4._env.VARIABLES with a meaning, and every listed one is read."""
+    from dsv4 import _env
+
+    read: dict[str, set[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("tests", "build") or any(p.startswith(".") for p in rel.parts):
+            continue
+        for name in _ENV_READ.findall(path.read_text()):
+            read.setdefault(name, set()).add(str(rel))
+    assert read, "the pattern found no environment read at all"
+    assert sorted(read) == sorted(_env.VARIABLES), read
+    for name, (who, meaning) in _env.VARIABLES.items():
+        assert who and meaning, name
+    # the plugin's switches go through dsv4._env, not os.environ
+    plugin = (ROOT / "dsv4_plugin/moe.py").read_text()
+    assert "os.environ" not in plugin and "getenv" not in plugin
+    for name in ("DSV4_MOE", "DSV4_MOE_MXFP4", "DSV4_MOE_ACTIVATION"):
+        assert read[name] == {"dsv4_plugin/moe.py"}
+
+
 def test_only_env_h_reads_the_environment():
     readers = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").rglob("*"))
                if p.suffix in (".cu", ".cuh", ".cpp", ".h") and "getenv" in p.read_text()]
