@@ -7,10 +7,12 @@ torch.compile), one module per family, named as its folder in csrc/ (each op as 
 - ``dsv4.quantize``: ``quantize_nvfp4``
 - ``dsv4.attention``: ``sparse_mqa_decode``, ``sparse_mqa_prefill``
 - ``dsv4.fmha``: ``dense_fmha`` (dense masked attention over [compressed | window] KV)
-- ``dsv4.moe``: ``prepare_nvfp4_moe_weights``, ``nvfp4_moe``; for NVFP4 and MXFP4
-  (DeepSeek V4's native) weights alike: ``prepare_moe_weights``, ``routed_moe``
+- ``dsv4.moe``: ``nvfp4_moe`` (``dsv4.moe.nvfp4``) with ``prepare_nvfp4_moe_weights``,
+  ``mxfp4_moe`` (``dsv4.moe.mxfp4``, MXFP4 W4A8); for NVFP4 and MXFP4 (DeepSeek V4's
+  native) weights alike: ``prepare_moe_weights``, ``routed_moe``
 
-``dsv4.formats`` holds the byte layouts (``nvfp4``, ``mxfp4``, ``kv_cache``),
+``dsv4.formats`` holds the byte layouts (``nvfp4``, ``mxfp4``, ``kv_cache``, and
+``nvfp4_moe_layout``, the MoE kernels' prepared NVFP4 tiles),
 ``dsv4.reference`` the float32 references (one module per family).
 """
 
@@ -21,6 +23,7 @@ from .moe import (
     MoeWeights,
     Mxfp4MoeWeights,
     Nvfp4MoeWeights,
+    mxfp4_moe,
     nvfp4_moe,
     prepare_moe_weights,
     prepare_mxfp4_moe_weights,
@@ -36,6 +39,7 @@ __all__ = [
     "MoeWeights",
     "Mxfp4MoeWeights",
     "Nvfp4MoeWeights",
+    "mxfp4_moe",
     "nvfp4_moe",
     "prepare_moe_weights",
     "prepare_mxfp4_moe_weights",

@@ -14,13 +14,14 @@ import torch
 # Mirror of csrc/registration.cpp, used only when the extension is missing.
 SCHEMAS = {
     "quantize_nvfp4": "(Tensor x, Tensor global_scale) -> (Tensor, Tensor)",
-    # csrc/moe
+    # csrc/moe/nvfp4_moe.cu (Python: dsv4.moe.nvfp4)
     "nvfp4_moe": (
         "(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w13_scale, "
         "Tensor w13_scale_2, Tensor w2, Tensor w2_scale, Tensor w2_scale_2, Tensor? a13_scale, "
         "Tensor? a2_scale, Tensor? expert_map, float? swiglu_limit, str activation, int cta_mode, "
         "Tensor(a!) out) -> ()"
     ),
+    # csrc/moe/mxfp4_moe.cu (Python: dsv4.moe.mxfp4)
     "mxfp4_moe": (
         "(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w13_scale, Tensor w2, "
         "Tensor w2_scale, Tensor? expert_map, float? swiglu_limit, str activation, bool ue8m0, "

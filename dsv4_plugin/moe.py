@@ -46,8 +46,6 @@ Activation mode (``DSV4_MOE_ACTIVATION``, unset = the format's default):
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from vllm import envs
@@ -86,6 +84,7 @@ from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
 # and V4.1 checkpoints alike; vllm/model_executor/layers/quantization/__init__.py).
 from vllm.models.deepseek_v41.quant_config import DeepseekV4FP8Config
 
+from dsv4 import _env
 from dsv4.moe import modes
 
 logger = init_logger(__name__)
@@ -94,37 +93,32 @@ logger = init_logger(__name__)
 QUANT_NAME = "deepseek_v4_fp8"
 
 
-
 def mxfp4_claimed() -> bool:
     """DSV4_MOE_MXFP4=1 claims MXFP4 routed experts (DeepSeek's native checkpoints) for
     dsv4. Off by default: on the H200 dsv4's MXFP4 MoE measures slower than the Humming
     W4A8 kernels vLLM runs for them (docs/perf.md, "Routed-expert MoE (MXFP4)"), so they
-    stay on vLLM's kernels with one log line (README "Left to vLLM")."""
-    raw = os.environ.get("DSV4_MOE_MXFP4", "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"dsv4: DSV4_MOE_MXFP4 must be 0 or 1 (or unset), got {raw!r}")
-    return raw == "1"
+    stay on vLLM's kernels with one log line (README "Left to vLLM"). A switch of
+    dsv4._env: unset or empty, 0 or 1; anything else is an error naming it."""
+    return _env.switch("DSV4_MOE_MXFP4", False)
+
 
 # Activation modes per expert format, the default first (dsv4.moe.modes).
 ACTIVATION_MODES = modes.ACTIVATIONS
 
 
 def moe_enabled() -> bool:
-    """DSV4_MOE=0 keeps vLLM's own MoE kernels."""
-    return os.environ.get("DSV4_MOE", "1").strip() != "0"
+    """DSV4_MOE=0 keeps vLLM's own MoE kernels (a switch of dsv4._env: unset or empty,
+    0 or 1; anything else is an error naming it)."""
+    return _env.switch("DSV4_MOE", True)
 
 
 def activation_mode(fmt: str) -> str:
-    """The activation mode DSV4_MOE_ACTIVATION picks for experts of format ``fmt``."""
-    modes = ACTIVATION_MODES[fmt]
-    raw = os.environ.get("DSV4_MOE_ACTIVATION", "")
-    mode = raw.strip().lower() or modes[0]
-    if mode not in modes:
-        raise ValueError(
-            f"dsv4: DSV4_MOE_ACTIVATION={raw!r} is not supported for {fmt.upper()} routed "
-            f"experts; use one of {', '.join(modes)} (unset: {modes[0]})"
-        )
-    return mode
+    """The activation mode DSV4_MOE_ACTIVATION picks for experts of format ``fmt`` (a
+    choice of dsv4._env: unset or empty is the format's default; anything the format
+    does not run is an error naming the variable, the format and its modes)."""
+    allowed = ACTIVATION_MODES[fmt]
+    return _env.choice("DSV4_MOE_ACTIVATION", allowed, modes.default_activation(fmt),
+                       f" for {fmt.upper()} routed experts")
 
 
 def _dsv4_moe_ops():

@@ -482,6 +482,50 @@ def test_random_nvfp4_moe_weights():
 
 
 # --------------------------------------------------------------------------------------
+# prepared NVFP4 MoE layout (dsv4.formats.nvfp4_moe_layout)
+# --------------------------------------------------------------------------------------
+
+
+def test_nvfp4_moe_layout_by_hand():
+    """The layout's rules read back from the bytes, element by element, on one expert:
+    w13 row interleave, A-fragment order of the code words, _BIT_POS bit placement, the
+    one-byte scale code; dsv4.prepare_nvfp4_moe_weights is this module's function."""
+    import dsv4
+    from dsv4.formats import nvfp4_moe_layout as L
+
+    assert dsv4.prepare_nvfp4_moe_weights is L.prepare_nvfp4_moe_weights is F.prepare_nvfp4_moe_weights
+    assert dsv4.Nvfp4MoeWeights is L.Nvfp4MoeWeights and dsv4.unprepare_nvfp4_moe_weights is \
+        L.unprepare_nvfp4_moe_weights
+    E, N, K = 1, 64, 128
+    m = F.random_nvfp4_moe_weights(E, N, K, generator=gen(14))
+    keys = ("w13", "w13_scale", "w13_scale_2", "w2", "w2_scale", "w2_scale_2")
+    p = L.prepare_nvfp4_moe_weights(*(m[k] for k in keys))
+    assert L.check_prepared("t", p) == (E, N, K)
+    codes = F.unpack_fp4(m["w13"][0]).int()  # [2N, K]
+    scales = m["w13_scale"][0].float()  # [2N, K/16]
+    pick = torch.Generator().manual_seed(15)
+    for _ in range(300):
+        rt, kt, w, hi, g, j, kh, t, i = (int(torch.randint(n, (1,), generator=pick))
+                                         for n in (2 * N // 64, K // 64, 4, 2, 8, 4, 2, 4, 2))
+        row = 32 * rt + 8 * w + g + (N if hi else 0)  # tile row 16w + 8hi + g: gate, then up
+        k = 64 * kt + 16 * j + 8 * kh + 2 * t + i
+        at = 16 * (32 * w + 4 * g + t) + 4 * j  # thread (w, g, t)'s word j
+        q = sum(int(p.w13[0, rt, kt, at + b]) << (8 * b) for b in range(4))
+        code = sum(((q >> pos) & 1) << b for b, pos in enumerate(L._BIT_POS[2 * kh + hi][i]))  # (m, e0, e1, s)
+        s = float(scales[row, k // 16])
+        assert code == (int(codes[row, k]) if s != 0 else 0), (rt, kt, w, hi, g, j, kh, t, i)
+        b = int(p.w13_scale[0, rt, kt, 8 * (8 * w + g) + 2 * j + hi])
+        if s == 0:
+            assert b == 0
+        else:
+            X = math.floor(math.log2(s))
+            assert b == ((X + 10) << 3 | round((s / 2.0 ** X - 1) * 8)), (s, b)
+    back = L.unprepare_nvfp4_moe_weights(p)
+    assert torch.equal(back["w2"], m["w2"]) and torch.equal(back["w2_scale"].view(torch.uint8),
+                                                            m["w2_scale"].view(torch.uint8))
+
+
+# --------------------------------------------------------------------------------------
 # fp8_ds_mla cache
 # --------------------------------------------------------------------------------------
 

@@ -107,7 +107,7 @@ def _bf16_halves(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_prepared_codes_expand_with_the_kernel_integer_ops(small):
     """The prepared w2 tiles, expanded with exactly the integer and bf16 steps of
-    dequant_kstep / scale_pair_bf16x2 (csrc/moe/moe_device.cuh), give every weight times
+    dequant_kstep / scale_pair_bf16x2 (csrc/moe/dequant.cuh), give every weight times
     2^-7: the Python bit layout (_BIT_POS) and the kernel's extraction agree."""
     w, p = small
     E, RT, KT, _ = p.w2.shape
@@ -656,7 +656,7 @@ def test_gpu_odd_k_steps(activation, M):
         assert err <= (5e-3 if activation == "bf16" else 2e-2), f"relative L2 {err:.3e}"
 
 
-# Prefill sizes run the warp-specialized kernel (moe_gemm_ws.cuh): units of 32 to 192
+# Prefill sizes run the warp-specialized kernel (csrc/moe/nvfp4_gemm_ws.cuh): units of 32 to 192
 # token rows x 192 weight rows, one or two CTAs per cluster. Both cluster modes on the
 # same inputs: each against the reference, and the two bit-identical (same per-row
 # math); tests/test_moe_config.py runs the same cases on the previous one-warpgroup

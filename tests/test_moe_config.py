@@ -1,13 +1,16 @@
 """The MoE launchers' host side (csrc/moe/nvfp4_moe.cu, mxfp4_moe.cu): the kernel choice
-(get_best_config), its environment variables (csrc/common/env.h: read once per process,
-validated), the workspace (one layout that counts, then carves) and the test-only op kept
-out of the public schema.
+(get_best_config, csrc/moe/config.h), its environment variables (csrc/common/env.h: read
+once per process, validated), the workspace (one layout that counts, then carves) and the
+test-only op kept out of the public schema.
 
 CPU: the variable lists of env.h and README.md agree, nothing else in csrc reads the
 environment, the debug op is not a dsv4 op, the moe benchmark's variants map to the variables.
+dsv4._C, no GPU needed: get_best_config of both ops through the test-only ops
+dsv4_testing::nvfp4_moe_config / mxfp4_moe_config, on made-up shapes, device facts and
+overrides, against the documented rules.
 GPU (and dsv4._C): the parser and the read-once rule through test-only ops; in child
 processes (the variables are read once per process), the configuration printed under
-DSV4_PRINT_CONFIG=1 against the documented rules for a range of shapes, and every
+DSV4_PRINT_CONFIG=1 against the same rules with the device's real facts, and every
 override against the reference on the cases of tests/test_moe.py.
 """
 
@@ -60,6 +63,76 @@ def test_env_h_and_readme_list_the_same_variables():
         assert cells[0] == "`0`, `1`", f"README row {name}: env.h's switches take 0 or 1, the row says {cells[0]}"
 
 
+def test_python_switches_follow_env_h(monkeypatch):
+    """dsv4._env.switch: env.h's rule (unset or empty -> default, "0", "1", anything else
+    an error naming the variable) and env.h's message, word for word."""
+    from dsv4 import _env
+
+    env_h = (ROOT / "csrc/common/env.h").read_text()
+    assert '"dsv4: environment variable ", name,\n              " must be 0 or 1 (or unset), got \\"", value, "\\""' in env_h
+    name = "DSV4_MOE_MXFP4"
+    monkeypatch.delenv(name, raising=False)
+    assert _env.switch(name, True) is True and _env.switch(name, False) is False
+    for value, want in (("", None), ("0", False), ("1", True)):
+        monkeypatch.setenv(name, value)
+        assert _env.switch(name, True) is (True if want is None else want)
+    for bad in ("yes", "2", " 1", "1 ", "01", "true", "-1", "on"):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError) as ei:
+            _env.switch(name, False)
+        assert str(ei.value) == f'dsv4: environment variable {name} must be 0 or 1 (or unset), got "{bad}"'
+    with pytest.raises(KeyError, match="DSV4_NOT_LISTED is not in dsv4._env.VARIABLES"):
+        _env.switch("DSV4_NOT_LISTED", False)
+
+
+def test_python_choice(monkeypatch):
+    from dsv4 import _env
+
+    name = "DSV4_MOE_ACTIVATION"
+    monkeypatch.delenv(name, raising=False)
+    assert _env.choice(name, ("a", "b", "c"), "b") == "b"
+    monkeypatch.setenv(name, "")
+    assert _env.choice(name, ("a", "b", "c"), "b") == "b"
+    monkeypatch.setenv(name, "c")
+    assert _env.choice(name, ("a", "b", "c"), "b") == "c"
+    for bad in ("C", " c", "d"):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError) as ei:
+            _env.choice(name, ("a", "b", "c"), "b", " here")
+        assert str(ei.value) == f'dsv4: environment variable {name} must be a, b or c here (or unset: b), got "{bad}"'
+    with pytest.raises(ValueError, match="the default 'x' of DSV4_MOE_ACTIVATION is not one of"):
+        _env.choice(name, ("a", "b"), "x")
+
+
+# Reads of a literal DSV4_* name: _env.switch("X" / _env.choice("X", os.environ.get("X" /
+# os.environ["X"] / os.getenv("X"), or a module constant ENV_VAR = "X" (dsv4.bench.anchors).
+_ENV_READ = re.compile(r'(?:_env\.switch\(|_env\.choice\(|environ\.get\(|environ\[|getenv\(|ENV_VAR = )'
+                       r'\s*["\'](DSV4_[A-Z0-9_]+)["\']')
+
+
+def test_python_variables_are_listed():
+    """Every DSV4_* variable Python code reads (outside the tests, which set them for
+    children) is in dsv4._env.VARIABLES with a meaning, and every listed one is read."""
+    from dsv4 import _env
+
+    read: dict[str, set[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("tests", "build") or any(p.startswith(".") for p in rel.parts):
+            continue
+        for name in _ENV_READ.findall(path.read_text()):
+            read.setdefault(name, set()).add(str(rel))
+    assert read, "the pattern found no environment read at all"
+    assert sorted(read) == sorted(_env.VARIABLES), read
+    for name, (who, meaning) in _env.VARIABLES.items():
+        assert who and meaning, name
+    # the plugin's switches go through dsv4._env, not os.environ
+    plugin = (ROOT / "dsv4_plugin/moe.py").read_text()
+    assert "os.environ" not in plugin and "getenv" not in plugin
+    for name in ("DSV4_MOE", "DSV4_MOE_MXFP4", "DSV4_MOE_ACTIVATION"):
+        assert read[name] == {"dsv4_plugin/moe.py"}
+
+
 def test_only_env_h_reads_the_environment():
     readers = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").rglob("*"))
                if p.suffix in (".cu", ".cuh", ".cpp", ".h") and "getenv" in p.read_text()]
@@ -93,6 +166,134 @@ def test_bench_moe_variants_map_to_the_overrides():
     argv = ["--quick", "--variants", "sk=0;sk=1", "--json", "a.json", "--decode=1,64", "--variants=x"]
     assert b.child_argv(argv, "sk=1", "/t/v.json") == ["--quick", "--decode=1,64", "--variants", "sk=1",
                                                         "--json", "/t/v.json"]
+
+
+# ------------------------------------ get_best_config (dsv4._C, no GPU needed) ---------
+
+needs_extension = pytest.mark.skipif(not dsv4._ops.HAS_CUDA_EXTENSION,
+                                     reason="needs dsv4._C (the test-only config ops); no GPU needed")
+
+# dsv4_testing::nvfp4_moe_config's result, in order (Nvfp4MoeConfig's fields, config.h)
+NVFP4_CONFIG_FIELDS = ("block_n", "max_tiles", "multi_cta_route", "splitk", "gemm1_ctas", "gemm2_ctas", "sk_ctas",
+                       "direct_x", "ws", "cluster", "ws_ctas", "pdl", "gather_ctas", "combine_ctas")
+OVERRIDE_KEYS = ("ws", "splitk", "direct_x", "pdl")  # the op's override order (DSV4_MOE_WS, ...)
+# Device facts: SMs, per token tile (split-K GEMM1, split-K GEMM2, classic GEMM1) CTAs
+# per SM, CTAs of the 2-CTA prefill grid. Made up, near what an H200 reports, plus a
+# device where no 2-CTA cluster fits.
+DEVICE = dict(sms=132, occ={8: (4, 4, 7), 16: (3, 3, 5), 64: (2, 2, 2)}, ws_grid2=128)
+SMALL_DEVICE = dict(sms=20, occ={8: (2, 3, 4), 16: (2, 2, 3), 64: (1, 1, 2)}, ws_grid2=0)
+
+
+def _nvfp4_config(M, K, N, E, E_global, topk, activation="bf16", cta_mode=0, device=DEVICE, **overrides):
+    facts = [device["sms"], *device["occ"][8], *device["occ"][16], *device["occ"][64], device["ws_grid2"]]
+    ov = [-1 if overrides.get(k) is None else int(overrides[k]) for k in OVERRIDE_KEYS]
+    got = torch.ops.dsv4_testing.nvfp4_moe_config([M, K, N, E, E_global, topk], activation == "nvfp4", cta_mode,
+                                                  facts, ov)
+    return dict(zip(NVFP4_CONFIG_FIELDS, got))
+
+
+def _expected_full(M, K, N, E, E_global, topk, activation, cta_mode, device, **overrides) -> dict:
+    """Every field of the config by the rules written out (config.h), overrides applied."""
+    S = M * topk
+    bn = 8 if S / E_global <= 4 else 16 if S / E_global <= 24 else 64
+    occ = device["occ"][bn]
+    c = dict(M=M, topk=topk, E=E, E_global=E_global, K=K, N=N, activation=activation, cta_mode=cta_mode,
+             classic1=occ[2], sms=device["sms"])
+    e = _expected_config(c)
+    if overrides.get("splitk") is not None:
+        e["splitk"] = int(overrides["splitk"])
+    if overrides.get("direct_x") is not None:
+        e["direct_x"] = int(activation == "bf16" and bn <= 16 and overrides["direct_x"])
+    auto_ws = cta_mode != 0 or S / E_global >= 60
+    e["ws"] = int(bn == 64 and not e["splitk"] and (auto_ws if overrides.get("ws") is None else overrides["ws"]))
+    e["cluster"] = (cta_mode if cta_mode else 1) if e["ws"] else 1
+    if overrides.get("pdl") is not None:
+        e["pdl"] = int(overrides["pdl"])
+    sms = device["sms"]
+    e["gemm1_ctas"], e["gemm2_ctas"] = (occ[0] * sms, occ[1] * sms) if e["splitk"] else (0, 0)
+    e["sk_ctas"] = max(e["gemm1_ctas"], e["gemm2_ctas"])
+    e["ws_ctas"] = 0 if not e["ws"] else device["ws_grid2"] if e["cluster"] == 2 else sms
+    e["gather_ctas"] = min(e["max_tiles"] * bn, sms * 8)
+    e["combine_ctas"] = min(M, sms * 16)
+    return e
+
+
+CONFIG_SHAPES = [  # (K, N, E, E_global, topk): V4-Flash / V4-Pro local shards, one expert, no map
+    (4096, 2048, 32, 256, 6), (7168, 3072, 48, 384, 6), (4096, 256, 256, 256, 6), (128, 64, 1, 1, 1),
+    (5120, 320, 48, 384, 6),
+]
+
+
+@needs_extension
+@pytest.mark.parametrize("shape", CONFIG_SHAPES, ids=lambda s: "K{}-N{}-E{}of{}-k{}".format(*s))
+@pytest.mark.parametrize("activation", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("cta_mode", [0, 1, 2])
+def test_nvfp4_config_follows_the_rules(shape, activation, cta_mode):
+    K, N, E, E_global, topk = shape
+    for M in (1, 2, 3, 7, 16, 33, 64, 100, 512, 1024, 1365, 2048, 2731, 4096, 16384):
+        got = _nvfp4_config(M, K, N, E, E_global, topk, activation, cta_mode)
+        assert got == _expected_full(M, K, N, E, E_global, topk, activation, cta_mode, DEVICE), (M, shape)
+
+
+@needs_extension
+@pytest.mark.parametrize("override", [dict(splitk=True), dict(splitk=False), dict(ws=True), dict(ws=False),
+                                      dict(direct_x=False), dict(direct_x=True), dict(pdl=False), dict(pdl=True),
+                                      dict(ws=True, splitk=True, pdl=False)], ids=str)
+def test_nvfp4_config_overrides(override):
+    for M in (1, 7, 64, 512, 2048, 4096, 16384):
+        for activation in ("bf16", "nvfp4"):
+            for cta_mode in (0, 1):
+                got = _nvfp4_config(M, 4096, 2048, 32, 256, 6, activation, cta_mode, **override)
+                want = _expected_full(M, 4096, 2048, 32, 256, 6, activation, cta_mode, DEVICE, **override)
+                assert got == want, (M, activation, cta_mode)
+
+
+@needs_extension
+def test_nvfp4_config_plain_cases():
+    """The rules' plain cases on the V4-Flash local shard (32 of 256 experts), stated outright."""
+    flash = (4096, 2048, 32, 256, 6)
+    c = _nvfp4_config(1, *flash)
+    assert (c["block_n"], c["splitk"], c["direct_x"], c["pdl"], c["ws"]) == (8, 1, 1, 1, 0)
+    assert (c["gemm1_ctas"], c["gemm2_ctas"], c["sk_ctas"]) == (4 * 132, 4 * 132, 4 * 132)
+    assert _nvfp4_config(1, *flash, activation="nvfp4")["direct_x"] == 0
+    assert _nvfp4_config(512, *flash)["block_n"] == 16  # 12 expected tokens per expert
+    c = _nvfp4_config(2048, *flash)  # 48 expected tokens per expert: below the prefill kernel's 60
+    assert (c["block_n"], c["ws"], c["pdl"]) == (64, 0, 0)
+    assert _nvfp4_config(2048, *flash, cta_mode=1)["ws"] == 1
+    c = _nvfp4_config(4096, *flash)
+    assert (c["ws"], c["cluster"], c["ws_ctas"]) == (1, 1, 132)
+    c = _nvfp4_config(4096, *flash, cta_mode=2)
+    assert (c["ws"], c["cluster"], c["ws_ctas"]) == (1, 2, 128)
+    assert _nvfp4_config(16384, *flash)["multi_cta_route"] == 1
+    assert _nvfp4_config(1365, *flash)["multi_cta_route"] == 0  # 8190 slots
+    assert _nvfp4_config(1366, *flash)["multi_cta_route"] == 1  # 8196 slots
+
+
+@needs_extension
+def test_nvfp4_config_refusals():
+    flash = (4096, 2048, 32, 256, 6)
+    with pytest.raises(RuntimeError, match=r"dsv4: nvfp4_moe's 2-CTA prefill kernel does not fit on this device "
+                                           r"\(cta_mode=2\)"):
+        _nvfp4_config(4096, *flash, cta_mode=2, device=SMALL_DEVICE)
+    assert _nvfp4_config(4096, *flash, cta_mode=1, device=SMALL_DEVICE)["ws_ctas"] == 20
+    # the one-warpgroup grid's y dimension: at most 65535 token tiles (64 each here)
+    M = 65535 * 64 + 1
+    with pytest.raises(RuntimeError, match="dsv4: nvfp4_moe's one-warpgroup GEMM grid takes at most 65535 token "
+                                           "tiles, got 65536"):
+        _nvfp4_config(M, 128, 64, 1, 1, 1, ws=False)
+    assert _nvfp4_config(M, 128, 64, 1, 1, 1)["ws"] == 1  # the persistent grid has no such bound
+
+
+@needs_extension
+def test_mxfp4_config():
+    config = torch.ops.dsv4_testing.mxfp4_moe_config
+    for M, K, N, E, E_global, topk in [(9, 256, 128, 4, 4, 2), (1, 4096, 256, 32, 256, 6), (1, 7168, 384, 48, 384, 6),
+                                       (4096, 4096, 256, 32, 256, 6), (5000, 128, 64, 1, 1, 1)]:
+        S = M * topk
+        tiles = max(1, (S + min(E, S) * 7) // 8)
+        assert config([M, K, N, E, E_global, topk]) == [8, tiles, min(M, 4096)]
+    with pytest.raises(RuntimeError, match="dsv4: mxfp4_moe's GEMM grid takes at most 65535 token tiles, got 65536"):
+        config([65535 * 8 + 1, 128, 64, 1, 1, 1])
 
 
 # ---------------------------------------------------- GPU / extension ---------
@@ -175,7 +376,7 @@ def test_bad_value_is_an_error(name):
 
 
 # The kernel choice printed under DSV4_PRINT_CONFIG=1, against the rules documented in
-# nvfp4_moe.cu (section (b)), evaluated here on the printed device facts (SMs, resident
+# csrc/moe/config.h, evaluated here on the printed device facts (SMs, resident
 # classic GEMM1 CTAs per SM), and the workspace size against the layout written out
 # (ints | xg | h | [hq | hs] | [y] | [split-K partials], each part 256-byte aligned).
 PRINT_CASES = [  # (model, M, activation, cta_mode, expert_map?)

@@ -1,7 +1,8 @@
 """MXFP4 experts (DeepSeek V4's native checkpoints): formats and FP8 activation quantizers
 (dsv4.formats.mxfp4), the float32 references (dsv4.reference.mxfp4_moe) against independently
 written per-element / per-token formulations, the prepare step and the op chain
-(dsv4.prepare_moe_weights, dsv4.routed_moe, dsv4::mxfp4_moe) on CPU, and on the GPU the
+(dsv4.prepare_moe_weights, dsv4.routed_moe, dsv4.mxfp4_moe, dsv4::mxfp4_moe) on CPU, the
+wrappers' one normalisation of the routing arguments (both formats), and on the GPU the
 W4A16 path (MXFP4 folded into the bf16 kernels' NVFP4 operand) and the W4A8 kernels
 (csrc/moe/mxfp4_moe.cu) against the references."""
 
@@ -11,12 +12,14 @@ import struct
 import pytest
 import torch
 
+import dsv4
 from dsv4 import formats, reference
 from dsv4.formats import mxfp4
 from dsv4.moe import (
     MoeWeights,
     Mxfp4MoeWeights,
     Nvfp4MoeWeights,
+    mxfp4_moe,
     prepare_moe_weights,
     prepare_mxfp4_moe_weights,
     prepare_nvfp4_moe_weights,
@@ -607,6 +610,124 @@ def test_torch_compile_fullgraph_cpu(small, activation):
     assert torch.equal(f(x, ids, tw), routed_moe(x, ids, tw, p, swiglu_limit=10.0, expert_map=emap) * 2)
 
 
+# ------------------------------- the wrappers: dsv4.mxfp4_moe, routing normalisation ---
+
+
+def test_mxfp4_moe_wrapper_is_the_op(small):
+    """dsv4.mxfp4_moe takes the Mxfp4MoeWeights (or the W4A8 MoeWeights holding them) and
+    is routed_moe's W4A8 path: the same bits."""
+    assert dsv4.mxfp4_moe is mxfp4_moe
+    p = prepare_moe_weights(*(small[k] for k in MX), activation="fp8")
+    x, ids, tw, emap = _case(5, 2, 4, 128, seed=31)
+    for ue8m0 in (True, False):
+        want = routed_moe(x, ids, tw, p, swiglu_limit=10.0, expert_map=emap, ue8m0=ue8m0)
+        for w in (p.tensors, p):
+            assert torch.equal(mxfp4_moe(x, ids, tw, w, swiglu_limit=10.0, expert_map=emap, ue8m0=ue8m0), want)
+    out = torch.full_like(x, float("nan"))
+    assert mxfp4_moe(x, ids, tw, p.tensors, expert_map=emap, out=out) is out
+    assert torch.equal(out, routed_moe(x, ids, tw, p, expert_map=emap))
+
+
+def test_mxfp4_moe_wrapper_errors(small):
+    p8 = prepare_moe_weights(*(small[k] for k in MX), activation="fp8")
+    p16 = prepare_moe_weights(*(small[k] for k in MX), activation="bf16")
+    x, ids, tw, emap = _case(3, 2, 4, 128, seed=32)
+    for w in (p16, p16.tensors, tuple(p8.tensors)):
+        with pytest.raises(TypeError, match="dsv4: mxfp4_moe: weights must be the Mxfp4MoeWeights of "
+                                            r"dsv4.prepare_moe_weights\(..., activation='fp8'\), got"):
+            mxfp4_moe(x, ids, tw, w)
+    with pytest.raises(ValueError, match=r"dsv4: mxfp4_moe: topk_ids must lie in \[0, 9\) \(expert_map size\)"):
+        mxfp4_moe(x, ids + 9, tw, p8, expert_map=emap)
+    with pytest.raises(ValueError, match=r"dsv4: mxfp4_moe: expert_map values must lie in \[-1, 4\)"):
+        mxfp4_moe(x, ids, tw, p8, expert_map=emap + 4)
+    with pytest.raises(ValueError, match="dsv4: mxfp4_moe: x must have dtype torch.bfloat16"):
+        mxfp4_moe(x.float(), ids, tw, p8, expert_map=emap)
+    with pytest.raises(ValueError, match=r"dsv4: mxfp4_moe: topk_weights must have shape \[M=3, k=2\]"):
+        mxfp4_moe(x, ids, tw[:, :1], p8, expert_map=emap)
+    with pytest.raises(ValueError, match="dsv4: mxfp4_moe: swiglu_limit must be positive"):
+        mxfp4_moe(x, ids, tw, p8, expert_map=emap, swiglu_limit=-1.0)
+    with pytest.raises(ValueError, match=r"dsv4: mxfp4_moe: out must be torch.bfloat16 \[M=3, K=128\]"):
+        mxfp4_moe(x, ids, tw, p8, expert_map=emap, out=torch.empty(3, 128))
+    with pytest.raises(ValueError, match="dsv4: mxfp4_moe: topk_ids must be an integer tensor"):
+        mxfp4_moe(x, ids.float(), tw, p8, expert_map=emap)
+    with pytest.raises(ValueError, match="dsv4: mxfp4_moe: topk_weights must be a float32/float16/bfloat16/float64"):
+        mxfp4_moe(x, ids, tw.to(torch.int32), p8, expert_map=emap)
+    with pytest.raises(TypeError, match="dsv4: mxfp4_moe: topk_ids must be a torch.Tensor"):
+        mxfp4_moe(x, ids.tolist(), tw, p8, expert_map=emap)
+
+
+def test_mxfp4_moe_fake_kernel(small):
+    """The fake kernel checks what the CPU and CUDA kernels check and allocates nothing:
+    under FakeTensorMode a good call passes, a bad one fails with the same message; the
+    wrapper traces into one graph (torch.compile fullgraph, the fake kernel for shapes)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    p = prepare_moe_weights(*(small[k] for k in MX), activation="fp8")
+    x, ids, tw, emap = _case(4, 2, 4, 128, seed=33)
+    with FakeTensorMode() as mode:
+        fx, fids, ftw, femap = (mode.from_tensor(t) for t in (x, ids, tw, emap))
+        fw = Mxfp4MoeWeights(*(mode.from_tensor(t) for t in p.tensors))
+        out = mxfp4_moe(fx, fids, ftw, fw, expert_map=femap, swiglu_limit=10.0, check_ids=False)
+        assert out.shape == (4, 128) and out.dtype == torch.bfloat16
+        with pytest.raises(ValueError, match="dsv4: mxfp4_moe: w13 has K = 128 but x has K = 64"):
+            torch.ops.dsv4.mxfp4_moe(fx[:, :64], fids, ftw, *fw, femap, None, "fp8", True, out[:, :64])
+        with pytest.raises(ValueError, match='dsv4: mxfp4_moe: dsv4::mxfp4_moe runs activation "fp8"'):
+            torch.ops.dsv4.mxfp4_moe(fx, fids, ftw, *fw, femap, None, "bf16", True, out)
+    torch.library.opcheck(torch.ops.dsv4.mxfp4_moe.default, _op_args(p.tensors, x, ids, tw, None, 10.0))
+    empty = _case(0, 2, 4, 128, seed=34)
+    torch.library.opcheck(torch.ops.dsv4.mxfp4_moe.default, _op_args(p.tensors, *empty))
+
+    @torch.compile(fullgraph=True)
+    def f(x, ids, tw):
+        return mxfp4_moe(x, ids, tw, p.tensors, swiglu_limit=10.0, expert_map=emap, check_ids=False) + 1
+
+    assert torch.equal(f(x, ids, tw), mxfp4_moe(x, ids, tw, p.tensors, swiglu_limit=10.0, expert_map=emap) + 1)
+
+
+def _prepared(fmt_act):
+    if fmt_act == "nvfp4":
+        w = formats.random_nvfp4_moe_weights(4, 64, 128, generator=torch.Generator().manual_seed(35))
+        return prepare_moe_weights(w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], w13_scale_2=w["w13_scale_2"],
+                                   w2_scale_2=w["w2_scale_2"])
+    return prepare_moe_weights(*(_weights(4, 64, 128, seed=36)[k] for k in MX), activation=fmt_act.split("-")[1])
+
+
+@pytest.mark.parametrize("fmt_act", ["nvfp4", "mxfp4-bf16", "mxfp4-fp8"])
+def test_routed_moe_normalises_the_routing_arguments(fmt_act):
+    """One normalisation for both formats (dsv4.moe._routing.normalize): any integer ids
+    and map (checked before narrowing to int32), any float weights, strided views, an
+    allocated or a given out. The result is that of the plain int32 / float32 /
+    contiguous call."""
+    p = _prepared(fmt_act)
+    op = "mxfp4_moe" if p.activation == "fp8" else "nvfp4_moe"
+    x, ids, tw, emap = _case(6, 3, 4, 128, seed=37)
+    want = routed_moe(x, ids, tw, p, expert_map=emap)
+    strided = lambda t: torch.stack([t, t], dim=-1)[..., 0]  # noqa: E731  same values, not contiguous
+    for conv_ids, conv_tw, conv_map in [(torch.int64, torch.float64, torch.int64), (torch.int16, torch.float32,
+                                                                                    torch.int64)]:
+        a_ids, a_tw, a_map = strided(ids.to(conv_ids)), strided(tw.to(conv_tw)), strided(emap.to(conv_map))
+        assert not (a_ids.is_contiguous() or a_tw.is_contiguous() or a_map.is_contiguous())
+        assert torch.equal(routed_moe(x, a_ids, a_tw, p, expert_map=a_map), want)
+        out = torch.full_like(x, float("nan"))
+        assert routed_moe(x, a_ids, a_tw, p, expert_map=a_map, out=out) is out and torch.equal(out, want)
+    # bf16 weights: converted to float32, so the result is that of their float32 values
+    assert torch.equal(routed_moe(x, ids, tw.bfloat16(), p, expert_map=emap),
+                       routed_moe(x, ids, tw.bfloat16().float(), p, expert_map=emap))
+    # an int64 id past 2^31 is refused, not wrapped onto a valid int32 id
+    wrap = ids.long().clone()
+    wrap[0, 0] = 2**32 + int(ids[0, 0])
+    with pytest.raises(ValueError, match=rf"dsv4: {op}: topk_ids must lie in \[0, 9\)"):
+        routed_moe(x, wrap, tw, p, expert_map=emap)
+    with pytest.raises(ValueError, match=rf"dsv4: {op}: expert_map values must lie in \[-1, 4\)"):
+        routed_moe(x, ids, tw, p, expert_map=emap.long() + 2**32)
+    with pytest.raises(ValueError, match=rf"dsv4: {op}: topk_ids must be an integer tensor"):
+        routed_moe(x, ids.float(), tw, p, expert_map=emap)
+    with pytest.raises(ValueError, match=rf"dsv4: {op}: expert_map must be an integer tensor"):
+        routed_moe(x, ids, tw, p, expert_map=emap.float())
+    # check_ids=False skips the host check (no sync); the kernels drop bad ids
+    routed_moe(x, ids, tw, p, expert_map=emap, check_ids=False)
+
+
 # ------------------------------------------------------------------- GPU -----------
 # The W4A16 path: MXFP4 folded exactly into the bf16 kernels' NVFP4 operand, against
 # the float32 MXFP4 reference on the original weights; the W4A8 path below.
@@ -811,7 +932,7 @@ def test_gpu_w4a8_bad_inputs():
 
 
 def test_w4a8_draft_code_conversion_integer_ops():
-    """csrc/moe/mxfp4_w4a8.cuh e2m1x4_to_e4m3x4 with build_shift_tables, emulated
+    """csrc/moe/mxfp4_gemm.cuh e2m1x4_to_e4m3x4 with build_shift_tables, emulated
     with the same integer steps (PRMT's default mode, the nibble spread) for every 4-code
     word and every shift: four e4m3 bytes of code * 2^d."""
     q = torch.arange(65536, dtype=torch.int64)
@@ -829,7 +950,7 @@ def test_w4a8_draft_code_conversion_integer_ops():
         assert torch.equal(got.double(), want), d
 
 
-# An emulation of csrc/moe/mxfp4_w4a8.cuh with the kernels' own index arithmetic: the
+# An emulation of csrc/moe/mxfp4_gemm.cuh with the kernels' own index arithmetic: the
 # threads' fragments (PTX m16n8k32 layouts), the per-thread block loads, the quad max of
 # the scale bytes, the shift tables, the promotion with ldexp, and both epilogues. It
 # checks the kernels' indexing and numerics on the CPU against the W4A8 reference.

@@ -82,6 +82,16 @@ __device__ __forceinline__ uint32_t nvfp4_encode8(const float (&x)[8], float r) 
   return (__float_as_uint(lo) & 0xffffu) | (__float_as_uint(hi) << 16);
 }
 
+// The value of the e2m1 code in the low nibble of `code` (higher bits ignored): the
+// element format of NVFP4 and MXFP4 alike. Used where codes are expanded on the device
+// (the MoE's activation gather and GEMM1 epilogue, the MXFP4 W4A8 shift tables).
+__device__ __forceinline__ float e2m1_value(uint32_t code) {
+  const uint32_t e = (code >> 1) & 3u, m = code & 1u;
+  // e = 0: m * 0.5; else 2^(e-1) * (1 + m/2), built as fp32 bits.
+  const float mag = e == 0 ? 0.5f * float(m) : __uint_as_float(((e + 126u) << 23) | (m << 22));
+  return (code & 8u) ? -mag : mag;
+}
+
 // Encoding bf16 inputs by per-block thresholds (the quantize op's fast path).
 //
 // For a fixed r the code magnitude of RN(x * r) is a monotone step function of |x|,

@@ -1,50 +1,40 @@
 // C++ entry of the MXFP4 W4A8 MoE: dsv4::mxfp4_moe (CUDA). Laid out as the NVFP4 entry
-// (nvfp4_moe.cu): (a) checks, (b) the launch configuration (get_best_config; the kernels
-// are the small-batch path only, 8-token tiles at every M for now; DSV4_PRINT_CONFIG=1
-// prints it), (c) a workspace laid out by one function that counts, then carves one
-// allocation (common/workspace.h; sized from shapes only), (d) the launch on the current
-// stream: routing (moe_route_kernel of the NVFP4 MoE) -> FP8 quantization of x -> GEMM1
-// with the SwiGLU + FP8 epilogue -> GEMM2 -> the weighted combine (moe_combine_kernel).
+// (nvfp4_moe.cu): (a) checks, (b) the launch configuration (get_best_config in
+// config.h; the kernels are the small-batch path only, 8-token tiles at every M for now;
+// DSV4_PRINT_CONFIG=1 prints it), (c) a workspace laid out by one function that counts,
+// then carves one allocation (common/workspace.h; sized from shapes only), (d) the
+// launch on the current stream: routing (routing.h, the kernels the NVFP4 op runs too)
+// -> FP8 quantization of x -> GEMM1 with the SwiGLU + FP8 epilogue -> GEMM2
+// (mxfp4_gemm.cuh) -> the weighted combine (routing.h).
 // No host sync, no value-dependent allocation: CUDA-graph capturable.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cstdio>
 #include <optional>
 #include <string>
 
 #include "common/checks.h"
 #include "common/env.h"
 #include "common/workspace.h"
-#include "moe/moe_params.cuh"
-#include "moe/mxfp4_w4a8.cuh"
+#include "moe/config.h"
+#include "moe/mxfp4_gemm.cuh"
+#include "moe/params.cuh"
+#include "moe/routing.h"
 
 namespace dsv4 {
-namespace moe {
-// Defined in moe_routing.cuh and compiled in nvfp4_moe.cu's translation unit (a second
-// definition here would clash at link time); launched from here through their host
-// stubs, which needs no relocatable device code. Keep the launch bounds in step.
-constexpr int kW4a8RouteThreads = 1024;  // moe_routing.cuh kRouteThreads
-__global__ void __launch_bounds__(kW4a8RouteThreads) moe_route_kernel(const MoeParams p);
-__global__ void __launch_bounds__(256) moe_combine_kernel(const MoeParams p);
-}  // namespace moe
-
 namespace {
 
 namespace w4a8 = moe::w4a8;
+using moe::Mxfp4MoeConfig;
+using moe::Mxfp4MoeShape;
 
 // ---------------------------------------------------------------------------------
 // (a) checks
 // ---------------------------------------------------------------------------------
 
-struct Checked {
-  int64_t M, K, N, E, E_global, topk;
-};
-
-Checked check_inputs(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+Mxfp4MoeShape check_inputs(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                      const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w2,
                      const at::Tensor& w2_scale, const std::optional<at::Tensor>& expert_map,
                      std::optional<double> swiglu_limit, c10::string_view activation, const at::Tensor& out) {
@@ -105,34 +95,7 @@ Checked check_inputs(const at::Tensor& x, const at::Tensor& topk_ids, const at::
   check_contiguous(out, "out");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == K, "dsv4: out must have shape [M=", M, ", K=", K,
               "], got ", out.sizes());
-  return Checked{M, K, N, E, E_global, topk};
-}
-
-// ---------------------------------------------------------------------------------
-// (b) launch configuration
-// ---------------------------------------------------------------------------------
-
-struct Mxfp4Config {
-  int max_tiles;     // bound on the 8-token tiles (GEMM grids, workspace)
-  int combine_ctas;
-};
-
-Mxfp4Config get_best_config(const Checked& c) {
-  constexpr int BN = w4a8::kBN;
-  const int64_t S = c.M * c.topk;
-  // Every local slot in a tile; at most one partly filled tile per busy expert.
-  const int64_t max_tiles = std::max<int64_t>(1, (S + std::min<int64_t>(c.E, S) * (BN - 1)) / BN);
-  TORCH_CHECK(max_tiles <= 65535, "dsv4: mxfp4_moe's GEMM grid takes at most 65535 token tiles, got ", max_tiles,
-              " (M * k = ", S, " slots); call it on fewer tokens at a time");
-  return Mxfp4Config{int(max_tiles), int(std::min<int64_t>(c.M, 4096))};
-}
-
-void print_config(const Checked& c, const Mxfp4Config& cfg, int64_t workspace_bytes) {
-  const std::string line = c10::str("dsv4 config mxfp4_moe: M=", c.M, " K=", c.K, " N=", c.N, " E=", c.E,
-                                    " E_global=", c.E_global, " topk=", c.topk, " activation=fp8 -> block_n=",
-                                    w4a8::kBN, " max_tiles=", cfg.max_tiles, " workspace_bytes=", workspace_bytes);
-  std::fprintf(stderr, "%s\n", line.c_str());
-  std::fflush(stderr);
+  return Mxfp4MoeShape{M, K, N, E, E_global, topk};
 }
 
 // ---------------------------------------------------------------------------------
@@ -141,7 +104,8 @@ void print_config(const Checked& c, const Mxfp4Config& cfg, int64_t workspace_by
 
 // ints (slot_pos | row_slot | tile_expert | num_tiles | error_flag | group_ready) |
 // xq | xs | hq | hs | y. rp: the fields that routing and combine read.
-void layout_workspace(Carver& w, moe::MoeParams& rp, w4a8::W4A8Params& p, const Checked& c, int64_t max_tiles) {
+void layout_workspace(Carver& w, moe::MoeParams& rp, w4a8::W4A8Params& p, const Mxfp4MoeShape& c,
+                      int64_t max_tiles) {
   const int64_t S = c.M * c.topk, rows = max_tiles * w4a8::kBN, G1 = c.K / 128, G2 = (c.N + 127) / 128;
   rp.slot_pos = w.region<int>(S);
   rp.row_slot = w.next<int>(rows);
@@ -164,14 +128,14 @@ void mxfp4_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor
                const at::Tensor& w13_scale, const at::Tensor& w2, const at::Tensor& w2_scale,
                const std::optional<at::Tensor>& expert_map, std::optional<double> swiglu_limit,
                c10::string_view activation, bool ue8m0, const at::Tensor& out) {
-  const Checked c = check_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map, swiglu_limit,
-                                 activation, out);
+  const Mxfp4MoeShape c = check_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map,
+                                       swiglu_limit, activation, out);
   if (c.M == 0) return;
 
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const env::Switches& sw = env::switches();
-  const Mxfp4Config cfg = get_best_config(c);
+  const Mxfp4MoeConfig cfg = moe::get_best_config(c);
 
   moe::MoeParams rp{};  // the fields routing and combine read
   rp.M = int(c.M);
@@ -194,7 +158,7 @@ void mxfp4_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor
                                               ws = at::empty({bytes}, x.options().dtype(at::kByte));
                                               return ws.data_ptr<uint8_t>();
                                             });
-  if (sw.print_config) print_config(c, cfg, ws_bytes);
+  if (sw.print_config) moe::print_config(c, cfg, ws_bytes);
 
   p.M = int(c.M);
   p.topk = int(c.topk);
@@ -214,16 +178,10 @@ void mxfp4_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor
   rp.y = p.y;
   rp.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
 
-  const size_t route_smem = size_t(4 * c.E + 1) * sizeof(int);  // see moe_route_kernel
-  if (route_smem > 48 * 1024)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(moe::moe_route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        int(route_smem)));
-  moe::moe_route_kernel<<<1, moe::kW4a8RouteThreads, route_smem, stream>>>(rp);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  moe::launch_routing(rp, false, stream);  // one CTA
   w4a8::launch_w4a8_decode(p, cfg.max_tiles, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  moe::moe_combine_kernel<<<unsigned(cfg.combine_ctas), 256, 0, stream>>>(rp);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  moe::launch_combine(rp, cfg.combine_ctas, false, stream);
 }
 
 }  // namespace

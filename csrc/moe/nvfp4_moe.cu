@@ -2,12 +2,15 @@
 // dsv4_testing::nvfp4_moe_gemm1_debug (schema in csrc/testing/testing_ops.cpp). A call is
 // four steps, one section each below:
 //   (a) checks: every argument validated, a `dsv4:` error naming it otherwise;
-//   (b) kernel choice: get_best_config, a pure function of the shapes, what is known
-//       about the device (device_facts, queried once per device) and the development
-//       overrides (csrc/common/env.h); DSV4_PRINT_CONFIG=1 prints its result;
+//   (b) kernel choice: get_best_config (config.h), a pure function of the shapes, what
+//       is known about the device (device_facts below, queried once per device) and the
+//       development overrides (csrc/common/env.h); DSV4_PRINT_CONFIG=1 prints its result;
 //   (c) workspace: one layout function, run once to count and once to carve a single
 //       allocation (worst case M*topk + experts*(block_n-1) padded rows, from shapes only);
-//   (d) launch: route -> gather -> GEMM1 -> GEMM2 -> combine on the current stream.
+//   (d) launch: routing -> gather (unless GEMM1 reads x itself) -> GEMM1 -> GEMM2 ->
+//       combine on the current stream; routing, gather and combine through routing.h,
+//       the GEMMs of nvfp4_gemm.cuh (decode tiles, split-K) and nvfp4_gemm_ws.cuh
+//       (prefill) from here.
 // No host sync, no value-dependent allocation: CUDA-graph capturable.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -16,31 +19,31 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <mutex>
 #include <optional>
 #include <string>
 
 #include "common/checks.h"
+#include "common/dynamic_smem.h"  // kMaxDevices
 #include "common/env.h"
 #include "common/workspace.h"
-#include "moe/moe_gemm.cuh"
-#include "moe/moe_gemm_ws.cuh"
-#include "moe/moe_routing.cuh"
+#include "moe/config.h"
+#include "moe/nvfp4_gemm.cuh"
+#include "moe/nvfp4_gemm_ws.cuh"
+#include "moe/routing.h"
 
 namespace dsv4 {
 namespace {
 
+using moe::DeviceFacts;
+using moe::GemmOccupancy;
 using moe::MoeParams;
+using moe::Nvfp4MoeConfig;
+using moe::Nvfp4MoeShape;
 
 // ---------------------------------------------------------------------------------
 // (a) checks
 // ---------------------------------------------------------------------------------
-
-struct Checked {
-  int64_t M, K, N, E, E_global, topk;
-  bool nvfp4;
-};
 
 void check_act_scale(const std::optional<at::Tensor>& s, const char* name, const at::Tensor& x, int64_t E) {
   TORCH_CHECK(s.has_value(), "dsv4: ", name, " is required when activation=\"nvfp4\"");
@@ -51,13 +54,13 @@ void check_act_scale(const std::optional<at::Tensor>& s, const char* name, const
               " must hold 1 element or have shape [", E, "] (one per local expert), got shape ", s->sizes());
 }
 
-Checked check_inputs(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+Nvfp4MoeShape check_inputs(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                      const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w13_scale_2,
                      const at::Tensor& w2, const at::Tensor& w2_scale, const at::Tensor& w2_scale_2,
                      const std::optional<at::Tensor>& a13_scale, const std::optional<at::Tensor>& a2_scale,
                      const std::optional<at::Tensor>& expert_map, c10::string_view activation,
                      int64_t cta_mode, bool need_w2) {
-  Checked c{};
+  Nvfp4MoeShape c{};
   check_cuda(x, "x");
   check_dtype(x, at::kBFloat16, "x");
   check_dim(x, 2, "x", "[M, K]");
@@ -148,32 +151,18 @@ Checked check_inputs(const at::Tensor& x, const at::Tensor& topk_ids, const at::
 }
 
 // ---------------------------------------------------------------------------------
-// (b) kernel choice
+// (b) kernel choice: the device facts it reads (the rules: config.h)
 // ---------------------------------------------------------------------------------
 
 // K steps of shared-memory ring per token-tile width, for the classic grid and the
 // split-K grid. Decode tiles (mma.sync, two ring slots): the split-K grid's few CTAs run
-// long K loops and gain from 8-step slots; the classic grid, 8 CTAs per SM, from 4-step
-// slots that leave room for more CTAs (docs/perf-history/notebook-2026.md, nvfp4_moe,
-// "Stop 16").
+// long K loops and gain from 8-step slots; the classic grid, with up to 8 CTAs per SM,
+// from 4-step slots that leave room for more CTAs
+// (docs/perf-history/2026-12-01-nvfp4-moe-decode-mma-sync.md).
 template <int BN>
 struct RingStages {
   static constexpr int kClassic = BN <= 16 ? 8 : 6;
   static constexpr int kSplitK = BN <= 16 ? 16 : 6;
-};
-
-struct GemmOccupancy {
-  int gemm1, gemm2;  // resident split-K CTAs per SM
-  int classic1;      // resident classic GEMM1 CTAs per SM
-};
-
-// What the kernel choice needs to know about one device.
-struct DeviceFacts {
-  int sms;
-  GemmOccupancy occ[3];  // token tiles 8, 16, 64
-  int ws_grid2;          // CTAs of the 2-CTA prefill grid (0: no 2-CTA cluster fits)
-
-  const GemmOccupancy& occupancy(int block_n) const { return occ[block_n == 8 ? 0 : block_n == 16 ? 1 : 2]; }
 };
 
 // The one-warpgroup GEMM kernels of one token tile (classic and split-K grids): the
@@ -198,7 +187,7 @@ GemmOccupancy gemm_setup() {
   return o;
 }
 
-// The prefill kernels (moe_gemm_ws.cuh): the shared-memory opt-in, and the CTAs of the
+// The prefill kernels (nvfp4_gemm_ws.cuh): the shared-memory opt-in, and the CTAs of the
 // persistent grid in 2-CTA mode: as many clusters as can be resident at once (fewer
 // than SMs / 2 when a GPC has an odd number of free SMs; a cluster that does not fit
 // would run after the others, doubling the time; 0 when none fits). 1-CTA mode runs
@@ -225,8 +214,6 @@ int ws_setup(int sms) {
 
 // Once per device (the shared-memory opt-in is per device): set up every GEMM kernel
 // and record what the kernel choice reads.
-constexpr int kMaxDevices = 64;
-
 const DeviceFacts& device_facts() {
   static std::once_flag once[kMaxDevices];
   static DeviceFacts facts[kMaxDevices];
@@ -246,122 +233,6 @@ const DeviceFacts& device_facts() {
   return facts[dev];
 }
 
-// What one call launches (section (d) reads nothing else to decide).
-struct MoeConfig {
-  int block_n;           // token tile of the grouped GEMMs: 8, 16 (mma.sync) or 64
-  int max_tiles;         // bound on the token tiles (grids, workspace)
-  bool multi_cta_route;  // routing on many CTAs: count -> tables -> place
-  bool splitk;           // split-K persistent grid (moe_gemm_splitk_kernel)
-  int gemm1_ctas, gemm2_ctas, sk_ctas;  // split-K: the two grids and their bound (else 0)
-  bool direct_x;         // bf16 decode tiles: GEMM1 reads x rows itself, no gather kernel
-  bool ws;               // the warp-specialized prefill kernel (moe_gemm_ws.cuh)
-  int cluster;           // ws: CTAs per cluster
-  int ws_ctas;           // ws: the persistent grid
-  bool pdl;              // programmatic dependent launches
-  int gather_ctas, combine_ctas;
-};
-
-// Token tile of the grouped GEMMs from shapes only: expected tokens per local
-// expert under uniform routing over the global experts. 64 is the prefill tile (the
-// warp-specialized kernel groups up to three of them into one unit).
-int pick_block_n(int64_t M, int64_t topk, int64_t E_global) {
-  const double per_expert = double(M) * double(topk) / double(E_global);
-  if (per_expert <= 4.0) return 8;
-  if (per_expert <= 24.0) return 16;
-  return 64;
-}
-
-// Above this many slots (M * k) the routing runs on many CTAs (moe_count_kernel); below
-// it one CTA is faster (one launch instead of three, plus a memset).
-constexpr int64_t kMultiCtaRouteSlots = 8192;
-
-// Split-K (persistent grid, items cut into K chunks) or the classic grid (one CTA
-// per token tile x weight-row tile, hardware-scheduled). Split-K when the expected
-// classic GEMM1 grid (touched experts under uniform routing x weight-row tiles) does
-// not fill one wave: then most SMs idle while each CTA runs a latency-bound K loop.
-// Above that the classic grid measured as fast or faster
-// (docs/perf-history/notebook-2026.md, nvfp4_moe, "v4"). DSV4_MOE_SPLITK overrides.
-bool splitk_by_shape(const Checked& c, int block_n, int classic1_wave) {
-  if (block_n > 16) return false;
-  const double local_slots = double(c.M) * double(c.topk) * double(c.E) / double(c.E_global);
-  const double touched = double(c.E) * (1.0 - std::pow(1.0 - 1.0 / double(c.E), local_slots));
-  const double items = touched * double(2 * c.N / moe::kTileRows);
-  return items < double(classic1_wave);
-}
-
-// The prefill kernel (moe_gemm_ws.cuh) runs at the 64-token tile when cta_mode is given
-// (1 or 2) or, in auto mode, from kWsMinTokensPerExpert expected tokens per local expert:
-// below that most groups are one partly filled tile and the one-warpgroup kernel, with
-// 2-3 CTAs per SM, measured as fast or faster (the prefill kernel at 32-48 tokens:
-// 0.82-1.0x of it; at 64-72: 1.21-1.49x; docs/perf-history/notebook-2026.md, nvfp4_moe,
-// "v5b"). DSV4_MOE_WS overrides at the 64-token tile (0: the one-warpgroup kernel).
-constexpr double kWsMinTokensPerExpert = 60.0;
-
-// CTAs per cluster of the prefill kernel: cta_mode 1 or 2; auto: 1. With the modes timed
-// round-robin, pairs measured 0.97-0.99x of single CTAs at every prefill size (the kernel
-// is bound by dequant and MMA issue, not by the L2 traffic that multicasting the token
-// rows halves; docs/perf-history/notebook-2026.md, nvfp4_moe, "v5b").
-int ws_cluster(int64_t cta_mode) { return cta_mode != 0 ? int(cta_mode) : 1; }
-
-// The kernel choice: a pure function of the checked shapes, cta_mode, the device facts
-// and the overrides (each unset override leaves its decision to the rule beside it).
-MoeConfig get_best_config(const Checked& c, int64_t cta_mode, const DeviceFacts& d, const env::Switches& o) {
-  MoeConfig cfg{};
-  const int64_t S = c.M * c.topk;
-  cfg.block_n = pick_block_n(c.M, c.topk, c.E_global);
-  // Every local slot in a tile; at most one partly filled tile per busy expert.
-  const int64_t busy = std::min<int64_t>(c.E, S);
-  cfg.max_tiles = int(std::max<int64_t>(1, (S + busy * (cfg.block_n - 1)) / cfg.block_n));
-  cfg.multi_cta_route = S > kMultiCtaRouteSlots;
-  const GemmOccupancy& occ = d.occupancy(cfg.block_n);
-  cfg.splitk = o.moe_splitk.value_or(splitk_by_shape(c, cfg.block_n, occ.classic1 * d.sms));
-  if (cfg.splitk) {
-    cfg.gemm1_ctas = occ.gemm1 * d.sms;
-    cfg.gemm2_ctas = occ.gemm2 * d.sms;
-    cfg.sk_ctas = std::max(cfg.gemm1_ctas, cfg.gemm2_ctas);
-  }
-  // bf16 mode at decode token tiles: GEMM1 loads x rows itself (see gemm_segment).
-  // DSV4_MOE_DIRECT_X=0 keeps the gather kernel.
-  cfg.direct_x = !c.nvfp4 && cfg.block_n <= 16 && o.moe_direct_x.value_or(true);
-  if (cfg.block_n == 64 && !cfg.splitk)
-    cfg.ws = o.moe_ws.value_or(cta_mode != 0 || double(S) / double(c.E_global) >= kWsMinTokensPerExpert);
-  if (cfg.ws) {
-    cfg.cluster = ws_cluster(cta_mode);
-    TORCH_CHECK(cfg.cluster == 1 || d.ws_grid2 > 0,
-                "dsv4: nvfp4_moe's 2-CTA prefill kernel does not fit on this device (cta_mode=2)");
-    cfg.ws_ctas = cfg.cluster == 2 ? d.ws_grid2 : d.sms;
-  } else {
-    cfg.cluster = 1;
-    TORCH_CHECK(cfg.splitk || cfg.max_tiles <= 65535, "dsv4: nvfp4_moe's one-warpgroup GEMM grid takes at most "
-                "65535 token tiles, got ", cfg.max_tiles, " (M * k = ", S, " slots); call it on fewer tokens at a time");
-  }
-  // Launch with programmatic stream serialization (see pdl_wait in common/ptx/pdl.cuh):
-  // the kernel may be scheduled while its predecessor in the stream drains, which
-  // hides the launch gap between the five kernels of a (decode-sized) call.
-  // On by default at decode token tiles (<= 16), where it saved ~3 us per call; at
-  // prefill the same-process A/B was within its +-5-9 % noise either way
-  // (docs/perf-history/notebook-2026.md, nvfp4_moe, "v4b"), so prefill keeps plain
-  // launches. DSV4_MOE_PDL overrides.
-  cfg.pdl = o.moe_pdl.value_or(cfg.block_n <= 16);
-  cfg.gather_ctas = int(std::min<int64_t>(int64_t(cfg.max_tiles) * cfg.block_n, int64_t(d.sms) * 8));
-  cfg.combine_ctas = int(std::min<int64_t>(c.M, int64_t(d.sms) * 16));
-  return cfg;
-}
-
-// The DSV4_PRINT_CONFIG=1 line: the inputs of the choice, then the choice.
-void print_config(const char* op, const Checked& c, int64_t cta_mode, const DeviceFacts& d, const MoeConfig& cfg,
-                  int64_t workspace_bytes) {
-  const std::string line = c10::str(
-      "dsv4 config ", op, ": M=", c.M, " K=", c.K, " N=", c.N, " E=", c.E, " E_global=", c.E_global, " topk=", c.topk,
-      " activation=", c.nvfp4 ? "nvfp4" : "bf16", " cta_mode=", cta_mode, " sms=", d.sms,
-      " classic1=", d.occupancy(cfg.block_n).classic1, " -> block_n=", cfg.block_n, " max_tiles=", cfg.max_tiles,
-      " multi_cta_route=", int(cfg.multi_cta_route), " splitk=", int(cfg.splitk), " sk_ctas=", cfg.sk_ctas,
-      " direct_x=", int(cfg.direct_x), " ws=", int(cfg.ws), " cluster=", cfg.cluster, " ws_ctas=", cfg.ws_ctas,
-      " pdl=", int(cfg.pdl), " workspace_bytes=", workspace_bytes);
-  std::fprintf(stderr, "%s\n", line.c_str());
-  std::fflush(stderr);
-}
-
 // ---------------------------------------------------------------------------------
 // (c) parameters and workspace
 // ---------------------------------------------------------------------------------
@@ -371,7 +242,7 @@ void print_config(const char* op, const Checked& c, int64_t cta_mode, const Devi
 // route_tile_off | sk_count | group_tile | num_groups | group_ready; error_flag and
 // route_counts adjacent: one memset zeroes both), then xg | h | [hq | hs] | [y] |
 // [split-K partials].
-void layout_workspace(Carver& w, MoeParams& p, const Checked& c, const MoeConfig& cfg, bool full) {
+void layout_workspace(Carver& w, MoeParams& p, const Nvfp4MoeShape& c, const Nvfp4MoeConfig& cfg, bool full) {
   const int64_t S = c.M * c.topk, rows = p.max_rows;
   p.slot_pos = w.region<int>(S);
   p.row_slot = w.next<int>(rows);
@@ -398,7 +269,7 @@ void layout_workspace(Carver& w, MoeParams& p, const Checked& c, const MoeConfig
 
 // Fills the kernel parameters and returns the workspace they point into (one allocation
 // per call: fewer allocator calls per step).
-at::Tensor fill_params(MoeParams& p, const Checked& c, const MoeConfig& cfg, const at::Tensor& x,
+at::Tensor fill_params(MoeParams& p, const Nvfp4MoeShape& c, const Nvfp4MoeConfig& cfg, const at::Tensor& x,
                        const at::Tensor& topk_ids, const at::Tensor& topk_weights, const at::Tensor& w13,
                        const at::Tensor& w13_scale, const at::Tensor& w13_scale_2, const at::Tensor* w2,
                        const at::Tensor* w2_scale, const at::Tensor* w2_scale_2,
@@ -454,87 +325,42 @@ at::Tensor fill_params(MoeParams& p, const Checked& c, const MoeConfig& cfg, con
 // (d) launch
 // ---------------------------------------------------------------------------------
 
-void launch(void (*kernel)(MoeParams), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
-            const MoeParams& p, int cluster = 1) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  int n = 0;
-  if (pdl) {
-    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n].val.programmaticStreamSerializationAllowed = 1;
-    ++n;
-  }
-  if (cluster > 1) {
-    attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = unsigned(cluster);
-    attr[n].val.clusterDim.y = 1;
-    attr[n].val.clusterDim.z = 1;
-    ++n;
-  }
-  cfg.attrs = attr;
-  cfg.numAttrs = n;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
-}
-
 // Persistent prefill GEMMs (a whole number of clusters).
-void launch_ws_gemms(const MoeConfig& cfg, const MoeParams& p, bool gemm2, cudaStream_t stream) {
+void launch_ws_gemms(const Nvfp4MoeConfig& cfg, const MoeParams& p, bool gemm2, cudaStream_t stream) {
   using C = moe::WsConfig;
   const dim3 grid(unsigned(cfg.ws_ctas));
   auto k1 = cfg.cluster == 2 ? moe::moe_gemm_ws_kernel<true, 2> : moe::moe_gemm_ws_kernel<true, 1>;
   auto k2 = cfg.cluster == 2 ? moe::moe_gemm_ws_kernel<false, 2> : moe::moe_gemm_ws_kernel<false, 1>;
-  launch(k1, grid, C::kThreads, C::kBytes, stream, cfg.pdl, p, cfg.cluster);
+  moe::launch_moe_kernel(k1, grid, C::kThreads, C::kBytes, stream, cfg.pdl, p, cfg.cluster);
   // Always programmatic: GEMM2 overlaps GEMM1's tail (see moe_gemm_ws_kernel).
-  if (gemm2) launch(k2, grid, C::kThreads, C::kBytes, stream, true, p, cfg.cluster);
+  if (gemm2) moe::launch_moe_kernel(k2, grid, C::kThreads, C::kBytes, stream, true, p, cfg.cluster);
 }
 
 template <int BN>
-void launch_gemms(const MoeConfig& cfg, const MoeParams& p, bool gemm2, cudaStream_t stream) {
+void launch_gemms(const Nvfp4MoeConfig& cfg, const MoeParams& p, bool gemm2, cudaStream_t stream) {
   constexpr int STAGES = RingStages<BN>::kClassic, SK_STAGES = RingStages<BN>::kSplitK;
   using S = moe::GemmSmem<BN, STAGES>;
   using SK = moe::GemmSmem<BN, SK_STAGES>;
   if (cfg.splitk) {
-    launch(moe::moe_gemm_splitk_kernel<BN, SK_STAGES, true>, dim3(unsigned(cfg.gemm1_ctas)), moe::kThreads,
-           SK::kBytes, stream, cfg.pdl, p);
+    moe::launch_moe_kernel(moe::moe_gemm_splitk_kernel<BN, SK_STAGES, true>, dim3(unsigned(cfg.gemm1_ctas)),
+                           moe::kThreads, SK::kBytes, stream, cfg.pdl, p);
     if (gemm2)
-      launch(moe::moe_gemm_splitk_kernel<BN, SK_STAGES, false>, dim3(unsigned(cfg.gemm2_ctas)), moe::kThreads,
-             SK::kBytes, stream, cfg.pdl, p);
+      moe::launch_moe_kernel(moe::moe_gemm_splitk_kernel<BN, SK_STAGES, false>, dim3(unsigned(cfg.gemm2_ctas)),
+                             moe::kThreads, SK::kBytes, stream, cfg.pdl, p);
     return;
   }
   const dim3 g1(unsigned(2 * p.N / moe::kTileRows), unsigned(p.max_tiles));
   const dim3 g2(unsigned(p.K / moe::kTileRows), unsigned(p.max_tiles));
-  launch(moe::moe_gemm_kernel<BN, STAGES, true>, g1, moe::kThreads, S::kBytes, stream, cfg.pdl, p);
-  if (gemm2) launch(moe::moe_gemm_kernel<BN, STAGES, false>, g2, moe::kThreads, S::kBytes, stream, cfg.pdl, p);
+  moe::launch_moe_kernel(moe::moe_gemm_kernel<BN, STAGES, true>, g1, moe::kThreads, S::kBytes, stream, cfg.pdl, p);
+  if (gemm2)
+    moe::launch_moe_kernel(moe::moe_gemm_kernel<BN, STAGES, false>, g2, moe::kThreads, S::kBytes, stream, cfg.pdl, p);
 }
 
 // The chain on the current stream; with full unset it stops after GEMM1 (debug op).
-void launch_chain(const MoeConfig& cfg, const MoeParams& p, bool full) {
+void launch_chain(const Nvfp4MoeConfig& cfg, const MoeParams& p, bool full) {
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const size_t route_smem = size_t(4 * p.E + 1) * sizeof(int);  // see moe_route_kernel
-  if (route_smem > 48 * 1024)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(moe::moe_route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(route_smem)));
-  if (cfg.multi_cta_route) {  // count -> tables -> place (see moe_count_kernel)
-    const unsigned ctas = unsigned((int64_t(p.M) * p.topk + moe::kRouteSlotsPerCta - 1) / moe::kRouteSlotsPerCta);
-    const size_t count_smem = size_t(p.E) * sizeof(int);
-    if (count_smem > 48 * 1024)
-      C10_CUDA_CHECK(cudaFuncSetAttribute(moe::moe_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(count_smem)));
-    C10_CUDA_CHECK(cudaMemsetAsync(p.error_flag, 0, size_t(1 + p.E) * sizeof(int), stream));  // + route_counts
-    moe::moe_count_kernel<<<ctas, moe::kRouteThreads, count_smem, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    moe::moe_route_kernel<<<1, moe::kRouteThreads, route_smem, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    moe::moe_place_kernel<<<ctas, moe::kRouteThreads, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  } else {
-    moe::moe_route_kernel<<<1, moe::kRouteThreads, route_smem, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  if (!cfg.direct_x)
-    launch(p.act_nvfp4 ? moe::moe_gather_kernel<true> : moe::moe_gather_kernel<false>, dim3(unsigned(cfg.gather_ctas)),
-           dim3(256), 0, stream, cfg.pdl, p);
+  moe::launch_routing(p, cfg.multi_cta_route, stream);
+  if (!cfg.direct_x) moe::launch_gather(p, cfg.gather_ctas, cfg.pdl, stream);
   if (cfg.ws) {
     launch_ws_gemms(cfg, p, full, stream);
   } else {
@@ -545,7 +371,7 @@ void launch_chain(const MoeConfig& cfg, const MoeParams& p, bool full) {
     }
   }
   if (!full) return;
-  launch(moe::moe_combine_kernel, dim3(unsigned(cfg.combine_ctas)), dim3(256), 0, stream, cfg.pdl, p);
+  moe::launch_combine(p, cfg.combine_ctas, cfg.pdl, stream);
 }
 
 // ---------------------------------------------------------------------------------
@@ -557,7 +383,7 @@ void nvfp4_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor
                const at::Tensor& w2_scale, const at::Tensor& w2_scale_2, const std::optional<at::Tensor>& a13_scale,
                const std::optional<at::Tensor>& a2_scale, const std::optional<at::Tensor>& expert_map,
                std::optional<double> swiglu_limit, c10::string_view activation, int64_t cta_mode, at::Tensor& out) {
-  const Checked c = check_inputs(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
+  const Nvfp4MoeShape c = check_inputs(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
                                  a13_scale, a2_scale, expert_map, activation, cta_mode, true);
   TORCH_CHECK(!swiglu_limit.has_value() || (std::isfinite(*swiglu_limit) && *swiglu_limit > 0),
               "dsv4: swiglu_limit must be positive and finite, got ", swiglu_limit.value_or(0.0));
@@ -571,11 +397,11 @@ void nvfp4_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor
   const at::cuda::OptionalCUDAGuard guard(x.device());
   const env::Switches& sw = env::switches();
   const DeviceFacts& d = device_facts();
-  const MoeConfig cfg = get_best_config(c, cta_mode, d, sw);
+  const Nvfp4MoeConfig cfg = moe::get_best_config(c, cta_mode, d, sw);
   MoeParams p;
   const at::Tensor ws = fill_params(p, c, cfg, x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, &w2, &w2_scale,
                                     &w2_scale_2, a13_scale, a2_scale, expert_map, swiglu_limit, true);
-  if (sw.print_config) print_config("nvfp4_moe", c, cta_mode, d, cfg, ws.numel());
+  if (sw.print_config) moe::print_config("nvfp4_moe", c, cta_mode, d, cfg, ws.numel());
   p.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
   launch_chain(cfg, p, true);
 }
@@ -595,7 +421,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nvfp4_moe_gemm1_debug
     const std::optional<at::Tensor>& expert_map, std::optional<double> swiglu_limit, c10::string_view activation,
     int64_t cta_mode) {
   at::Tensor none;
-  const Checked c = check_inputs(x, topk_ids, topk_ids.to(at::kFloat), w13, w13_scale, w13_scale_2, none, none, none,
+  const Nvfp4MoeShape c = check_inputs(x, topk_ids, topk_ids.to(at::kFloat), w13, w13_scale, w13_scale_2, none, none, none,
                                  a13_scale, a2_scale, expert_map, activation, cta_mode, false);
   const int64_t S = c.M * c.topk;
   auto opt = x.options();
@@ -607,12 +433,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nvfp4_moe_gemm1_debug
   const at::cuda::OptionalCUDAGuard guard(x.device());
   const env::Switches& sw = env::switches();
   const DeviceFacts& d = device_facts();
-  const MoeConfig cfg = get_best_config(c, cta_mode, d, sw);
+  const Nvfp4MoeConfig cfg = moe::get_best_config(c, cta_mode, d, sw);
   MoeParams p;
   at::Tensor tw;  // undefined: GEMM1 does not read the routing weights
   const at::Tensor ws = fill_params(p, c, cfg, x, topk_ids, tw, w13, w13_scale, w13_scale_2, nullptr, nullptr, nullptr,
                                     a13_scale, a2_scale, expert_map, swiglu_limit, false);
-  if (sw.print_config) print_config("nvfp4_moe_gemm1_debug", c, cta_mode, d, cfg, ws.numel());
+  if (sw.print_config) moe::print_config("nvfp4_moe_gemm1_debug", c, cta_mode, d, cfg, ws.numel());
   at::Tensor h_rows = at::zeros({p.max_rows, c.N}, opt.dtype(at::kFloat));
   p.h_debug = h_rows.data_ptr<float>();
   launch_chain(cfg, p, false);

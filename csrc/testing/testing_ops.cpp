@@ -3,7 +3,10 @@
 //   nvfp4_moe_gemm1_debug: the NVFP4 MoE chain up to GEMM1's epilogue, its output read
 //     back (CUDA kernel: csrc/moe/nvfp4_moe.cu; tests/test_moe.py);
 //   parse_env_switch, env_switches: the parser of csrc/common/env.h on a given value, and
-//     the values this process read (tests/test_moe_config.py).
+//     the values this process read (tests/test_moe_config.py);
+//   nvfp4_moe_config, mxfp4_moe_config: the MoE ops' get_best_config (csrc/moe/config.h)
+//     on given shapes, device facts and overrides, no device needed
+//     (tests/test_moe_config.py).
 #include <torch/library.h>
 
 #include <optional>
@@ -11,12 +14,15 @@
 #include <vector>
 
 #include "common/env.h"
+#include "moe/config.h"
 
 namespace dsv4 {
 namespace testing {
 namespace {
 
 int64_t as_int(std::optional<bool> v) { return v.has_value() ? int64_t(*v) : -1; }
+
+std::optional<bool> as_switch(int64_t v) { return v < 0 ? std::nullopt : std::optional<bool>(v != 0); }
 
 // -1: unset or empty, 0 or 1; any other value raises the error an op call would.
 int64_t parse_env_switch(c10::string_view name, std::optional<c10::string_view> value) {
@@ -34,6 +40,43 @@ std::vector<int64_t> env_switches() {
           int64_t(s.print_config)};
 }
 
+// get_best_config of dsv4::nvfp4_moe.
+//   shape: [M, K, N, E, E_global, topk]; nvfp4: activation "nvfp4" (else "bf16");
+//   device: [sms, then per token tile 8, 16, 64 the resident split-K GEMM1, split-K GEMM2
+//     and classic GEMM1 CTAs per SM, then ws_grid2] (11 values, DeviceFacts);
+//   overrides: [DSV4_MOE_WS, DSV4_MOE_SPLITK, DSV4_MOE_DIRECT_X, DSV4_MOE_PDL], -1 = unset.
+// Returns [block_n, max_tiles, multi_cta_route, splitk, gemm1_ctas, gemm2_ctas, sk_ctas,
+// direct_x, ws, cluster, ws_ctas, pdl, gather_ctas, combine_ctas] (Nvfp4MoeConfig's
+// fields in order); an error get_best_config raises comes through as a RuntimeError.
+std::vector<int64_t> nvfp4_moe_config(c10::IntArrayRef shape, bool nvfp4, int64_t cta_mode, c10::IntArrayRef device,
+                                      c10::IntArrayRef overrides) {
+  TORCH_CHECK(shape.size() == 6 && device.size() == 11 && overrides.size() == 4,
+              "dsv4_testing::nvfp4_moe_config: shape has 6 values, device 11, overrides 4");
+  const moe::Nvfp4MoeShape c{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], nvfp4};
+  moe::DeviceFacts d{};
+  d.sms = int(device[0]);
+  for (int t = 0; t < 3; ++t)
+    d.occ[t] = moe::GemmOccupancy{int(device[1 + 3 * t]), int(device[2 + 3 * t]), int(device[3 + 3 * t])};
+  d.ws_grid2 = int(device[10]);
+  env::Switches o{};
+  o.moe_ws = as_switch(overrides[0]);
+  o.moe_splitk = as_switch(overrides[1]);
+  o.moe_direct_x = as_switch(overrides[2]);
+  o.moe_pdl = as_switch(overrides[3]);
+  const moe::Nvfp4MoeConfig g = moe::get_best_config(c, cta_mode, d, o);
+  return {g.block_n,  g.max_tiles, g.multi_cta_route, g.splitk,  g.gemm1_ctas, g.gemm2_ctas,  g.sk_ctas,
+          g.direct_x, g.ws,        g.cluster,         g.ws_ctas, g.pdl,        g.gather_ctas, g.combine_ctas};
+}
+
+// get_best_config of dsv4::mxfp4_moe. shape: [M, K, N, E, E_global, topk].
+// Returns [block_n, max_tiles, combine_ctas].
+std::vector<int64_t> mxfp4_moe_config(c10::IntArrayRef shape) {
+  TORCH_CHECK(shape.size() == 6, "dsv4_testing::mxfp4_moe_config: shape has 6 values");
+  const moe::Mxfp4MoeConfig g =
+      moe::get_best_config(moe::Mxfp4MoeShape{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5]});
+  return {moe::w4a8::kBN, g.max_tiles, g.combine_ctas};
+}
+
 }  // namespace
 }  // namespace testing
 }  // namespace dsv4
@@ -46,4 +89,7 @@ TORCH_LIBRARY_FRAGMENT(dsv4_testing, m) {
   // No tensor argument: the function is the op's only kernel.
   m.def("parse_env_switch(str name, str? value) -> int", &dsv4::testing::parse_env_switch);
   m.def("env_switches() -> int[]", &dsv4::testing::env_switches);
+  m.def("nvfp4_moe_config(int[] shape, bool nvfp4, int cta_mode, int[] device, int[] overrides) -> int[]",
+        &dsv4::testing::nvfp4_moe_config);
+  m.def("mxfp4_moe_config(int[] shape) -> int[]", &dsv4::testing::mxfp4_moe_config);
 }

@@ -4,7 +4,9 @@
   global scales, ModelOpt's checkpoint tensors and vLLM's stacked MoE layout;
 - ``dsv4.formats.mxfp4``: MXFP4 (DeepSeek's native experts): e8m0 block scales, vLLM's
   stacked layout, and the conversions the MoE prepare step makes of it;
-- ``dsv4.formats.kv_cache``: vLLM's paged ``fp8_ds_mla`` and bf16 KV caches.
+- ``dsv4.formats.kv_cache``: vLLM's paged ``fp8_ds_mla`` and bf16 KV caches;
+- ``dsv4.formats.nvfp4_moe_layout``: the prepared NVFP4 MoE weights, the tile layout
+  dsv4::nvfp4_moe's kernels read (``prepare_nvfp4_moe_weights`` and its inverse).
 
 Each module's docstring has its layouts byte for byte (docs/design.md section 2 the same
 in prose). The names below are the modules' public ones, for ``dsv4.formats.X``. The float32
@@ -56,6 +58,7 @@ from .nvfp4 import (
     stack_modelopt_experts,
     unpack_fp4,
 )
+from .nvfp4_moe_layout import Nvfp4MoeWeights, prepare_nvfp4_moe_weights, unprepare_nvfp4_moe_weights
 
 __all__ = [
     # nvfp4
@@ -66,6 +69,8 @@ __all__ = [
     "MXFP4_BLOCK", "e8m0_bytes", "e8m0_to_float", "quantize_mxfp4", "dequantize_mxfp4", "dequantize_mxfp4_experts",
     "check_mxfp4_moe_weights", "pad_mxfp4_moe_weights", "random_mxfp4_moe_weights", "mxfp4_to_nvfp4",
     "fit_fp8_operand",
+    # nvfp4_moe_layout
+    "Nvfp4MoeWeights", "prepare_nvfp4_moe_weights", "unprepare_nvfp4_moe_weights",
     # kv_cache
     "KV_DIM", "NOPE_DIM", "ROPE_DIM", "FP8_NUM_GROUPS", "FP8_DS_MLA_TOKEN_DATA_BYTES", "FP8_DS_MLA_TOKEN_SCALE_BYTES",
     "FP8_DS_MLA_VIEW_LAST_DIM", "fp8_ds_mla_block_bytes", "new_fp8_ds_mla_cache", "kv_cache_layout", "write_fp8_ds_mla",

@@ -219,25 +219,41 @@ def test_dsv4_experts_expert_parallel_map(plugin):
 
 
 def test_activation_mode_env(monkeypatch, plugin):
-    """Unset (or empty): the format's default; anything the format does not run is
-    one `dsv4:` error naming the variable, the format and the modes it runs."""
+    """A choice of dsv4._env: unset or empty is the format's default; anything else must
+    be exactly a mode the format runs, else one `dsv4:` error naming the variable, the
+    format, its modes and the default (no stripping, no case folding)."""
     from dsv4_plugin import moe
 
     monkeypatch.delenv("DSV4_MOE_ACTIVATION", raising=False)
     assert (moe.activation_mode("nvfp4"), moe.activation_mode("mxfp4")) == ("bf16", "fp8")
-    monkeypatch.setenv("DSV4_MOE_ACTIVATION", " ")
+    monkeypatch.setenv("DSV4_MOE_ACTIVATION", "")
     assert (moe.activation_mode("nvfp4"), moe.activation_mode("mxfp4")) == ("bf16", "fp8")
-    monkeypatch.setenv("DSV4_MOE_ACTIVATION", "NVFP4")
+    monkeypatch.setenv("DSV4_MOE_ACTIVATION", "nvfp4")
     assert moe.activation_mode("nvfp4") == "nvfp4"
     monkeypatch.setenv("DSV4_MOE_ACTIVATION", "bf16")
     assert (moe.activation_mode("nvfp4"), moe.activation_mode("mxfp4")) == ("bf16", "bf16")
-    for bad, fmt, modes in (("fp8", "nvfp4", "bf16, nvfp4"), ("nvfp4", "mxfp4", "fp8, bf16"),
-                            ("w4a8", "mxfp4", "fp8, bf16")):
+    for bad, fmt, modes in (("fp8", "nvfp4", "bf16 or nvfp4"), ("nvfp4", "mxfp4", "fp8 or bf16"),
+                            ("w4a8", "mxfp4", "fp8 or bf16"), ("NVFP4", "nvfp4", "bf16 or nvfp4"),
+                            (" ", "nvfp4", "bf16 or nvfp4"), (" bf16", "mxfp4", "fp8 or bf16")):
         monkeypatch.setenv("DSV4_MOE_ACTIVATION", bad)
         with pytest.raises(ValueError) as ei:
             moe.activation_mode(fmt)
-        assert str(ei.value) == (f"dsv4: DSV4_MOE_ACTIVATION={bad!r} is not supported for "
-                                 f"{fmt.upper()} routed experts; use one of {modes} "
-                                 f"(unset: {modes.split(',')[0]})")
-    monkeypatch.setenv("DSV4_MOE", "0")
-    assert not moe.moe_enabled()
+        assert str(ei.value) == (f"dsv4: environment variable DSV4_MOE_ACTIVATION must be {modes} for "
+                                 f"{fmt.upper()} routed experts (or unset: {modes.split(' ')[0]}), got \"{bad}\"")
+
+
+def test_moe_switch_env(monkeypatch, plugin):
+    """DSV4_MOE is a switch of dsv4._env (csrc/common/env.h's rule): unset or empty -> on,
+    0 -> off, 1 -> on; anything else ("yes", " 0", "true") is an error naming it."""
+    from dsv4_plugin import moe
+
+    monkeypatch.delenv("DSV4_MOE", raising=False)
+    assert moe.moe_enabled()
+    for value, on in (("", True), ("1", True), ("0", False)):
+        monkeypatch.setenv("DSV4_MOE", value)
+        assert moe.moe_enabled() is on
+    for bad in ("yes", "no", " 0", "true", "01", "2"):
+        monkeypatch.setenv("DSV4_MOE", bad)
+        with pytest.raises(ValueError) as ei:
+            moe.moe_enabled()
+        assert str(ei.value) == f'dsv4: environment variable DSV4_MOE must be 0 or 1 (or unset), got "{bad}"'

@@ -115,7 +115,8 @@ def test_bad_activation_mode_fails_at_load_with_one_line(plugin, tmp_path, monke
     with pytest.raises(ValueError) as ei:
         mm.build(mm.write_variant(str(tmp_path), fmt), _ensure_distributed)
     msg = str(ei.value)
-    assert msg.startswith(f"dsv4: DSV4_MOE_ACTIVATION={bad!r} is not supported for {fmt.upper()} ")
+    assert msg.startswith("dsv4: environment variable DSV4_MOE_ACTIVATION must be ")
+    assert f" for {fmt.upper()} routed experts (or unset: " in msg and msg.endswith(f'got "{bad}"')
     assert "\n" not in msg
 
 

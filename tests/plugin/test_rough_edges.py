@@ -277,9 +277,12 @@ def test_mxfp4_experts_claim_switch(plugin, tmp_path, monkeypatch, example, clai
         for i in range(3):
             got = cfg.quant_config._dsv4_method_for(layer, f"model.layers.{i}.ffn.experts")
             assert got is (moe.DSV4Mxfp4FusedMoE if claim else None)
-    monkeypatch.setenv("DSV4_MOE_MXFP4", "yes")
-    with set_current_vllm_config(cfg), pytest.raises(ValueError, match="dsv4: DSV4_MOE_MXFP4 must be 0 or 1"):
-        cfg.quant_config._dsv4_method_for(layer, "model.layers.0.ffn.experts")
+    for name in ("DSV4_MOE_MXFP4", "DSV4_MOE"):  # one rule for the plugin's switches (dsv4._env)
+        monkeypatch.setenv(name, "yes")
+        with set_current_vllm_config(cfg), pytest.raises(
+                ValueError, match=f'^dsv4: environment variable {name} must be 0 or 1 \\(or unset\\), got "yes"$'):
+            cfg.quant_config._dsv4_method_for(layer, "model.layers.0.ffn.experts")
+        monkeypatch.delenv(name)
     if claim:
         assert not lines
     else:

@@ -1,9 +1,12 @@
-// The small-batch path of the MXFP4 W4A8 MoE on FP8 tensor cores (warp-level
-// mma.sync.m16n8k32.e4m3), launched by dsv4::mxfp4_moe (mxfp4_moe.cu) at every M for
-// now. Compiles for sm_90a with no spills; not yet run on a GPU when written (its GPU
-// tests: tests/test_mxfp4.py -m gpu -k w4a8). What remains: see the end of the file.
+// The GEMMs of the MXFP4 W4A8 MoE on FP8 tensor cores (warp-level
+// mma.sync.m16n8k32.e4m3), launched by dsv4::mxfp4_moe (mxfp4_moe.cu): one small-batch
+// path at every M (8-token tiles, no split over K, no wgmma prefill kernel yet).
+// Compiles for sm_90a with no spills; its GPU tests (tests/test_mxfp4.py -m gpu -k w4a8)
+// pass on the H200 (docs/perf.md, "GPU test status"). Speed: 0.13-0.39x of Humming W4A8 at
+// every M (docs/perf-history/2026-12-02-mxfp4-vs-humming.md). What remains: see the end
+// of the file.
 //
-// Numerics (DESIGN.md section 2, dsv4.reference.mxfp4_moe activation="fp8"):
+// Numerics (docs/design.md section 2, dsv4.reference.mxfp4_moe activation="fp8"):
 //   GEMM1 input  x: per token, per 128 of K, vLLM's per_token_group_quant_fp8
 //     s = max(amax, 1e-10) / 448, rounded up to a power of two when ue8m0,
 //     q = e4m3_rn_satfinite(x / s)                         (w4a8_quant_x_kernel)
@@ -17,13 +20,13 @@
 //     per 128 columns of h, Humming's rule: s = max(amax / 448, 1e-30),
 //     q = e4m3_rn_satfinite(h * (1 / s))                       (IEEE division, reciprocal)
 //   GEMM2 the same with h, writing bf16 y per padded row; moe_combine_kernel
-//     (moe_routing.cuh) then sums the slots in fp32.
+//     (routing.cuh) then sums the slots in fp32.
 //
-// Layouts: the weights as dsv4.moe.Mxfp4MoeWeights holds them (vLLM's stacked layout,
+// Layouts: the weights as dsv4.Mxfp4MoeWeights holds them (vLLM's stacked layout,
 // N padded to a multiple of 64): w13 [E, 2N, K/2] (gate rows, then up rows), w13_scale
 // [E, 2N, K/32], w2 [E, K, N/2], w2_scale [E, K, N/32]. Token tiles of 8 rows from the
-// NVFP4 MoE's routing (moe_route_kernel with block_n = 8: row_slot, tile_expert,
-// num_tiles).
+// MoE's routing (routing.cuh: moe_route_kernel with block_n = kBN = 8 fills row_slot,
+// tile_expert, num_tiles).
 //
 // Fragment order: the dot product of one k32 step does not depend on which k each
 // fragment position holds, so A and B use the same permutation: in step s of a
@@ -40,40 +43,19 @@
 
 #include "common/cvt.cuh"
 #include "common/mma/mma_sync.cuh"
-#include "moe/moe_device.cuh"
+#include "common/nvfp4.cuh"  // e2m1_value
+#include "moe/params.cuh"
+#include "moe/swiglu.cuh"
 
 namespace dsv4 {
 namespace moe {
 namespace w4a8 {
 
-constexpr int kBN = 8;             // token rows per tile (one mma n8)
 constexpr int kChunk = 128;        // K elements per promotion (the activation group)
 constexpr int kThreads = 128;      // 4 warps
 constexpr int kShiftMin = -8;      // code * 2^d is e4m3 for every code iff -8 <= d <= 6
 constexpr int kShiftMax = 6;
 constexpr int kShifts = kShiftMax - kShiftMin + 1;
-
-struct W4A8Params {
-  int M, topk, K, N;                // N: the padded intermediate size (multiple of 64)
-  int ue8m0, has_limit;
-  float swiglu_limit;
-  // routing (moe_routing.cuh, block_n = kBN)
-  const int* row_slot;              // [max_tiles * kBN] slot of each padded row, -1 = padding
-  const int* tile_expert;           // [max_tiles]
-  const int* num_tiles;             // [1]
-  // inputs
-  const __nv_bfloat16* x;           // [M, K]
-  const uint8_t* w13;               // [E, 2N, K/2]
-  const uint8_t* w13_scale;         // [E, 2N, K/32] e8m0
-  const uint8_t* w2;                // [E, K, N/2]
-  const uint8_t* w2_scale;          // [E, K, N/32]
-  // workspace
-  uint8_t* xq;                      // [M, K] e4m3
-  float* xs;                        // [M, K/128]
-  uint8_t* hq;                      // [max_rows, N] e4m3
-  float* hs;                        // [max_rows, ceil(N/128)]
-  __nv_bfloat16* y;                 // [max_rows, K] per padded row, read by moe_combine_kernel
-};
 
 // ------------------------------------------------------------------ conversions ---
 
@@ -317,8 +299,8 @@ __global__ void __launch_bounds__(kThreads) w4a8_gemm2_kernel(const W4A8Params p
 
 // --------------------------------------------------------------------- launches -----
 
-// Order: routing (moe_route_kernel, block_n = kBN), w4a8_quant_x_kernel, GEMM1, GEMM2,
-// moe_combine_kernel. max_tiles: the routing's bound on token tiles.
+// Order (mxfp4_moe.cu): routing (moe_route_kernel, block_n = kBN), then these three,
+// then moe_combine_kernel. max_tiles: the routing's bound on token tiles.
 inline void launch_w4a8_decode(const W4A8Params& p, int max_tiles, cudaStream_t stream) {
   const int groups = p.M * (p.K / kChunk);
   if (groups > 0) w4a8_quant_x_kernel<<<(groups + 7) / 8, 256, 0, stream>>>(p);
@@ -326,12 +308,13 @@ inline void launch_w4a8_decode(const W4A8Params& p, int max_tiles, cudaStream_t 
   w4a8_gemm2_kernel<<<dim3((p.K + 255) / 256, max_tiles), kThreads, 0, stream>>>(p);
 }
 
-// What remains (issue 26 item 4):
-// * GPU validation on the H200 (the tests are written), then speed against Humming W4A8.
-// * speed: weight loads are plain 16-byte global loads without a pipeline (cp.async /
-//   bulk copies ring as in moe_gemm.cuh), h and y are written with byte / 2-byte stores
-//   (stage through shared memory), every CTA rebuilds the 120-byte shift table, no
-//   split-K for tiny grids, the tile is fixed at 8 tokens, routing is one CTA.
+// What remains (docs/perf-history/2026-12-02-mxfp4-vs-humming.md, look-back):
+// * speed at small M: a split over N and K so that at least one wave of CTAs streams
+//   weights (the NVFP4 path's split-K grid is the model). Also: weight loads are plain
+//   16-byte global loads without a pipeline (cp.async / bulk-copy ring as in
+//   nvfp4_gemm.cuh), h and y are written with byte / 2-byte stores (stage through
+//   shared memory), every CTA rebuilds the 120-byte shift table, the tile is fixed at 8
+//   tokens, routing is one CTA.
 // * the prefill path: wgmma m64nNk32 e4m3 with A from registers (the same conversion)
 //   and B (tokens) from shared memory, per-128 promotion into a second accumulator set.
 // * the grids assume K % 128 == 0 (checked by the entry; every V4 shape) and N % 64 == 0

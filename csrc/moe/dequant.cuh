@@ -1,6 +1,7 @@
-// Device helpers of the NVFP4 MoE family: the e2m1 -> bf16 register dequantization of
-// the prepared weights, and the SwiGLU pieces. The generic helpers (copies, MMAs,
-// fences, packing, PDL) are in common/.
+// Register dequantization of the prepared NVFP4 weight tiles (params.cuh): one thread's
+// code word and scale bytes -> its bf16 MMA A fragments, exact. Read by the NVFP4 GEMMs
+// (nvfp4_gemm.cuh, nvfp4_gemm_ws.cuh). The generic helpers (copies, MMAs, fences,
+// packing, PDL, the e2m1 value of a code) are in common/.
 #pragma once
 
 #include <stdint.h>
@@ -9,7 +10,7 @@ namespace dsv4 {
 namespace moe {
 
 // Bit layout of one prepared code word (the 8 elements of one thread's A fragment
-// for one k16 step; see moe_params.cuh). Fragment register p holds an (even, odd)
+// for one k16 step; see params.cuh). Fragment register p holds an (even, odd)
 // element pair; each element's e2m1 code has bits s (sign), e1, e0 (exponent), m.
 // The target of a pair is the bf16x2 word with s at bit 15/31 and (e1 e0 m) at bits
 // 8..6 / 24..22 (kPairMask), which is the bf16 of e2m1 * 2^-126 (e2m1's subnormal 0.5
@@ -20,7 +21,7 @@ namespace moe {
 // (the stray partial products miss kPairMask and never carry into it; checked for
 // all 256 codes of the pair). 8 integer instructions per word instead of 11 with
 // plain shifts: no 4 rotations of the pattern tile a word (exhaustive search).
-// dsv4/moe.py (_BIT_POS) writes the same table.
+// dsv4/formats/nvfp4_moe_layout.py (_BIT_POS) writes the same table.
 constexpr uint32_t kPairMask = 0x81C081C0u;
 
 // a * (the low (kHigh = 0) or high bf16 of s, broadcast to both halves). ptxas folds
@@ -66,21 +67,6 @@ __device__ __forceinline__ void dequant_tile(const uint4 codes, const uint2 sc, 
   dequant_kstep(codes.y, scale_pair_bf16x2<2>(sc.x), a[1]);
   dequant_kstep(codes.z, scale_pair_bf16x2<0>(sc.y), a[2]);
   dequant_kstep(codes.w, scale_pair_bf16x2<2>(sc.y), a[3]);
-}
-
-// The fast division (2 ulp) instead of the IEEE one, whose refinement steps and range
-// check cost 8 % of GEMM1's time in the prefill kernel: its three consumer warpgroups
-// run the epilogue at once while the tensor cores idle (docs/perf-history/notebook-2026.md,
-// nvfp4_moe, where the prefill kernel's time goes). A
-// denominator past 2^126 (v below about -87) gives 0, the limit of silu there.
-__device__ __forceinline__ float silu(float v) { return __fdividef(v, 1.0f + __expf(-v)); }
-
-// Value of the e2m1 code in the low nibble of `code` (higher bits ignored).
-__device__ __forceinline__ float e2m1_value(uint32_t code) {
-  const uint32_t e = (code >> 1) & 3u, m = code & 1u;
-  // e = 0: m * 0.5; else 2^(e-1) * (1 + m/2), built as fp32 bits.
-  const float mag = e == 0 ? 0.5f * float(m) : __uint_as_float(((e + 126u) << 23) | (m << 22));
-  return (code & 8u) ? -mag : mag;
 }
 
 }  // namespace moe

@@ -1,18 +1,21 @@
-// Grouped GEMMs of the NVFP4 MoE, "swap AB": the NVFP4 weights are the MMA A
-// operand (64 weight rows per CTA, dequantized e2m1 -> bf16 in registers), the
-// tokens routed to the expert are the B operand (block_n tokens per CTA, bf16 in
-// shared memory, 128-byte swizzle). Accumulation in fp32; the global scales are
-// applied in the epilogue.
+// Grouped GEMMs of the NVFP4 MoE at decode sizes and as the one-warpgroup fallback
+// (prefill sizes run nvfp4_gemm_ws.cuh, which shares the epilogues below). "Swap AB":
+// the NVFP4 weights are the MMA A operand (64 weight rows per CTA, dequantized
+// e2m1 -> bf16 in registers, dequant.cuh), the tokens routed to the expert are the B
+// operand (block_n tokens per CTA, bf16 in shared memory, 128-byte swizzle).
+// Accumulation in fp32; the global scales are applied in the epilogue.
 //
-// One warpgroup per CTA; a STAGES-deep cp.async ring feeds weight codes, scales and
-// the token tile of each 64-wide K step. Decode tiles (block_n 8 or 16) multiply with
-// warp-level mma.sync, larger ones with wgmma (see mma_step). Grids (classic and
-// split-K): see moe_gemm_kernel at the end.
+// One warpgroup per CTA and a ring of STAGES 64-wide K steps in shared memory, grouped
+// into slots: thread 0 fetches a slot's weight codes and scales with two bulk copies
+// counted on the slot's mbarrier, every thread copies its part of the token tile with
+// cp.async (see gemm_segment). Decode tiles (block_n 8 or 16) multiply with warp-level
+// mma.sync, the 64-token tile with wgmma (see mma_step). Grids: classic
+// (moe_gemm_kernel) or split-K on a persistent grid (moe_gemm_splitk_kernel); see the
+// comment above gemm_grid_dependencies.
 //
-// GEMM1 (kGemm1): rows of w13 (interleaved gate/up, see moe_params.cuh), K = hidden;
+// GEMM1 (kGemm1): rows of w13 (interleaved gate/up, see params.cuh), K = hidden;
 //   epilogue gemm1_epilogue (clamped SwiGLU, bf16 or NVFP4 h).
 // GEMM2: rows of w2 (output hidden dims), K = intermediate; epilogue gemm2_epilogue.
-// Prefill sizes run the warp-specialized kernel of moe_gemm_ws.cuh instead.
 #pragma once
 
 #include "common/cvt.cuh"
@@ -23,8 +26,9 @@
 #include "common/ptx/pdl.cuh"
 #include "common/ptx/regs.cuh"
 #include "common/ptx/sync.cuh"
-#include "moe/moe_device.cuh"
-#include "moe/moe_params.cuh"
+#include "moe/dequant.cuh"
+#include "moe/params.cuh"
+#include "moe/swiglu.cuh"
 
 namespace dsv4 {
 namespace moe {

@@ -1,13 +1,14 @@
-// Routing prep, activation gather and weighted combine of the NVFP4 MoE. All sizes
-// come from shapes; the number of token tiles actually used is a device value
+// The kernels around the MoE's grouped GEMMs: routing prep (both ops), the activation
+// gather (dsv4::nvfp4_moe) and the weighted combine (both ops). Compiled once, in
+// routing.cu, whose host launchers (routing.h) nvfp4_moe.cu and mxfp4_moe.cu call. All
+// sizes come from shapes; the number of token tiles actually used is a device value
 // (*num_tiles) that the later kernels read, so the whole chain is graph capturable.
 #pragma once
 
 #include "common/cvt.cuh"
 #include "common/nvfp4.cuh"
 #include "common/ptx/pdl.cuh"
-#include "moe/moe_device.cuh"
-#include "moe/moe_params.cuh"
+#include "moe/params.cuh"
 
 namespace dsv4 {
 namespace moe {

@@ -1,5 +1,7 @@
 // Prefill grouped GEMMs of the NVFP4 MoE: warp-specialized, persistent, optionally
-// in clusters of 2 CTAs that share each token tile by multicast.
+// in clusters of 2 CTAs that share each token tile by multicast (docs/perf-history/
+// 2026-11-30-nvfp4-moe-prefill-ws.md; where its time goes:
+// docs/perf-history/2026-12-01-nvfp4-moe-prefill-time.md).
 //
 // Work unit: (group, rq). A group is 32 to 192 consecutive token rows of one expert,
 // in 32-row halves of its 64-row tiles (moe_route_kernel's group_tile list: full groups
@@ -32,7 +34,7 @@
 #include "common/ptx/pdl.cuh"
 #include "common/ptx/regs.cuh"
 #include "common/ptx/sync.cuh"
-#include "moe/moe_gemm.cuh"
+#include "moe/nvfp4_gemm.cuh"  // gemm1_epilogue, gemm2_epilogue, dequant_tile
 
 namespace dsv4 {
 namespace moe {

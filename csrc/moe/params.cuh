@@ -1,16 +1,24 @@
-// NVFP4 MoE (kernel family C of docs/design.md): the one parameter struct shared by the
-// routing, gather, grouped-GEMM and combine kernels, and the prepared weight layout.
+// The parameter structs of the MoE family (kernel family C of docs/design.md) and the
+// prepared NVFP4 weight layout:
+//   MoeParams: dsv4::nvfp4_moe (nvfp4_moe.cu): routing, gather, the grouped GEMMs
+//     (nvfp4_gemm.cuh, nvfp4_gemm_ws.cuh) and combine. Its routing and combine fields
+//     also serve dsv4::mxfp4_moe, whose routing and combine are the same kernels
+//     (routing.cuh, launched through routing.h).
+//   w4a8::W4A8Params: the MXFP4 W4A8 GEMMs of dsv4::mxfp4_moe (mxfp4_gemm.cuh).
+// Host and device code include it (config.h reads the tile constants).
 //
-// Prepared weight layout (dsv4.moe.prepare_nvfp4_moe_weights writes it):
+// Prepared weight layout (dsv4.formats.nvfp4_moe_layout writes it, through
+// dsv4.prepare_nvfp4_moe_weights):
 //   A projection with R output rows and reduction length Kd is cut into 64 x 64
 //   tiles, stored [E, R/64, Kd/64, 2048] bytes of e2m1 codes and [E, R/64, Kd/64, 256]
 //   e4m3 block scales. Inside a code tile, thread T = 32*w + 4*g + t of the consumer
 //   warpgroup owns bytes [16T, 16T+16): four little-endian words, word j = k16 step j,
-//   holding exactly the 8 elements of its wgmma A fragment (rows 16w+g and 16w+g+8,
+//   holding exactly the 8 elements of its A fragment (the same for wgmma and for the
+//   warp-level mma.sync m16n8k16 of the decode tiles: rows 16w+g and 16w+g+8,
 //   columns 2t, 2t+1, 2t+8, 2t+9 of that k16 step). Fragment register p (p = 0..3:
 //   (row g, col 2t), (row g+8, col 2t), (row g, col 2t+8), (row g+8, col 2t+8)) holds an
 //   (even, odd) element pair whose 8 code bits sit where dequant_kstep
-//   (moe_device.cuh) expands them with 1-3 integer instructions.
+//   (dequant.cuh) expands them with 1-3 integer instructions.
 //   Inside a scale tile, thread (w, g) reads 8 bytes at 8*(8w+g): byte 2j = scale of
 //   row 16w+g, byte 2j+1 = scale of row 16w+g+8, for k16 step j.
 //   w13 rows are interleaved so that one warp holds gate and up of the same
@@ -25,11 +33,11 @@
 namespace dsv4 {
 namespace moe {
 
-constexpr int kTileRows = 64;     // weight rows per CTA (one wgmma M)
+constexpr int kTileRows = 64;     // weight rows per tile (one wgmma M; four mma.sync m16)
 constexpr int kTileK = 64;        // reduction elements per pipeline stage
 constexpr int kCodeTileBytes = kTileRows * kTileK / 2;   // 2048
 constexpr int kScaleTileBytes = kTileRows * kTileK / 16; // 256
-constexpr int kThreads = 128;     // one consumer warpgroup
+constexpr int kThreads = 128;     // one warpgroup: the CTA of the nvfp4_gemm.cuh kernels
 
 // Largest prefill group (moe_route_kernel's group_tile list): 6 halves of 32 token rows,
 // the widest unit the prefill kernel's consumers hold accumulators for (n192).
@@ -71,7 +79,8 @@ struct MoeParams {
   int* row_slot;     // [max_rows] slot index of each padded row, -1 = padding
   int* tile_expert;  // [max_tiles]
   int* num_tiles;    // [1]
-  int* error_flag;   // [1] set to 1 when an expert id was out of range
+  int* error_flag;   // [1] set to 1 when an expert id was out of range (no host reads it:
+                     // the wrappers check ids on the host when they may sync)
   int* route_counts; // [E] multi-CTA routing (prefill sizes): slots per expert, else nullptr
   int* route_tile_off; // [E + 1] multi-CTA routing: first tile of each expert
   __nv_bfloat16* xg; // [max_rows, K]  GEMM1 B operand (nvfp4 mode: code * block scale); unused with direct_x
@@ -87,14 +96,14 @@ struct MoeParams {
   int sk_ctas;       // >= either GEMM's grid; bounds the number of split items and chunks
   float* sk_partial; // [sk_ctas, 64 * block_n] fp32, one per (item, chunk) of a split item
   int* sk_count;     // [2, sk_ctas] (GEMM1, GEMM2): chunks done per item; zeroed by routing
-  // Prefill (ws = 1, moe_gemm_ws.cuh): xg and h are stored tiled (act_offset) so
+  // Prefill (ws = 1, nvfp4_gemm_ws.cuh): xg and h are stored tiled (act_offset) so
   // that each 64-row x 64-column block is one contiguous, pre-swizzled 8 KB bulk copy;
   // the GEMMs walk groups of 32 to 192 token rows of one expert.
   int ws;
   int* group_tile;   // [max_tiles] group -> first tile * 8 + (32-row halves in the group - 1)
   int* num_groups;   // [1]
   int* group_ready;  // [max_tiles] GEMM1 weight-row tiles whose h is written, per group (ws)
-                     // or per token tile (moe_gemm.cuh); GEMM2 starts on one as soon as
+                     // or per token tile (nvfp4_gemm.cuh); GEMM2 starts on one as soon as
                      // it is complete. Zeroed by the routing kernel.
   __nv_bfloat16* y;  // [max_rows, K]  GEMM2 output per padded row
   __nv_bfloat16* out;// [M, K]
@@ -120,6 +129,36 @@ __host__ __device__ __forceinline__ size_t act_offset(int row, int chunk, int co
   if constexpr (!kTiled) return size_t(row) * cols + size_t(chunk) * 8;
   return ((size_t(row >> 6) * (cols >> 6) + (chunk >> 3)) * 64 + (row & 63)) * 64 + (((chunk & 7) ^ (row & 7)) << 3);
 }
+
+namespace w4a8 {
+
+constexpr int kBN = 8;  // token rows per tile of the MXFP4 W4A8 GEMMs (one mma n8)
+
+// The MXFP4 W4A8 GEMMs' parameters (mxfp4_gemm.cuh). The routing tables are the ones
+// moe_route_kernel builds in MoeParams' workspace fields with block_n = kBN.
+struct W4A8Params {
+  int M, topk, K, N;                // N: the padded intermediate size (multiple of 64)
+  int ue8m0, has_limit;
+  float swiglu_limit;
+  // routing (routing.cuh, block_n = kBN)
+  const int* row_slot;              // [max_tiles * kBN] slot of each padded row, -1 = padding
+  const int* tile_expert;           // [max_tiles]
+  const int* num_tiles;             // [1]
+  // inputs
+  const __nv_bfloat16* x;           // [M, K]
+  const uint8_t* w13;               // [E, 2N, K/2]
+  const uint8_t* w13_scale;         // [E, 2N, K/32] e8m0
+  const uint8_t* w2;                // [E, K, N/2]
+  const uint8_t* w2_scale;          // [E, K, N/32]
+  // workspace
+  uint8_t* xq;                      // [M, K] e4m3
+  float* xs;                        // [M, K/128]
+  uint8_t* hq;                      // [max_rows, N] e4m3
+  float* hs;                        // [max_rows, ceil(N/128)]
+  __nv_bfloat16* y;                 // [max_rows, K] per padded row, read by moe_combine_kernel
+};
+
+}  // namespace w4a8
 
 }  // namespace moe
 }  // namespace dsv4

@@ -1,0 +1,201 @@
+// The kernel choice of the MoE ops, host only: for each op a pure get_best_config (the
+// checked shapes, what is known about the device, the development overrides of
+// common/env.h -> a small config struct that the launch reads and nothing else decides)
+// and the line DSV4_PRINT_CONFIG=1 prints. Outside any anonymous namespace, so that
+// csrc/testing/testing_ops.cpp can call them (dsv4_testing::nvfp4_moe_config,
+// mxfp4_moe_config; tests/test_moe_config.py) on made-up shapes and device facts.
+// What the device facts are measured from (occupancy queries of the GEMM kernels) is
+// nvfp4_moe.cu's device_facts().
+#pragma once
+
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "common/env.h"
+#include "moe/params.cuh"  // kTileRows, w4a8::kBN
+
+namespace dsv4 {
+namespace moe {
+
+// ---------------------------------------------------------------------------------
+// dsv4::nvfp4_moe
+// ---------------------------------------------------------------------------------
+
+// The checked shapes of one call (nvfp4_moe.cu, check_inputs).
+struct Nvfp4MoeShape {
+  int64_t M, K, N, E, E_global, topk;
+  bool nvfp4;  // activation "nvfp4" (W4A4), else "bf16"
+};
+
+struct GemmOccupancy {
+  int gemm1, gemm2;  // resident split-K CTAs per SM
+  int classic1;      // resident classic GEMM1 CTAs per SM
+};
+
+// What the kernel choice needs to know about one device.
+struct DeviceFacts {
+  int sms;
+  GemmOccupancy occ[3];  // token tiles 8, 16, 64
+  int ws_grid2;          // CTAs of the 2-CTA prefill grid (0: no 2-CTA cluster fits)
+
+  const GemmOccupancy& occupancy(int block_n) const { return occ[block_n == 8 ? 0 : block_n == 16 ? 1 : 2]; }
+};
+
+// What one call launches (nvfp4_moe.cu's launch reads nothing else to decide).
+struct Nvfp4MoeConfig {
+  int block_n;           // token tile of the grouped GEMMs: 8, 16 (mma.sync) or 64
+  int max_tiles;         // bound on the token tiles (grids, workspace)
+  bool multi_cta_route;  // routing on many CTAs: count -> tables -> place
+  bool splitk;           // split-K persistent grid (moe_gemm_splitk_kernel)
+  int gemm1_ctas, gemm2_ctas, sk_ctas;  // split-K: the two grids and their bound (else 0)
+  bool direct_x;         // bf16 decode tiles: GEMM1 reads x rows itself, no gather kernel
+  bool ws;               // the warp-specialized prefill kernel (nvfp4_gemm_ws.cuh)
+  int cluster;           // ws: CTAs per cluster
+  int ws_ctas;           // ws: the persistent grid
+  bool pdl;              // programmatic dependent launches
+  int gather_ctas, combine_ctas;
+};
+
+// Token tile of the grouped GEMMs from shapes only: expected tokens per local
+// expert under uniform routing over the global experts. 64 is the prefill tile (the
+// warp-specialized kernel groups up to three of them into one unit).
+inline int pick_block_n(int64_t M, int64_t topk, int64_t E_global) {
+  const double per_expert = double(M) * double(topk) / double(E_global);
+  if (per_expert <= 4.0) return 8;
+  if (per_expert <= 24.0) return 16;
+  return 64;
+}
+
+// Above this many slots (M * k) the routing runs on many CTAs (moe_count_kernel); below
+// it one CTA is faster (one launch instead of three, plus a memset).
+constexpr int64_t kMultiCtaRouteSlots = 8192;
+
+// Split-K (persistent grid, items cut into K chunks) or the classic grid (one CTA
+// per token tile x weight-row tile, hardware-scheduled). Split-K when the expected
+// classic GEMM1 grid (touched experts under uniform routing x weight-row tiles) does
+// not fill one wave: then most SMs idle while each CTA runs a latency-bound K loop.
+// Above that the classic grid measured as fast or faster
+// (docs/perf-history/2026-11-30-nvfp4-moe-split-k-pdl.md). DSV4_MOE_SPLITK overrides.
+inline bool splitk_by_shape(const Nvfp4MoeShape& c, int block_n, int classic1_wave) {
+  if (block_n > 16) return false;
+  const double local_slots = double(c.M) * double(c.topk) * double(c.E) / double(c.E_global);
+  const double touched = double(c.E) * (1.0 - std::pow(1.0 - 1.0 / double(c.E), local_slots));
+  const double items = touched * double(2 * c.N / kTileRows);
+  return items < double(classic1_wave);
+}
+
+// The prefill kernel (nvfp4_gemm_ws.cuh) runs at the 64-token tile when cta_mode is
+// given (1 or 2) or, in auto mode, from kWsMinTokensPerExpert expected tokens per local
+// expert: below that most groups are one partly filled tile and the one-warpgroup
+// kernel, with 2-3 CTAs per SM, measured as fast or faster (the prefill kernel at 32-48
+// tokens: 0.82-1.0x of it; at 64-72: 1.21-1.49x;
+// docs/perf-history/2026-11-30-nvfp4-moe-prefill-ws.md). DSV4_MOE_WS overrides at the
+// 64-token tile (0: the one-warpgroup kernel).
+constexpr double kWsMinTokensPerExpert = 60.0;
+
+// CTAs per cluster of the prefill kernel: cta_mode 1 or 2; auto: 1. With the modes timed
+// round-robin, pairs measured 0.97-0.99x of single CTAs at every prefill size (the kernel
+// is bound by dequant and MMA issue, not by the L2 traffic that multicasting the token
+// rows halves; docs/perf-history/2026-11-30-nvfp4-moe-prefill-ws.md).
+inline int ws_cluster(int64_t cta_mode) { return cta_mode != 0 ? int(cta_mode) : 1; }
+
+// The kernel choice: a pure function of the checked shapes, cta_mode, the device facts
+// and the overrides (each unset override leaves its decision to the rule beside it).
+inline Nvfp4MoeConfig get_best_config(const Nvfp4MoeShape& c, int64_t cta_mode, const DeviceFacts& d,
+                                      const env::Switches& o) {
+  Nvfp4MoeConfig cfg{};
+  const int64_t S = c.M * c.topk;
+  cfg.block_n = pick_block_n(c.M, c.topk, c.E_global);
+  // Every local slot in a tile; at most one partly filled tile per busy expert.
+  const int64_t busy = std::min<int64_t>(c.E, S);
+  cfg.max_tiles = int(std::max<int64_t>(1, (S + busy * (cfg.block_n - 1)) / cfg.block_n));
+  cfg.multi_cta_route = S > kMultiCtaRouteSlots;
+  const GemmOccupancy& occ = d.occupancy(cfg.block_n);
+  cfg.splitk = o.moe_splitk.value_or(splitk_by_shape(c, cfg.block_n, occ.classic1 * d.sms));
+  if (cfg.splitk) {
+    cfg.gemm1_ctas = occ.gemm1 * d.sms;
+    cfg.gemm2_ctas = occ.gemm2 * d.sms;
+    cfg.sk_ctas = std::max(cfg.gemm1_ctas, cfg.gemm2_ctas);
+  }
+  // bf16 mode at decode token tiles: GEMM1 loads x rows itself (see gemm_segment).
+  // DSV4_MOE_DIRECT_X=0 keeps the gather kernel.
+  cfg.direct_x = !c.nvfp4 && cfg.block_n <= 16 && o.moe_direct_x.value_or(true);
+  if (cfg.block_n == 64 && !cfg.splitk)
+    cfg.ws = o.moe_ws.value_or(cta_mode != 0 || double(S) / double(c.E_global) >= kWsMinTokensPerExpert);
+  if (cfg.ws) {
+    cfg.cluster = ws_cluster(cta_mode);
+    TORCH_CHECK(cfg.cluster == 1 || d.ws_grid2 > 0,
+                "dsv4: nvfp4_moe's 2-CTA prefill kernel does not fit on this device (cta_mode=2)");
+    cfg.ws_ctas = cfg.cluster == 2 ? d.ws_grid2 : d.sms;
+  } else {
+    cfg.cluster = 1;
+    TORCH_CHECK(cfg.splitk || cfg.max_tiles <= 65535, "dsv4: nvfp4_moe's one-warpgroup GEMM grid takes at most "
+                "65535 token tiles, got ", cfg.max_tiles, " (M * k = ", S, " slots); call it on fewer tokens at a time");
+  }
+  // Launch with programmatic stream serialization (see pdl_wait in common/ptx/pdl.cuh):
+  // the kernel may be scheduled while its predecessor in the stream drains, which
+  // hides the launch gap between the five kernels of a (decode-sized) call.
+  // On by default at decode token tiles (<= 16), where it saved ~3 us per call; at
+  // prefill the same-process A/B was within its +-5-9 % noise either way
+  // (docs/perf-history/2026-11-30-nvfp4-moe-split-k-pdl.md), so prefill keeps plain
+  // launches. DSV4_MOE_PDL overrides.
+  cfg.pdl = o.moe_pdl.value_or(cfg.block_n <= 16);
+  cfg.gather_ctas = int(std::min<int64_t>(int64_t(cfg.max_tiles) * cfg.block_n, int64_t(d.sms) * 8));
+  cfg.combine_ctas = int(std::min<int64_t>(c.M, int64_t(d.sms) * 16));
+  return cfg;
+}
+
+// The DSV4_PRINT_CONFIG=1 line: the inputs of the choice, then the choice.
+inline void print_config(const char* op, const Nvfp4MoeShape& c, int64_t cta_mode, const DeviceFacts& d,
+                         const Nvfp4MoeConfig& cfg, int64_t workspace_bytes) {
+  const std::string line = c10::str(
+      "dsv4 config ", op, ": M=", c.M, " K=", c.K, " N=", c.N, " E=", c.E, " E_global=", c.E_global, " topk=", c.topk,
+      " activation=", c.nvfp4 ? "nvfp4" : "bf16", " cta_mode=", cta_mode, " sms=", d.sms,
+      " classic1=", d.occupancy(cfg.block_n).classic1, " -> block_n=", cfg.block_n, " max_tiles=", cfg.max_tiles,
+      " multi_cta_route=", int(cfg.multi_cta_route), " splitk=", int(cfg.splitk), " sk_ctas=", cfg.sk_ctas,
+      " direct_x=", int(cfg.direct_x), " ws=", int(cfg.ws), " cluster=", cfg.cluster, " ws_ctas=", cfg.ws_ctas,
+      " pdl=", int(cfg.pdl), " workspace_bytes=", workspace_bytes);
+  std::fprintf(stderr, "%s\n", line.c_str());
+  std::fflush(stderr);
+}
+
+// ---------------------------------------------------------------------------------
+// dsv4::mxfp4_moe (W4A8: the small-batch kernels of mxfp4_gemm.cuh at every M for now)
+// ---------------------------------------------------------------------------------
+
+// The checked shapes of one call (mxfp4_moe.cu, check_inputs).
+struct Mxfp4MoeShape {
+  int64_t M, K, N, E, E_global, topk;
+};
+
+struct Mxfp4MoeConfig {
+  int max_tiles;     // bound on the kBN-token tiles (GEMM grids, workspace)
+  int combine_ctas;
+};
+
+inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c) {
+  constexpr int BN = w4a8::kBN;
+  const int64_t S = c.M * c.topk;
+  // Every local slot in a tile; at most one partly filled tile per busy expert.
+  const int64_t max_tiles = std::max<int64_t>(1, (S + std::min<int64_t>(c.E, S) * (BN - 1)) / BN);
+  TORCH_CHECK(max_tiles <= 65535, "dsv4: mxfp4_moe's GEMM grid takes at most 65535 token tiles, got ", max_tiles,
+              " (M * k = ", S, " slots); call it on fewer tokens at a time");
+  return Mxfp4MoeConfig{int(max_tiles), int(std::min<int64_t>(c.M, 4096))};
+}
+
+inline void print_config(const Mxfp4MoeShape& c, const Mxfp4MoeConfig& cfg, int64_t workspace_bytes) {
+  const std::string line = c10::str("dsv4 config mxfp4_moe: M=", c.M, " K=", c.K, " N=", c.N, " E=", c.E,
+                                    " E_global=", c.E_global, " topk=", c.topk, " activation=fp8 -> block_n=",
+                                    w4a8::kBN, " max_tiles=", cfg.max_tiles, " workspace_bytes=", workspace_bytes);
+  std::fprintf(stderr, "%s\n", line.c_str());
+  std::fflush(stderr);
+}
+
+}  // namespace moe
+}  // namespace dsv4
