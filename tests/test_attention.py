@@ -881,7 +881,6 @@ def child_switch_cases() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and the dsv4 CUDA extension")
 @pytest.mark.parametrize("env", [{"DSV4_ATTN_PRICED_SPLITS": "0"}, {"DSV4_ATTN_PDL": "0"},
                                  {"DSV4_ATTN_SPECIALIZE": "0"}], ids=["splits0", "pdl0", "specialize0"])
 def test_development_switches_keep_results(env):
