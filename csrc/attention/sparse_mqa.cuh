@@ -381,10 +381,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
         // load; the barrier completes only with these 128 arrivals. The slot's previous reader
         // (consumer 0, two rounds earlier: the buffers alternate by round parity) loaded it
         // before its bar.arrive(kBarP0), which this consumer's bar.sync(kBarP0) of that round
-        // waited for. scripts/racecheck_named_barrier.cu runs the same pattern in 64 variants
-        // (generic addressing, a late arrive, quad stores, the producer warpgroup, an mbarrier
-        // arrive before the sync, several items) for racecheck to show which one it flags:
-        // docs/perf-history/2026-12-04-attention-racecheck.md.
+        // waited for. racecheck reports the same hand-off alone (scripts/racecheck_named_barrier.cu,
+        // its plain variant included): the tool does not model bar.arrive as a release, so the
+        // report is its limit, not a race (docs/perf-history/2026-12-04-attention-racecheck.md).
         if (quad == 0) {
           smax_bw[64 * ph + r0] = t0;
           smax_bw[64 * ph + r0 + 8] = t1;
