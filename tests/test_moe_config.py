@@ -414,7 +414,8 @@ def _expected_workspace(c: dict, full: bool = True) -> int:
     nvfp4 = c["activation"] == "nvfp4"
     return (up(4 * n_ints) + (0 if c["direct_x"] else up(rows * c["K"] * 2)) + up(rows * c["N"] * 2)
             + (up(rows * c["N"] // 2) + up(rows * c["N"] // 16) if nvfp4 else 0)
-            + (up(rows * c["K"] * 2) if full else 0) + up(c["sk_ctas"] * 64 * c["block_n"] * 4))
+            + (up(rows * c["K"] * 2) if full else 0)
+            + up(2 * c["sk_ctas"] * 64 * c["block_n"] * 4))  # split-K partials: a half per GEMM
 
 
 def child_print_cases() -> None:

@@ -392,10 +392,14 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
   __syncthreads();
 
   // Partials are stored thread-major ([i][tid]) so the owner's same thread reads
-  // back exactly its own fragment layout with coalesced accesses.
+  // back exactly its own fragment layout with coalesced accesses. GEMM1 and GEMM2 have a
+  // half of the buffer each: GEMM2 runs while GEMM1's last items are still being summed
+  // (see gemm_grid_dependencies), and its split count, hence which of its items write
+  // which slots, can differ from GEMM1's, so a shared buffer would let a GEMM2 chunk
+  // overwrite a GEMM1 partial before its owner has read it.
   constexpr int kPartial = kTileRows * BN;
   if (splits > 1) {
-    float* part = p.sk_partial + size_t(item) * splits * kPartial + tid;
+    float* part = p.sk_partial + (kGemm1 ? 0 : size_t(p.sk_ctas) * kPartial) + size_t(item) * splits * kPartial + tid;
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) __stcg(part + chunk * kPartial + i * kThreads, acc[i]);
     __threadfence();

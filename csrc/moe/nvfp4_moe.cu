@@ -264,7 +264,7 @@ void layout_workspace(Carver& w, MoeParams& p, const Nvfp4MoeShape& c, const Nvf
     p.hs = w.region<__nv_fp8_e4m3>(rows * c.N / 16);
   }
   if (full) p.y = w.region<__nv_bfloat16>(rows * c.K);
-  if (cfg.splitk) p.sk_partial = w.region<float>(int64_t(cfg.sk_ctas) * moe::kTileRows * cfg.block_n);
+  if (cfg.splitk) p.sk_partial = w.region<float>(2 * int64_t(cfg.sk_ctas) * moe::kTileRows * cfg.block_n);
 }
 
 // Fills the kernel parameters and returns the workspace they point into (one allocation

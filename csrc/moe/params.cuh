@@ -94,7 +94,7 @@ struct MoeParams {
   int splitk;
   int direct_x;      // GEMM1 reads x through row_slot (bf16 mode, token tile <= 16); no xg
   int sk_ctas;       // >= either GEMM's grid; bounds the number of split items and chunks
-  float* sk_partial; // [sk_ctas, 64 * block_n] fp32, one per (item, chunk) of a split item
+  float* sk_partial; // [2, sk_ctas, 64 * block_n] fp32 (GEMM1, GEMM2), one per (item, chunk) of a split item
   int* sk_count;     // [2, sk_ctas] (GEMM1, GEMM2): chunks done per item; zeroed by routing
   // Prefill (ws = 1, nvfp4_gemm_ws.cuh): xg and h are stored tiled (act_offset) so
   // that each 64-row x 64-column block is one contiguous, pre-swizzled 8 KB bulk copy;
