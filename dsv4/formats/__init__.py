@@ -4,6 +4,8 @@
   global scales, ModelOpt's checkpoint tensors and vLLM's stacked MoE layout;
 - ``dsv4.formats.mxfp4``: MXFP4 (DeepSeek's native experts): e8m0 block scales, vLLM's
   stacked layout, and the conversions the MoE prepare step makes of it;
+- ``dsv4.formats.mxfp4_w4a8``: the tiles the MXFP4 W4A8 kernels read (made by the MoE
+  prepare step, activation "fp8"), and their inverse;
 - ``dsv4.formats.kv_cache``: vLLM's paged ``fp8_ds_mla`` and bf16 KV caches.
 
 Each module's docstring has its layouts byte for byte (docs/design.md section 2 the same

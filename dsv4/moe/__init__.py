@@ -48,7 +48,7 @@ import torch
 from .. import _checks as C
 from .. import formats, reference
 from .._ops import op
-from ..formats import mxfp4
+from ..formats import mxfp4, mxfp4_w4a8
 from . import modes
 
 __all__ = [
@@ -521,20 +521,23 @@ def nvfp4_moe(
 # exponent into NVFP4 e4m3 block scales relative to a per-(expert, gate/up/down) fp32
 # global scale (dsv4.formats.mxfp4.mxfp4_to_nvfp4; exact for every block within 17 binades of
 # its matrix's largest) and calls dsv4::nvfp4_moe. MXFP4 W4A8 ("fp8", vLLM 0.33.0's
-# Hopper numerics) is dsv4::mxfp4_moe: its CPU kernel is the float32 reference, its
-# CUDA kernels (csrc/moe/mxfp4_moe.cu, mxfp4_w4a8.cuh) the small-batch path on FP8
-# mma.sync at every M for now (no prefill kernel yet; issue 26 item 4).
+# Hopper numerics) is dsv4::mxfp4_moe: its CPU kernel is the float32 reference (on the
+# un-prepared weights), its CUDA kernels (csrc/moe/mxfp4_moe.cu, mxfp4_gemm.cuh) the
+# FP8 mma.sync decode GEMMs (split-K or classic grid) at every M for now (no wgmma
+# prefill kernel yet).
 
 _MOE_FORMATS = ("nvfp4", "mxfp4")
 
 
 class Mxfp4MoeWeights(NamedTuple):
-    """MXFP4 expert weights as dsv4::mxfp4_moe (W4A8) reads them: vLLM's stacked layout
-    with N padded to a multiple of 64 (zero rows / columns) and every block fitted to the
-    W4A8 kernels' exact FP8 operand rule (dsv4.formats.mxfp4.fit_fp8_operand).
+    """MXFP4 expert weights as dsv4::mxfp4_moe (W4A8) reads them: N padded to a multiple
+    of 64 (zero rows / columns), every block fitted to the exact FP8 operand rule
+    (dsv4.formats.mxfp4.fit_fp8_operand), then cut into the kernels' 64-row x 128-K tiles
+    (dsv4.formats.mxfp4_w4a8: codes in MMA fragment order, one scale word per row and 128
+    of K). Internal to the build that made it: prepare at load time.
 
-    w13 uint8 [E, 2N, K/2], w13_scale uint8 e8m0 [E, 2N, K/32], w2 uint8 [E, K, N/2],
-    w2_scale uint8 [E, K, N/32].
+    w13 uint8 [E, 2N/64, K/128, 4096], w13_scale uint8 [E, 2N/64, K/128, 256], w2 uint8
+    [E, K/64, ceil(N/128), 4096], w2_scale uint8 [E, K/64, ceil(N/128), 256].
     """
 
     w13: torch.Tensor
@@ -599,8 +602,9 @@ def prepare_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, *, activation: str =
     N is padded to a multiple of 64 (the kernels' tile) with zero rows and columns, which
     add exactly nothing (V4.1-Flash at TP 8: 288 -> 320, as vLLM's Humming path pads it).
     "bf16": the NVFP4 layout of the same values (dsv4.formats.mxfp4.mxfp4_to_nvfp4), prepared for
-    the bf16 kernels. "fp8": the vLLM layout with every block fitted to the FP8 operand
-    rule (dsv4.formats.mxfp4.fit_fp8_operand). Blocks too far below their matrix's (bf16) or
+    the bf16 kernels. "fp8": every block fitted to the FP8 operand rule
+    (dsv4.formats.mxfp4.fit_fp8_operand), then tiled for the W4A8 kernels
+    (dsv4.formats.mxfp4_w4a8.w4a8_layout). Blocks too far below their matrix's (bf16) or
     their 128 elements' (fp8) largest block to be folded exactly are re-rounded, counted
     in ``report`` and warned about once (none in real checkpoints' nonzero blocks so far).
 
@@ -613,6 +617,9 @@ def prepare_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, *, activation: str =
         raise C.error(op, f'activation must be "bf16" (W4A16) or "fp8" (W4A8) for MXFP4 weights, got {activation!r}')
     if K % _TILE:
         raise C.error(op, f"the hidden size K = {K} must be a multiple of {_TILE} (the MoE kernels' K tile)")
+    if activation == "fp8" and K % mxfp4.FP8_GROUP:
+        raise C.error(op, f"the hidden size K = {K} must be a multiple of {mxfp4.FP8_GROUP} for activation \"fp8\" "
+                          "(the W4A8 kernels' K chunk, the activations' FP8 group)")
     p = mxfp4.pad_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, multiple=_TILE)
     Np = p["w2"].shape[2] * 2
     total = (2 * Np * K + K * Np) // mxfp4.MXFP4_BLOCK * E
@@ -626,7 +633,7 @@ def prepare_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, *, activation: str =
     c2, s2, n2 = mxfp4.fit_fp8_operand(p["w2"], p["w2_scale"], name="w2")
     report = _mxfp4_report(E, N, Np, K, activation, total, n13, n2)
     _warn_inexact(report, "128 elements' largest block (14 binades)")
-    return MoeWeights("mxfp4", "fp8", Mxfp4MoeWeights(*(t.contiguous() for t in (c13, s13, c2, s2))), report)
+    return MoeWeights("mxfp4", "fp8", Mxfp4MoeWeights(*mxfp4_w4a8.w4a8_layout(c13, s13, c2, s2)), report)
 
 
 def prepare_moe_weights(w13, w13_scale, w2, w2_scale, *, w13_scale_2=None, w2_scale_2=None,
@@ -669,19 +676,13 @@ def prepare_moe_weights(w13, w13_scale, w2, w2_scale, *, w13_scale_2=None, w2_sc
 
 def _check_mxfp4_moe(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map, swiglu_limit,
                      activation, out) -> None:
-    """The rules of csrc/moe/mxfp4_moe.cu (less its kernels' K % 128), for the CPU and fake
-    kernels."""
+    """The rules of csrc/moe/mxfp4_moe.cu, for the CPU and fake kernels."""
     op = "mxfp4_moe"
     M, K, _ = _check_tokens(op, x, topk_ids, topk_weights)
-    for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
-        C.dtype(op, name, t, torch.uint8, note=f" (e8m0 bytes){_MX_HINT}")
-    _, N, Kw = mxfp4.check_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, op=op)
+    _, _, Kw = mxfp4_w4a8.check_w4a8_layout(op, w13, w13_scale, w2, w2_scale, _MX_HINT)
     C.same_device(op, "w13", w13, "x", x)
     if Kw != K:
-        raise C.error(op, f"w13 has K = {Kw} but x has K = {K}")
-    if N % _TILE or K % _TILE:
-        raise C.error(op, f"the prepared MXFP4 weights must have N and K multiples of {_TILE}, got N = {N}, K = {K}"
-                          f"{_MX_HINT}")
+        raise C.error(op, f"w13 has K/128 = {Kw // 128} chunks but x has K = {K}")
     if activation != "fp8":
         raise C.error(op, f'dsv4::mxfp4_moe runs activation "fp8" (W4A8), got "{activation}" (MXFP4 W4A16 runs on '
                           'dsv4::nvfp4_moe: prepare with activation="bf16")')
@@ -704,8 +705,9 @@ def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map, swigl
 def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map, swiglu_limit, activation, ue8m0, out):
     _check_mxfp4_moe(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map, swiglu_limit, activation,
                      out)
-    y = reference.mxfp4_moe(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, swiglu_limit=swiglu_limit,
-                            activation="fp8", ue8m0=ue8m0, expert_map=expert_map)
+    w = mxfp4_w4a8.w4a8_unlayout(w13, w13_scale, w2, w2_scale)
+    y = reference.mxfp4_moe(x, topk_ids, topk_weights, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"],
+                            swiglu_limit=swiglu_limit, activation="fp8", ue8m0=ue8m0, expert_map=expert_map)
     out.copy_(y.to(torch.bfloat16))
 
 
