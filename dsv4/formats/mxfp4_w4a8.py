@@ -78,20 +78,20 @@ def deinterleave_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(E, R // 64, 4, 2, 8, *rest).permute(0, 3, 1, 2, 4, *range(5, 5 + len(rest))).reshape(E, R, *rest)
 
 
-def _bit_shifts(device) -> torch.Tensor:
-    return torch.tensor(_BITS, dtype=torch.int64, device=device)  # [j, code bit]
-
-
 def encode_words(codes: torch.Tensor) -> torch.Tensor:
     """e2m1 codes [..., 8] (elements j = 0..7 of a step) -> int64 words [...] (the bit layout above)."""
-    bits = (codes.to(torch.int64).unsqueeze(-1) >> torch.arange(4, device=codes.device)) & 1  # [..., 8, 4]
-    return (bits << _bit_shifts(codes.device)).sum(dim=(-2, -1))
+    c = codes.to(torch.int64)
+    word = torch.zeros(c.shape[:-1], dtype=torch.int64, device=c.device)
+    for j, (m, e0, e1, sign) in enumerate(_BITS):
+        cj = c[..., j]
+        word |= ((cj & 7) << m) | ((cj >> 3) << sign)  # the magnitude bits sit together at m = 4j
+    return word
 
 
 def decode_words(words: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`encode_words`: uint8 codes [..., 8]."""
-    bits = (words.to(torch.int64)[..., None, None] >> _bit_shifts(words.device)) & 1  # [..., 8, 4]
-    return (bits << torch.arange(4, device=words.device)).sum(-1).to(torch.uint8)
+    w = words.to(torch.int64)
+    return torch.stack([((w >> m) & 7) | (((w >> sign) & 1) << 3) for (m, _, _, sign) in _BITS], -1).to(torch.uint8)
 
 
 def _pad_chunks(codes: torch.Tensor, sb: torch.Tensor):
@@ -125,39 +125,47 @@ def scale_words(codes: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
     return word | ((b + 127) << 23)
 
 
-def _tile(codes: torch.Tensor, sb: torch.Tensor, interleave: bool):
-    E, R, _ = codes.shape
-    codes, sb, kc = _pad_chunks(codes, sb)
-    if interleave:
-        codes, sb = interleave_rows(codes), interleave_rows(sb)
-    words = scale_words(codes, sb)  # [E, R, KC]
-    sc = words.reshape(E, R // 64, 4, 2, 8, kc).permute(0, 1, 5, 2, 4, 3)  # [E, RT, KC, w, g, hh]
-    sc = torch.stack([(sc >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)
-    # codes [E, R, KC*128] -> [E, RT, w, hh, g, KC, t, s, j]
-    c = codes.reshape(E, R // 64, 4, 2, 8, kc, 4, 4, 8)
-    wd = encode_words(c).permute(0, 1, 5, 3, 2, 4, 6, 7)  # [E, RT, KC, hh, w, g, t, s]
-    cb = torch.stack([(wd >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)
-    return (cb.reshape(E, R // 64, kc, CODE_TILE_BYTES).contiguous(),
-            sc.reshape(E, R // 64, kc, SCALE_TILE_BYTES).contiguous())
+def _tile(packed: torch.Tensor, sb: torch.Tensor, interleave: bool):
+    """One projection, one expert at a time (the word encoding needs ~8 bytes of scratch
+    per element): packed [E, R, Kd/2], scale bytes [E, R, Kd/32] -> the code and scale tiles."""
+    codes_out, scales_out = [], []
+    for e in range(packed.shape[0]):
+        codes, sbe, kc = _pad_chunks(unpack_fp4(packed[e:e + 1]), sb[e:e + 1])
+        if interleave:
+            codes, sbe = interleave_rows(codes), interleave_rows(sbe)
+        R = codes.shape[1]
+        words = scale_words(codes, sbe)  # [1, R, KC]
+        sc = words.reshape(1, R // 64, 4, 2, 8, kc).permute(0, 1, 5, 2, 4, 3)  # [1, RT, KC, w, g, hh]
+        sc = torch.stack([(sc >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)
+        # codes [1, R, KC*128] -> [1, RT, w, hh, g, KC, t, s, j] -> words [1, RT, KC, hh, w, g, t, s]
+        wd = encode_words(codes.reshape(1, R // 64, 4, 2, 8, kc, 4, 4, 8)).permute(0, 1, 5, 3, 2, 4, 6, 7)
+        cb = torch.stack([(wd >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)
+        codes_out.append(cb.reshape(R // 64, kc, CODE_TILE_BYTES))
+        scales_out.append(sc.reshape(R // 64, kc, SCALE_TILE_BYTES))
+    return torch.stack(codes_out).contiguous(), torch.stack(scales_out).contiguous()
 
 
 def _untile(tiles: torch.Tensor, scales: torch.Tensor, kd: int, interleave: bool):
-    E, RT, kc, _ = tiles.shape
-    b = tiles.reshape(E, RT, kc, 2, 4, 8, 4, 4, 4).to(torch.int64)  # [.., hh, w, g, t, s, byte]
-    words = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
-    codes = decode_words(words)  # [E, RT, KC, hh, w, g, t, s, j]
-    codes = codes.permute(0, 1, 4, 3, 5, 2, 6, 7, 8).reshape(E, RT * 64, kc * FP8_GROUP)
-    sw = scales.reshape(E, RT, kc, 4, 8, 2, 4).to(torch.int64)
-    sw = sw[..., 0] | (sw[..., 1] << 8) | (sw[..., 2] << 16) | (sw[..., 3] << 24)
-    sw = sw.permute(0, 1, 3, 5, 4, 2).reshape(E, RT * 64, kc)  # [E, R, KC]
-    nib = (sw[..., None] >> (4 * torch.arange(4, device=tiles.device))) & 15  # [E, R, KC, 4]
-    base = ((sw >> 23) & 0xFF) - 127
-    live = ((codes.reshape(E, RT * 64, kc, 4, MXFP4_BLOCK) & 7) != 0).any(-1)
-    e = nib + FP8_OPERAND_SHIFT_MIN + base[..., None] + E8M0_BIAS
-    sb = torch.where(live, e, torch.zeros_like(e)).reshape(E, RT * 64, kc * 4).to(torch.uint8)
-    if interleave:
-        codes, sb = deinterleave_rows(codes), deinterleave_rows(sb)
-    return pack_fp4(codes[..., :kd].contiguous()), sb[..., : kd // MXFP4_BLOCK].contiguous()
+    packed, bytes_ = [], []
+    for e in range(tiles.shape[0]):
+        RT, kc = tiles.shape[1], tiles.shape[2]
+        b = tiles[e:e + 1].reshape(1, RT, kc, 2, 4, 8, 4, 4, 4).to(torch.int64)  # [.., hh, w, g, t, s, byte]
+        words = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+        codes = decode_words(words)  # [1, RT, KC, hh, w, g, t, s, j]
+        codes = codes.permute(0, 1, 4, 3, 5, 2, 6, 7, 8).reshape(1, RT * 64, kc * FP8_GROUP)
+        sw = scales[e:e + 1].reshape(1, RT, kc, 4, 8, 2, 4).to(torch.int64)
+        sw = sw[..., 0] | (sw[..., 1] << 8) | (sw[..., 2] << 16) | (sw[..., 3] << 24)
+        sw = sw.permute(0, 1, 3, 5, 4, 2).reshape(1, RT * 64, kc)  # [1, R, KC]
+        nib = (sw[..., None] >> (4 * torch.arange(4, device=tiles.device))) & 15  # [1, R, KC, 4]
+        base = ((sw >> 23) & 0xFF) - 127
+        live = ((codes.reshape(1, RT * 64, kc, 4, MXFP4_BLOCK) & 7) != 0).any(-1)
+        ex = nib + FP8_OPERAND_SHIFT_MIN + base[..., None] + E8M0_BIAS
+        sb = torch.where(live, ex, torch.zeros_like(ex)).reshape(1, RT * 64, kc * 4).to(torch.uint8)
+        if interleave:
+            codes, sb = deinterleave_rows(codes), deinterleave_rows(sb)
+        packed.append(pack_fp4(codes[0, :, :kd].contiguous()))
+        bytes_.append(sb[0, :, : kd // MXFP4_BLOCK].contiguous())
+    return torch.stack(packed), torch.stack(bytes_)
 
 
 def w4a8_layout(w13, w13_scale, w2, w2_scale) -> tuple:
@@ -172,8 +180,8 @@ def w4a8_layout(w13, w13_scale, w2, w2_scale) -> tuple:
     N, K = two_n // 2, half_k * 2
     if N % TILE_ROWS or K % FP8_GROUP:
         raise C.error(op, f"the W4A8 layout needs N a multiple of 64 and K of 128, got N = {N}, K = {K}")
-    c13, s13 = _tile(unpack_fp4(w13), w13_scale, True)
-    c2, s2 = _tile(unpack_fp4(w2), w2_scale, False)
+    c13, s13 = _tile(w13, w13_scale, True)
+    c2, s2 = _tile(w2, w2_scale, False)
     return c13, s13, c2, s2
 
 
