@@ -284,16 +284,37 @@ def test_nvfp4_config_refusals():
     assert _nvfp4_config(M, 128, 64, 1, 1, 1)["ws"] == 1  # the persistent grid has no such bound
 
 
+MX_DEVICE = [132, 5, 5, 9, 4, 4, 8]  # sms; split-K GEMM1, GEMM2, classic GEMM1 CTAs per SM at 8, 16 tokens
+
+
+def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=None):
+    """mxfp4_moe's get_best_config, written out (csrc/moe/config.h)."""
+    S, per_expert = M * topk, M * topk / Eg
+    bn = 8 if per_expert <= 4 else 16
+    occ = device[1:4] if bn == 8 else device[4:7]
+    touched = E * (1 - (1 - 1 / E) ** (S * E / Eg))
+    sk = touched * (2 * N // 64) < occ[2] * device[0] if splitk is None else splitk
+    g1, g2 = (occ[0] * device[0], occ[1] * device[0]) if sk else (0, 0)
+    return [bn, max(1, (S + min(E, S) * (bn - 1)) // bn), int(S > 8192), int(sk), g1, g2, max(g1, g2),
+            1 if pdl is None else int(pdl), max(1, min((M * (K // 128) + 7) // 8, device[0] * 8))]
+
+
 @needs_extension
 def test_mxfp4_config():
     config = torch.ops.dsv4_testing.mxfp4_moe_config
-    for M, K, N, E, E_global, topk in [(9, 256, 128, 4, 4, 2), (1, 4096, 256, 32, 256, 6), (1, 7168, 384, 48, 384, 6),
-                                       (4096, 4096, 256, 32, 256, 6), (5000, 128, 64, 1, 1, 1)]:
-        S = M * topk
-        tiles = max(1, (S + min(E, S) * 7) // 8)
-        assert config([M, K, N, E, E_global, topk]) == [8, tiles, min(M, 4096)]
+    shapes = [(9, 256, 128, 4, 4, 2), (1, 4096, 2048, 32, 256, 6), (1, 7168, 3072, 48, 384, 6),
+              (64, 4096, 2048, 32, 256, 6), (512, 5120, 2304, 48, 384, 6), (512, 5120, 320, 384, 384, 6),
+              (4096, 4096, 2048, 32, 256, 6), (5000, 128, 64, 1, 1, 1)]
+    for shape in shapes:
+        assert config(list(shape), MX_DEVICE, [-1, -1]) == _mxfp4_expected(*shape), shape
+        for sk, pdl in ((0, 1), (1, 0)):
+            assert config(list(shape), MX_DEVICE, [sk, pdl]) == _mxfp4_expected(*shape, splitk=bool(sk), pdl=pdl)
+    # the rules' plain cases, stated outright: decode sizes split K, the rest run the classic grid
+    assert config([1, 4096, 2048, 32, 256, 6], MX_DEVICE, [-1, -1])[3] == 1
+    assert config([4096, 4096, 2048, 32, 256, 6], MX_DEVICE, [-1, -1])[:4] == [16, 1566, 1, 0]
     with pytest.raises(RuntimeError, match="dsv4: mxfp4_moe's GEMM grid takes at most 65535 token tiles, got 65536"):
-        config([65535 * 8 + 1, 128, 64, 1, 1, 1])
+        config([65535 * 16 + 1, 128, 64, 1, 1, 1], MX_DEVICE, [0, -1])
+    assert config([65535 * 16 + 1, 128, 64, 1, 1, 1], MX_DEVICE, [1, -1])[3] == 1  # the persistent grid has no such bound
 
 
 # ---------------------------------------------------- GPU / extension ---------

@@ -25,7 +25,8 @@ inline std::optional<bool> parse_switch(const char* name, const char* value) {
 }
 
 struct Switches {
-  // NVFP4 MoE kernel choice (get_best_config, csrc/moe/config.h); unset: automatic.
+  // MoE kernel choice (csrc/moe/config.h, get_best_config; split-K and PDL serve both
+  // ops, the others nvfp4_moe); unset: automatic.
   std::optional<bool> moe_ws;        // DSV4_MOE_WS: the warp-specialized prefill GEMMs at 64-token tiles
   std::optional<bool> moe_splitk;    // DSV4_MOE_SPLITK: the split-K persistent GEMM grid
   std::optional<bool> moe_direct_x;  // DSV4_MOE_DIRECT_X: 0 keeps the gather kernel in bf16 decode

@@ -18,7 +18,7 @@
 #include <string>
 
 #include "common/env.h"
-#include "moe/params.cuh"  // kTileRows, w4a8::kBN
+#include "moe/params.cuh"  // kTileRows
 
 namespace dsv4 {
 namespace moe {
@@ -82,12 +82,17 @@ constexpr int64_t kMultiCtaRouteSlots = 8192;
 // not fill one wave: then most SMs idle while each CTA runs a latency-bound K loop.
 // Above that the classic grid measured as fast or faster
 // (docs/perf-history/2026-11-30-nvfp4-moe-split-k-pdl.md). DSV4_MOE_SPLITK overrides.
-inline bool splitk_by_shape(const Nvfp4MoeShape& c, int block_n, int classic1_wave) {
+// (Both ops: GEMM1's items are 64-row tiles of w13, 2N / 64 per touched expert.)
+inline bool splitk_by_items(int64_t M, int64_t topk, int64_t E, int64_t E_global, int64_t N, int block_n,
+                            int classic1_wave) {
   if (block_n > 16) return false;
-  const double local_slots = double(c.M) * double(c.topk) * double(c.E) / double(c.E_global);
-  const double touched = double(c.E) * (1.0 - std::pow(1.0 - 1.0 / double(c.E), local_slots));
-  const double items = touched * double(2 * c.N / kTileRows);
+  const double local_slots = double(M) * double(topk) * double(E) / double(E_global);
+  const double touched = double(E) * (1.0 - std::pow(1.0 - 1.0 / double(E), local_slots));
+  const double items = touched * double(2 * N / kTileRows);
   return items < double(classic1_wave);
+}
+inline bool splitk_by_shape(const Nvfp4MoeShape& c, int block_n, int classic1_wave) {
+  return splitk_by_items(c.M, c.topk, c.E, c.E_global, c.N, block_n, classic1_wave);
 }
 
 // The prefill kernel (nvfp4_gemm_ws.cuh) runs at the 64-token tile when cta_mode is
@@ -166,33 +171,70 @@ inline void print_config(const char* op, const Nvfp4MoeShape& c, int64_t cta_mod
 }
 
 // ---------------------------------------------------------------------------------
-// dsv4::mxfp4_moe (W4A8: the small-batch kernels of mxfp4_gemm.cuh at every M for now)
+// dsv4::mxfp4_moe (W4A8: the FP8 mma.sync GEMMs of mxfp4_gemm.cuh)
 // ---------------------------------------------------------------------------------
 
-// The checked shapes of one call (mxfp4_moe.cu, check_inputs).
+// The checked shapes of one call (mxfp4_moe.cu, check_inputs); N is the padded one.
 struct Mxfp4MoeShape {
   int64_t M, K, N, E, E_global, topk;
 };
 
-struct Mxfp4MoeConfig {
-  int max_tiles;     // bound on the kBN-token tiles (GEMM grids, workspace)
-  int combine_ctas;
+// What the kernel choice needs to know about one device (mxfp4_moe.cu's device_facts).
+struct Mxfp4DeviceFacts {
+  int sms;
+  GemmOccupancy occ[2];  // token tiles 8, 16
+
+  const GemmOccupancy& occupancy(int block_n) const { return occ[block_n == 8 ? 0 : 1]; }
 };
 
-inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c) {
-  constexpr int BN = w4a8::kBN;
+// What one call launches (mxfp4_moe.cu's launch reads nothing else to decide).
+struct Mxfp4MoeConfig {
+  int block_n;           // token tile: 8 or 16 (mma.sync)
+  int max_tiles;         // bound on the token tiles (grids, workspace)
+  bool multi_cta_route;  // routing on many CTAs: count -> tables -> place
+  bool splitk;           // split-K persistent grid (mxfp4_gemm_splitk_kernel)
+  int gemm1_ctas, gemm2_ctas, sk_ctas;  // split-K: the two grids and their bound (else 0)
+  bool pdl;              // programmatic dependent launches
+  int quant_ctas;        // mxfp4_quant_x_kernel's grid
+};
+
+// The kernel choice, the NVFP4 op's rules where they apply: the token tile of
+// pick_block_n capped at 16 (there is no W4A8 prefill kernel yet, so larger M run the
+// 16-token tile on the classic grid), split-K by splitk_by_items with this op's
+// occupancy, PDL on (every tile is a decode tile); DSV4_MOE_SPLITK and DSV4_MOE_PDL
+// override.
+inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceFacts& d, const env::Switches& o) {
+  Mxfp4MoeConfig cfg{};
   const int64_t S = c.M * c.topk;
-  // Every local slot in a tile; at most one partly filled tile per busy expert.
-  const int64_t max_tiles = std::max<int64_t>(1, (S + std::min<int64_t>(c.E, S) * (BN - 1)) / BN);
-  TORCH_CHECK(max_tiles <= 65535, "dsv4: mxfp4_moe's GEMM grid takes at most 65535 token tiles, got ", max_tiles,
-              " (M * k = ", S, " slots); call it on fewer tokens at a time");
-  return Mxfp4MoeConfig{int(max_tiles), int(std::min<int64_t>(c.M, 4096))};
+  cfg.block_n = std::min(pick_block_n(c.M, c.topk, c.E_global), 16);
+  const int64_t busy = std::min<int64_t>(c.E, S);
+  cfg.max_tiles = int(std::max<int64_t>(1, (S + busy * (cfg.block_n - 1)) / cfg.block_n));
+  cfg.multi_cta_route = S > kMultiCtaRouteSlots;
+  const GemmOccupancy& occ = d.occupancy(cfg.block_n);
+  cfg.splitk = o.moe_splitk.value_or(
+      splitk_by_items(c.M, c.topk, c.E, c.E_global, c.N, cfg.block_n, occ.classic1 * d.sms));
+  if (cfg.splitk) {
+    cfg.gemm1_ctas = occ.gemm1 * d.sms;
+    cfg.gemm2_ctas = occ.gemm2 * d.sms;
+    cfg.sk_ctas = std::max(cfg.gemm1_ctas, cfg.gemm2_ctas);
+  } else {
+    TORCH_CHECK(cfg.max_tiles <= 65535, "dsv4: mxfp4_moe's GEMM grid takes at most 65535 token tiles, got ",
+                cfg.max_tiles, " (M * k = ", S, " slots); call it on fewer tokens at a time");
+  }
+  cfg.pdl = o.moe_pdl.value_or(true);
+  const int64_t groups = c.M * (c.K / 128);  // one warp each, 8 per CTA
+  cfg.quant_ctas = int(std::max<int64_t>(1, std::min<int64_t>((groups + 7) / 8, int64_t(d.sms) * 8)));
+  return cfg;
 }
 
-inline void print_config(const Mxfp4MoeShape& c, const Mxfp4MoeConfig& cfg, int64_t workspace_bytes) {
-  const std::string line = c10::str("dsv4 config mxfp4_moe: M=", c.M, " K=", c.K, " N=", c.N, " E=", c.E,
-                                    " E_global=", c.E_global, " topk=", c.topk, " activation=fp8 -> block_n=",
-                                    w4a8::kBN, " max_tiles=", cfg.max_tiles, " workspace_bytes=", workspace_bytes);
+inline void print_config(const Mxfp4MoeShape& c, const Mxfp4DeviceFacts& d, const Mxfp4MoeConfig& cfg,
+                         int64_t workspace_bytes) {
+  const std::string line = c10::str(
+      "dsv4 config mxfp4_moe: M=", c.M, " K=", c.K, " N=", c.N, " E=", c.E, " E_global=", c.E_global,
+      " topk=", c.topk, " activation=fp8 sms=", d.sms, " classic1=", d.occupancy(cfg.block_n).classic1,
+      " -> block_n=", cfg.block_n, " max_tiles=", cfg.max_tiles, " multi_cta_route=", int(cfg.multi_cta_route),
+      " splitk=", int(cfg.splitk), " sk_ctas=", cfg.sk_ctas, " pdl=", int(cfg.pdl), " quant_ctas=", cfg.quant_ctas,
+      " workspace_bytes=", workspace_bytes);
   std::fprintf(stderr, "%s\n", line.c_str());
   std::fflush(stderr);
 }

@@ -1,40 +1,45 @@
-// The GEMMs of the MXFP4 W4A8 MoE on FP8 tensor cores (warp-level
-// mma.sync.m16n8k32.e4m3), launched by dsv4::mxfp4_moe (mxfp4_moe.cu): one small-batch
-// path at every M (8-token tiles, no split over K, no wgmma prefill kernel yet).
-// Compiles for sm_90a with no spills; its GPU tests (tests/test_mxfp4.py -m gpu -k w4a8)
-// pass on the H200 (docs/perf.md, "GPU test status"). Speed: 0.13-0.39x of Humming W4A8 at
-// every M (docs/perf-history/2026-12-02-mxfp4-vs-humming.md). What remains: see the end
-// of the file.
+// The kernels of the MXFP4 W4A8 MoE (dsv4::mxfp4_moe, launched by mxfp4_moe.cu), on the
+// NVFP4 decode skeleton (nvfp4_gemm.cuh): "swap AB" grouped GEMMs whose A operand is 64
+// weight rows per CTA, converted e2m1 -> e4m3 in registers, and whose B operand is the
+// token tile (block_n = 8 or 16 FP8 token rows in shared memory), multiplied with
+// wgmma.m64nNk32.e4m3 with A from registers (native FP8: on sm_90a ptxas emulates an
+// e4m3 mma.sync through f16 MMAs, 12 conversions + 2 HMMA + 4 FADD per m16n8k32, which is
+// why the decode tiles here are not on mma.sync as the NVFP4 ones are); a ring of
+// 128-wide K chunks in shared memory (weights by two bulk copies per ring slot, token
+// rows and their scales by two more, from GEMM-ready tiles, from GEMM-ready tiles); a classic grid (mxfp4_gemm_kernel) or split-K on a
+// persistent grid (mxfp4_gemm_splitk_kernel) with a deterministic fixup; PDL.
 //
-// Numerics (docs/design.md section 2, dsv4.reference.mxfp4_moe activation="fp8"):
-//   GEMM1 input  x: per token, per 128 of K, vLLM's per_token_group_quant_fp8
+// Chain (mxfp4_moe.cu): routing (routing.cuh) -> mxfp4_quant_x_kernel -> GEMM1 -> GEMM2.
+//
+// Numerics (docs/design.md section 2; dsv4.reference.mxfp4_moe, activation "fp8"):
+//   GEMM1 input x: per token and per 128 of K, vLLM's per_token_group_quant_fp8:
 //     s = max(amax, 1e-10) / 448, rounded up to a power of two when ue8m0,
-//     q = e4m3_rn_satfinite(x / s)                         (w4a8_quant_x_kernel)
-//   weights: code * 2^(e - 127) = (code * 2^(e - b)) * 2^b, e4m3 * fp32, exactly, with
-//     one base b = gmax - 6 per row and per 128 of K (gmax: the largest scale byte of the
-//     4 blocks; prepare (dsv4.formats.mxfp4.fit_fp8_operand) makes every block fit, e - b >= -8,
-//     and sets the bytes of all-zero blocks to 0 so that they never raise gmax).
-//   accumulate each 128-wide K chunk in fp32 on the tensor cores, then
+//     q = e4m3_rn_satfinite(x / s)                        (mxfp4_quant_x_kernel)
+//   weights: per row and per 128 of K a base b (fp32 2^b), a block of scale byte e as the
+//     e4m3 values code * 2^(e - 127 - b), exact (dsv4/formats/mxfp4_w4a8.py).
+//   each 128-chunk accumulates on the tensor cores in fp32 (the first wgmma overwrites), then
 //     acc += partial * (2^b[row] * s_x[token])                 (the promotion)
-//   GEMM1 epilogue: h = silu(min(g, L)) * clamp(u, -L, L) in fp32, then per token and
-//     per 128 columns of h, Humming's rule: s = max(amax / 448, 1e-30),
-//     q = e4m3_rn_satfinite(h * (1 / s))                       (IEEE division, reciprocal)
-//   GEMM2 the same with h, writing bf16 y per padded row; moe_combine_kernel
-//     (routing.cuh) then sums the slots in fp32.
+//   split-K: the chunks' fp32 sums added in chunk order by the item's last CTA.
+//   GEMM1 epilogue: h = silu(min(g, L)) * clamp(u, -L, L) in fp32 (the fast-division
+//     silu of swiglu.cuh), stored fp32; the last of the (up to) four CTAs of a 128-column
+//     group quantizes it per token by Humming's rule: s = max(amax / 448, 1e-30),
+//     q = e4m3_rn_satfinite(h * (1 / s)) (IEEE division and reciprocal).
+//   GEMM2 epilogue: y = acc rounded to bf16 per padded row (as the NVFP4 path and the
+//     earlier W4A8 kernel); the last GEMM2 CTA of a token's 64 output columns sums
+//     topk_weights[m, j] * y over the token's slots in slot order in fp32 (moe_combine_kernel's
+//     arithmetic, without its launch and without atomics on the data) and writes out.
 //
-// Layouts: the weights as dsv4.Mxfp4MoeWeights holds them (vLLM's stacked layout,
-// N padded to a multiple of 64): w13 [E, 2N, K/2] (gate rows, then up rows), w13_scale
-// [E, 2N, K/32], w2 [E, K, N/2], w2_scale [E, K, N/32]. Token tiles of 8 rows from the
-// MoE's routing (routing.cuh: moe_route_kernel with block_n = kBN = 8 fills row_slot,
-// tile_expert, num_tiles).
-//
-// Fragment order: the dot product of one k32 step does not depend on which k each
-// fragment position holds, so A and B use the same permutation: in step s of a
-// 128-wide chunk, thread (g, t) (g = lane / 4, t = lane % 4) holds the chunk's elements
-// 32t + 8s + 0..3 where the PTX layout says k = 4t..4t+3 (a0, a1, b0) and 32t + 8s + 4..7
-// where it says 16 + 4t.. (a2, a3, b1). So a thread's 16-byte load of one weight row is
-// exactly one MXFP4 block (one scale byte), and its B pieces of a chunk are 32
-// contiguous bytes of one token row.
+// Fragment order. In a 128-chunk, thread T = 32w + 4g + t (warp w, lane 4g + t) holds
+// MXFP4 block t of weight rows 16w + g and 16w + g + 8: in step s (of 4) the block's
+// elements 8s .. 8s + 3 where the PTX m16n8k32 layout says k = 4t .. 4t + 3 (a0, a1) and
+// 8s + 4 .. 8s + 7 where it says 16 + 4t .. (a2, a3). A k32 step's dot product does not
+// depend on which k a position holds as long as A and B agree, so the activations are
+// stored in the same order: chunk position p = 32s + 16hh + 4t + i holds element
+// 32t + 8s + 4hh + i (dsv4.formats.mxfp4_w4a8.chunk_position). Then a thread's
+// 16-byte load of one row's codes is exactly its A fragments of 4 steps, it needs one
+// shift table per row and chunk, and the wgmma reads B from token rows in MMA order.
+// (The wgmma A register fragment of m64nNk32 with 8-bit inputs is, per warp, the one of
+// mma.sync m16n8k32; its accumulators are laid out as mma.sync's per n8 block.)
 #pragma once
 
 #include <cuda_bf16.h>
@@ -42,8 +47,12 @@
 #include <stdint.h>
 
 #include "common/cvt.cuh"
-#include "common/mma/mma_sync.cuh"
+#include "common/mma/wgmma.cuh"
 #include "common/nvfp4.cuh"  // e2m1_value
+#include "common/ptx/memory.cuh"
+#include "common/ptx/pdl.cuh"
+#include "common/ptx/regs.cuh"
+#include "common/ptx/sync.cuh"
 #include "moe/params.cuh"
 #include "moe/swiglu.cuh"
 
@@ -51,276 +60,573 @@ namespace dsv4 {
 namespace moe {
 namespace w4a8 {
 
-constexpr int kChunk = 128;        // K elements per promotion (the activation group)
-constexpr int kThreads = 128;      // 4 warps
-constexpr int kShiftMin = -8;      // code * 2^d is e4m3 for every code iff -8 <= d <= 6
-constexpr int kShiftMax = 6;
-constexpr int kShifts = kShiftMax - kShiftMin + 1;
+constexpr int kShiftMin = -8;       // code * 2^d is e4m3 for every code iff -8 <= d <= 6
+constexpr int kShifts = 15;         // shift indices d + 8 = 0 .. 14
+constexpr int kLutBytes = 16 * 8;   // 16 entries of 8 bytes (the last unused)
+constexpr int kSplitMinChunks = 4;  // fewest K chunks per split (512 of K, as nvfp4_gemm.cuh's kSplitMinSteps)
 
-// ------------------------------------------------------------------ conversions ---
+// ------------------------------------------------------------ weight conversion ---
 
-// e4m3 bits of a finite float, round to nearest even, saturating (cvt.rn.satfinite).
-__device__ __forceinline__ uint32_t e4m3_bits(float v) {
-  return uint32_t(e4m3_rn_satfinite(v).__x);
-}
-
-// Four e4m3 bytes of four e2m1 codes (nibbles of the low 16 bits, element i in nibble i)
-// times 2^d, from the two words of the shift's table (byte c = e4m3 of |e2m1(c)| * 2^d):
-// one PRMT looks the magnitudes up (selector bit 3, the e2m1 sign, masked off: PRMT
-// would read it as "replicate the sign"), the nibbles spread to bytes give the signs.
-__device__ __forceinline__ uint32_t e2m1x4_to_e4m3x4(uint32_t q, uint32_t lut_lo, uint32_t lut_hi) {
-  const uint32_t mag = __byte_perm(lut_lo, lut_hi, q & 0x7777u);
-  uint32_t x = (q | (q << 8)) & 0x00FF00FFu;
-  x = (x | (x << 4)) & 0x0F0F0F0Fu;  // byte i = nibble i
-  return mag | ((x & 0x08080808u) << 4);
-}
-
-// The shift tables in shared memory: 8 bytes per shift d in [-8, 6], built with the
-// float conversion (every entry is exact). All threads of the CTA call it, then sync.
-__device__ __forceinline__ void build_shift_tables(uint32_t (*lut)[2]) {
-  uint8_t* bytes = reinterpret_cast<uint8_t*>(lut);
-  for (int i = threadIdx.x; i < kShifts * 8; i += blockDim.x) {
-    const int d = i / 8 + kShiftMin;
-    bytes[i] = uint8_t(e4m3_bits(ldexpf(e2m1_value(uint32_t(i % 8)), d)));
+// Entry idx (8 bytes): the e4m3 bytes of |e2m1 code c| * 2^(idx - 8) for c = 0 .. 7, all
+// exact (subnormals included). All threads call it; the caller syncs before use.
+__device__ __forceinline__ void build_lut(uint8_t* lut) {
+  for (int i = threadIdx.x; i < kLutBytes; i += blockDim.x) {
+    const int idx = i >> 3;
+    lut[i] = idx < kShifts ? e4m3_rn_satfinite(ldexpf(e2m1_value(uint32_t(i & 7)), idx + kShiftMin)).__x : 0;
   }
 }
 
-__device__ __forceinline__ float quad_max(float v) {
-  v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, 1));
-  return fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, 2));
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
 }
 
-// ------------------------------------------------- GEMM1's input (x) quantization ---
+// One prepared word (8 codes: magnitudes at bits 4j .. 4j+2, signs at 8j+7 for j < 4 and
+// 8(j-4)+3 for j >= 4) -> the e4m3 bytes of elements 0..3 (lo) and 4..7 (hi) through
+// the row's shift table (lut.x: codes 0-3, lut.y: codes 4-7). The selector nibbles'
+// bit 3 must be clear (PRMT would read it as "replicate the sign"), which is where the
+// signs sit: one mask clears all eight. 7 integer instructions per 8 weights.
+__device__ __forceinline__ void e2m1x8_to_e4m3(uint32_t w, uint2 lut, uint32_t& lo, uint32_t& hi) {
+  const uint32_t sel = w & 0x77777777u;
+  lo = prmt(lut.x, lut.y, sel) | (w & 0x80808080u);
+  hi = prmt(lut.x, lut.y, sel >> 16) | ((w << 4) & 0x80808080u);
+}
 
-// One warp per (token, 128-wide group), 4 elements per lane.
-__global__ void __launch_bounds__(256) w4a8_quant_x_kernel(const W4A8Params p) {
-  const int groups = p.K / kChunk;
-  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-  if (warp >= p.M * groups) return;
-  const int tkn = warp / groups, grp = warp % groups;
-  const size_t off = size_t(tkn) * p.K + grp * kChunk + lane * 4;
-  const uint2 raw = *reinterpret_cast<const uint2*>(p.x + off);
+// Byte offset of block t's shift table in the LUT, from a row's scale word (nibble t =
+// shift index): a rotate by 4t - 3 puts the nibble at bits 3..6.
+__device__ __forceinline__ uint32_t lut_offset(uint32_t scale_word, uint32_t rot) {
+  return __funnelshift_r(scale_word, scale_word, rot) & 0x78u;
+}
+
+// 2^b of a row's chunk: the scale word's bits 23..30 are its fp32 exponent field.
+__device__ __forceinline__ float chunk_base(uint32_t scale_word) { return __uint_as_float(scale_word & 0x7F800000u); }
+
+// Position in a 128-chunk (MMA order) of the word holding elements 4q .. 4q + 3.
+__device__ __forceinline__ int chunk_word_pos(int q) { return 32 * ((q >> 1) & 3) + 16 * (q & 1) + 4 * (q >> 3); }
+
+// ------------------------------------------------------------ GEMM1's input (x) ---
+
+// The activations of a GEMM (GEMM1's x, GEMM2's h) are stored per token tile and K chunk
+// as the ring reads them, one bulk copy each: [tile][chunk][row (block_n)][128 bytes]
+// FP8 in MMA order with 16-byte piece c of row r at c ^ (r % 8) (the 128-byte swizzle the
+// wgmma's B descriptor reads), and their scales [tile][chunk][row] fp32.
+__device__ __forceinline__ size_t act_row(int tile, int kc, int KC, int BN, int r) {
+  return ((size_t(tile) * KC + kc) * BN + r) * kChunk;
+}
+__device__ __forceinline__ int act_word(int r, int pos) { return (((pos >> 4) ^ (r & 7)) << 4) | (pos & 15); }
+
+// Token tkn's group grp of x (warp-wide, 4 elements per lane) -> lane's word of 4 e4m3
+// (elements 4 lane .. 4 lane + 3) and the group's scale, by vLLM's rule.
+__device__ __forceinline__ void quantize_group(const W4A8Params& p, int tkn, int grp, int lane, uint32_t& q, float& s) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(p.x + size_t(tkn) * p.K + grp * kChunk + lane * 4);
   const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
   const float2 f0 = __bfloat1622float2(h2[0]), f1 = __bfloat1622float2(h2[1]);
   const float v[4] = {f0.x, f0.y, f1.x, f1.y};
   float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-  float s = __fdiv_rn(fmaxf(amax, 1e-10f), 448.0f);
-  if (p.ue8m0) {  // the exact ceil to a power of two (s is normal: >= 1e-10 / 448)
+  s = __fdiv_rn(fmaxf(amax, 1e-10f), 448.0f);
+  q = 0;
+  if (p.ue8m0) {  // the exact ceil to a power of two (s is normal: >= 1e-10 / 448); x / s = x * (1 / s) exactly
     const uint32_t b = __float_as_uint(s);
     s = __uint_as_float((b & 0x7F800000u) + ((b & 0x007FFFFFu) ? 0x00800000u : 0u));
-  }
-  uint32_t q = 0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) q |= e4m3_bits(__fdiv_rn(v[i], s)) << (8 * i);
-  *reinterpret_cast<uint32_t*>(p.xq + off) = q;
-  if (lane == 0) p.xs[size_t(tkn) * groups + grp] = s;
-}
-
-// ------------------------------------------------------------- the GEMM mainloop ---
-
-// kTiles m16 weight tiles (rows row0[i] .. + 15 of one expert matrix with `ld` bytes per
-// row and `lds` scale bytes per row) x the 8 token rows of a tile, over the 128-wide K
-// chunks [0, kd): acc[i] += the chunk's partial sums times 2^b[row] * act_scale[token].
-// act: [rows, kd] e4m3 bytes of the tile's tokens (row tok_row[j], -1 = padding: zero);
-// act_scale: [rows, ceil(kd / 128)]. kd is a multiple of 32: a last chunk of fewer
-// blocks leaves threads t >= its block count without codes.
-template <int kTiles>
-__device__ __forceinline__ void w4a8_mainloop(float (&acc)[kTiles][4], const uint8_t* w, const uint8_t* ws,
-                                              const int (&row0)[kTiles], int ld, int lds, int kd,
-                                              const uint8_t* act, const float* act_scale, int act_ld,
-                                              int tok_b, int tok_c0, int tok_c1, const uint32_t (*lut)[2]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int chunks = (kd + kChunk - 1) / kChunk, groups = chunks;
-  for (int ch = 0; ch < chunks; ++ch) {
-    const int blocks = min(4, (kd - ch * kChunk) / 32);
-    const bool have = t < blocks;
-    // B: token g's 32 bytes at 32t of the chunk (zeros for padding rows / missing blocks)
-    uint4 b_lo = make_uint4(0, 0, 0, 0), b_hi = make_uint4(0, 0, 0, 0);
-    if (have && tok_b >= 0) {
-      const uint4* src = reinterpret_cast<const uint4*>(act + size_t(tok_b) * act_ld + ch * kChunk + 32 * t);
-      b_lo = src[0];
-      b_hi = src[1];
-    }
-    const uint32_t bw[8] = {b_lo.x, b_lo.y, b_lo.z, b_lo.w, b_hi.x, b_hi.y, b_hi.z, b_hi.w};
-    const float sx0 = tok_c0 >= 0 ? act_scale[size_t(tok_c0) * groups + ch] : 0.0f;
-    const float sx1 = tok_c1 >= 0 ? act_scale[size_t(tok_c1) * groups + ch] : 0.0f;
-#pragma unroll
-    for (int i = 0; i < kTiles; ++i) {
-      // rows row0 + g and row0 + g + 8: one block each
-      uint4 c[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
-      int e[2] = {0, 0};
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const size_t row = size_t(row0[i] + g + 8 * h);
-        if (have) {
-          c[h] = *reinterpret_cast<const uint4*>(w + row * ld + ch * (kChunk / 2) + 16 * t);
-          e[h] = ws[row * lds + ch * 4 + t];
-        }
-      }
-      const int gmax0 = int(quad_max(float(e[0]))), gmax1 = int(quad_max(float(e[1])));
-      const int d0 = min(max(e[0] - gmax0 + kShiftMax, kShiftMin), kShiftMax) - kShiftMin;
-      const int d1 = min(max(e[1] - gmax1 + kShiftMax, kShiftMin), kShiftMax) - kShiftMin;
-      const uint32_t l0 = lut[d0][0], h0 = lut[d0][1], l1 = lut[d1][0], h1 = lut[d1][1];
-      const uint32_t w0[4] = {c[0].x, c[0].y, c[0].z, c[0].w}, w1[4] = {c[1].x, c[1].y, c[1].z, c[1].w};
-      float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const uint32_t a[4] = {e2m1x4_to_e4m3x4(w0[s] & 0xFFFFu, l0, h0), e2m1x4_to_e4m3x4(w1[s] & 0xFFFFu, l1, h1),
-                               e2m1x4_to_e4m3x4(w0[s] >> 16, l0, h0), e2m1x4_to_e4m3x4(w1[s] >> 16, l1, h1)};
-        mma_m16n8k32_e4m3(part, a, bw[2 * s], bw[2 * s + 1]);
-      }
-      // 2^b with b = gmax - 127 - 6, folded into the token scale exactly
-      const int b0 = gmax0 - 127 - kShiftMax, b1 = gmax1 - 127 - kShiftMax;
-      acc[i][0] = fmaf(part[0], ldexpf(sx0, b0), acc[i][0]);
-      acc[i][1] = fmaf(part[1], ldexpf(sx1, b0), acc[i][1]);
-      acc[i][2] = fmaf(part[2], ldexpf(sx0, b1), acc[i][2]);
-      acc[i][3] = fmaf(part[3], ldexpf(sx1, b1), acc[i][3]);
-    }
-  }
-}
-
-// Token of padded row j of tile tl, or -1.
-__device__ __forceinline__ int tile_token(const W4A8Params& p, int tl, int j) {
-  const int slot = p.row_slot[tl * kBN + j];
-  return slot < 0 ? -1 : slot / p.topk;
-}
-
-// ----------------------------------------------------------------------- GEMM1 ------
-
-// grid (ceil(N / 128), max_tiles): one CTA = 128 columns of h (gate rows n0 .. n0+127 and
-// the up rows N + n0 ..) x one token tile; warp w: columns n0 + 32w .. + 31 (two m16 tiles
-// of gate rows and the two of up rows with the same columns, so the thread that holds a
-// gate value holds its up value). The CTA sees every column of its 128-wide group of
-// h: the FP8 quantization of GEMM2's input happens here.
-__global__ void __launch_bounds__(kThreads) w4a8_gemm1_kernel(const W4A8Params p) {
-  __shared__ uint32_t lut[kShifts][2];
-  __shared__ float red[4][kBN];
-  const int tl = blockIdx.y;
-  if (tl >= *p.num_tiles) return;
-  build_shift_tables(lut);
-  __syncthreads();
-  const int e = p.tile_expert[tl];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int n0 = blockIdx.x * kChunk + 32 * warp;
-  const bool live = n0 < p.N;
-  const int tok_b = tile_token(p, tl, g), tok_c0 = tile_token(p, tl, 2 * t), tok_c1 = tile_token(p, tl, 2 * t + 1);
-  float acc[4][4] = {};
-  if (live) {
-    const int rows[4] = {n0, n0 + 16, p.N + n0, p.N + n0 + 16};
-    w4a8_mainloop<4>(acc, p.w13 + size_t(e) * 2 * p.N * (p.K / 2), p.w13_scale + size_t(e) * 2 * p.N * (p.K / 32),
-                     rows, p.K / 2, p.K / 32, p.K, p.xq, p.xs, p.K, tok_b, tok_c0, tok_c1, lut);
-  }
-  // SwiGLU: value v of tile i: column n0 + 16i + g + 8 (v / 2), token 2t + v % 2
-  float h[2][4];
-  float amax[2] = {0.0f, 0.0f};
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-#pragma unroll
-    for (int v = 0; v < 4; ++v) {
-      float gate = acc[i][v], up = acc[2 + i][v];
-      if (p.has_limit) {
-        gate = fminf(gate, p.swiglu_limit);
-        up = fminf(fmaxf(up, -p.swiglu_limit), p.swiglu_limit);
-      }
-      h[i][v] = live ? silu(gate) * up : 0.0f;
-      amax[v & 1] = fmaxf(amax[v & 1], fabsf(h[i][v]));
-    }
-  }
-  // per token: max over the warp's 8 g lanes, then over the 4 warps
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1) amax[j] = fmaxf(amax[j], __shfl_xor_sync(0xFFFFFFFFu, amax[j], o));
-  }
-  if (g == 0) {
-    red[warp][2 * t] = amax[0];
-    red[warp][2 * t + 1] = amax[1];
-  }
-  __syncthreads();
-  const int groups = (p.N + kChunk - 1) / kChunk;
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int tok = 2 * t + j;
-    const float m = fmaxf(fmaxf(red[0][tok], red[1][tok]), fmaxf(red[2][tok], red[3][tok]));
-    const float s = fmaxf(__fdiv_rn(m, 448.0f), 1e-30f);
     const float r = __frcp_rn(s);
-    const size_t row = size_t(tl) * kBN + tok;
-    if (live) {
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < 4; ++i) q |= uint32_t(e4m3_rn_satfinite(v[i] * r).__x) << (8 * i);
+  } else {
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int col = n0 + 16 * i + g + 8 * hh;
-          p.hq[row * p.N + col] = uint8_t(e4m3_bits(__fmul_rn(h[i][2 * hh + j], r)));
-        }
+    for (int i = 0; i < 4; ++i) q |= uint32_t(e4m3_rn_satfinite(__fdiv_rn(v[i], s)).__x) << (8 * i);
+  }
+}
+
+// GEMM1's input: one warp per (token, 128-group) quantizes it (its first group before the
+// routing grid is done: launched right after the routing kernel with PDL, the two
+// overlap) and writes it to the token tile rows of the token's local slots (xg, xgs);
+// then zero padding rows, and reset the counters of the GEMMs' epilogues.
+__global__ void __launch_bounds__(256) mxfp4_quant_x_kernel(const W4A8Params p) {
+  pdl_launch_dependents();
+  const int G1 = p.K / kChunk, BN = p.block_n;
+  const int lane = threadIdx.x & 31;
+  const int nwarps = int(gridDim.x * blockDim.x) >> 5;
+  const int warp0 = int(blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  uint32_t q = 0;
+  float s = 0.0f;
+  if (warp0 < p.M * G1) quantize_group(p, warp0 / G1, warp0 % G1, lane, q, s);
+  pdl_wait();  // the routing tables are complete
+  for (int gw = warp0; gw < p.M * G1; gw += nwarps) {
+    const int tkn = gw / G1, grp = gw - tkn * G1;
+    if (gw != warp0) quantize_group(p, tkn, grp, lane, q, s);
+    for (int j = 0; j < p.topk; ++j) {
+      const int pos = __ldg(p.slot_pos + tkn * p.topk + j);
+      if (pos < 0) continue;
+      const int tile = pos / BN, r = pos - tile * BN;
+      const size_t row = act_row(tile, grp, G1, BN, r);
+      *reinterpret_cast<uint32_t*>(p.xg + row + act_word(r, chunk_word_pos(lane))) = q;
+      if (lane == 0) p.xgs[row / kChunk] = s;
+    }
+  }
+  const int rows = __ldg(p.num_tiles) * BN;
+  for (int r = warp0; r < rows; r += nwarps) {  // padding rows: zero (finite) tokens
+    if (__ldg(p.row_slot + r) >= 0) continue;
+    const int tile = r / BN, rr = r - tile * BN;
+    for (int i = lane; i < G1 * 8; i += 32) {
+      const size_t row = act_row(tile, i >> 3, G1, BN, rr);
+      reinterpret_cast<uint4*>(p.xg + row)[i & 7] = make_uint4(0, 0, 0, 0);
+      if ((i & 7) == 0) p.xgs[row / kChunk] = 0.0f;
+    }
+  }
+  const int tid = int(blockIdx.x * blockDim.x + threadIdx.x), nthreads = int(gridDim.x * blockDim.x);
+  const int RT1 = p.N / 32, RT2 = p.K / kTileRows;
+  for (int i = tid; i < p.max_tiles * p.G2; i += nthreads) p.group_left[i] = min(4, RT1 - 4 * (i % p.G2));
+  for (int i = tid; i < p.M * RT2; i += nthreads) {
+    const int tkn = i / RT2, rt = i - tkn * RT2;
+    int local = 0;
+    for (int j = 0; j < p.topk; ++j) local += __ldg(p.slot_pos + tkn * p.topk + j) >= 0;
+    p.combine_left[i] = local;
+    if (local == 0) {  // no GEMM2 CTA writes this token: its output is zero
+      uint4* o = reinterpret_cast<uint4*>(p.out + size_t(tkn) * p.K + rt * kTileRows);
+#pragma unroll
+      for (int c = 0; c < kTileRows / 8; ++c) o[c] = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// ------------------------------------------------------------------ the GEMMs ------
+
+template <int BN, int CHUNKS>
+struct Smem {
+  // Two ring slots of CHUNKS / 2 chunks (as the NVFP4 decode tiles: one barrier, one set
+  // of copies and one wait per slot).
+  static constexpr int kSteps = CHUNKS / 2;
+  static constexpr int kSlots = 2;
+  static_assert(CHUNKS % 2 == 0, "two ring slots");
+  static constexpr int kB = BN * kChunk;  // one 128-chunk of BN FP8 token rows
+  static constexpr int kSx = BN * 4;      // their fp32 scales
+  static constexpr int kPipe = CHUNKS * (kB + kCodeTile + kScaleTile + kSx);
+  static constexpr int kStaging = BN * 128;  // GEMM1: 32 fp32 columns, GEMM2: 64 bf16
+  static constexpr int kMax = kPipe > kStaging ? kPipe : kStaging;
+  static constexpr int kBytes = kMax + 1024;  // + alignment slack
+};
+
+// Epilogue staging (as nvfp4_gemm.cuh): 128 bytes per token row, 8-column groups
+// XOR-swizzled by row so that a warp's fragment writes hit distinct banks.
+__device__ __forceinline__ int stage1_index(int tok, int col) { return tok * 32 + (col ^ (((tok >> 1) & 3) << 3)); }
+__device__ __forceinline__ int stage2_index(int tok, int col) { return tok * 64 + (col ^ (((tok >> 1) & 3) << 3)); }
+
+// GEMM1 epilogue of item (tile, rt): the SwiGLU of the 32 columns 32rt .. 32rt + 31 (warp
+// w: columns 8w + g, gate in the accumulators of row g, up in those of row g + 8) for the
+// tile's BN rows, to hf; the last CTA of the 128-column group quantizes the group to FP8
+// (hq, hs) and publishes it to GEMM2 (group_ready).
+template <int BN>
+__device__ __forceinline__ void gemm1_epilogue(const W4A8Params& p, const float (&acc)[BN / 2], float* stg, int tile,
+                                               int rt, int tid) {
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const float L = p.swiglu_limit;
+#pragma unroll
+  for (int c = 0; c < BN / 8; ++c) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float gate = acc[4 * c + i], up = acc[4 * c + 2 + i];
+      if (p.has_limit) {
+        gate = fminf(gate, L);
+        up = fminf(fmaxf(up, -L), L);
+      }
+      stg[stage1_index(8 * c + 2 * t + i, 8 * warp + g)] = silu(gate) * up;
+    }
+  }
+  __syncthreads();
+  const int N = p.N, row0 = tile * BN;
+  for (int idx = tid; idx < BN * 8; idx += kThreads) {
+    const int tok = idx >> 3, ch = idx & 7;
+    const float4 v = *reinterpret_cast<const float4*>(stg + stage1_index(tok, ch * 4));
+    __stcg(reinterpret_cast<float4*>(p.hf + size_t(row0 + tok) * N + rt * 32 + ch * 4), v);
+  }
+  __threadfence();
+  __syncthreads();
+  const int j = rt >> 2;
+  __shared__ int s_last_group;
+  if (tid == 0) s_last_group = atomicSub(p.group_left + tile * p.G2 + j, 1) == 1;
+  __syncthreads();
+  if (!s_last_group) return;
+  __threadfence();
+  // Token tok, elements 8u .. 8u + 7 of the group (u = 0..15): 16 lanes per token.
+  const int ncols = min(kChunk, N - kChunk * j);
+  for (int idx = tid; idx < BN * 16; idx += kThreads) {
+    const int tok = idx >> 4, u = idx & 15;
+    float v[8];
+    if (8 * u < ncols) {
+      const float* src = p.hf + size_t(row0 + tok) * N + kChunk * j + 8 * u;
+      const float4 a = __ldcg(reinterpret_cast<const float4*>(src));
+      const float4 b = __ldcg(reinterpret_cast<const float4*>(src + 4));
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = 0.0f;  // past N: zero columns (w2's padded K)
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+    const float s = fmaxf(__fdiv_rn(amax, 448.0f), 1e-30f);
+    const float r = __frcp_rn(s);
+    uint32_t q[2] = {0, 0};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i >> 2] |= uint32_t(e4m3_rn_satfinite(__fmul_rn(v[i], r)).__x) << (8 * (i & 3));
+    const size_t row = act_row(tile, j, p.G2, BN, tok);
+    *reinterpret_cast<uint32_t*>(p.hq + row + act_word(tok, chunk_word_pos(2 * u))) = q[0];
+    *reinterpret_cast<uint32_t*>(p.hq + row + act_word(tok, chunk_word_pos(2 * u + 1))) = q[1];
+    if (u == 0) p.hs[row / kChunk] = s;
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) atomicAdd(p.group_ready + tile, 1);
+}
+
+// GEMM2 epilogue of item (tile, rt): y (bf16) of the output columns 64rt .. 64rt + 63 for
+// the tile's rows; for each of them whose token now has all its local slots' y of these
+// columns, out = sum_j topk_weights[m, j] * y[slot_pos[m, j]] in slot order (fp32, one
+// bf16 rounding), by the CTA that completed the token's count.
+template <int BN>
+__device__ __forceinline__ void gemm2_epilogue(const W4A8Params& p, const float (&acc)[BN / 2], __nv_bfloat16* stg,
+                                               int tile, int rt, int tid) {
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int c = 0; c < BN / 8; ++c) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int tok = 8 * c + 2 * t + (i & 1);
+      const int kk = 16 * warp + g + 8 * (i >> 1);
+      stg[stage2_index(tok, kk)] = __float2bfloat16_rn(acc[4 * c + i]);
+    }
+  }
+  __syncthreads();
+  const int K = p.K, row0 = tile * BN, RT2 = K / kTileRows;
+  for (int idx = tid; idx < BN * 8; idx += kThreads) {
+    const int tok = idx >> 3, ch = idx & 7;
+    const uint4 o = *reinterpret_cast<const uint4*>(stg + stage2_index(tok, ch * 8));
+    __stcg(reinterpret_cast<uint4*>(p.y + size_t(row0 + tok) * K + rt * kTileRows + ch * 8), o);
+  }
+  __threadfence();
+  __syncthreads();
+  __shared__ int s_token[16];  // token whose count this CTA completed, per tile row; -1 = none
+  if (tid < BN) {
+    const int slot = p.row_slot[row0 + tid];
+    int m = -1;
+    if (slot >= 0) {
+      const int tkn = slot / p.topk;
+      if (atomicSub(p.combine_left + tkn * RT2 + rt, 1) == 1) m = tkn;
+    }
+    s_token[tid] = m;
+  }
+  __syncthreads();
+  __threadfence();
+  for (int idx = tid; idx < BN * 8; idx += kThreads) {
+    const int m = s_token[idx >> 3], ch = idx & 7;
+    if (m < 0) continue;
+    float sum[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum[i] = 0.0f;
+    for (int jj = 0; jj < p.topk; ++jj) {
+      const int pos = __ldg(p.slot_pos + m * p.topk + jj);
+      if (pos < 0) continue;
+      const float w = __ldg(p.topk_weights + m * p.topk + jj);
+      const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.y + size_t(pos) * K + rt * kTileRows + ch * 8));
+      const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h2[i]);
+        sum[2 * i] = fmaf(w, f.x, sum[2 * i]);
+        sum[2 * i + 1] = fmaf(w, f.y, sum[2 * i + 1]);
       }
     }
-    if (warp == 0 && g == 0) p.hs[row * groups + blockIdx.x] = s;
+    *reinterpret_cast<uint4*>(p.out + size_t(m) * K + rt * kTileRows + ch * 8) = pack_bf16x8(sum);
   }
 }
 
-// ----------------------------------------------------------------------- GEMM2 ------
+// GEMM2 does not wait for GEMM1's grid: before reading a token tile's h it waits until
+// all G2 FP8 groups of that tile were published (as nvfp4_gemm.cuh's gemm2_wait_h), then
+// orders that acquire before its bulk copies of them (async proxy).
+__device__ __forceinline__ void gemm2_wait_h(const W4A8Params& p, int tile) {
+  if (threadIdx.x == 64 || threadIdx.x == 96) {  // the threads that copy the token tiles (gemm_segment's issuers 2, 3)
+    wait_flag_geq(p.group_ready + tile, p.G2);
+    fence_proxy_async_global();
+  }
+  __syncthreads();  // reconverge: the K loop's ring bookkeeping stays on the uniform datapath
+}
 
-// grid (K / 256, max_tiles): one CTA = 256 output rows (w2 rows) x one token tile; warp
-// w: rows 256 * blockIdx.x + 64w .. + 63 (four m16 tiles). The reduction runs over the
-// N columns of h in 128-wide groups (the last one may hold 1..3 blocks: N = 320 for
-// V4.1-Flash at TP 8). y is bf16 per padded row (2-byte stores: see the notes below).
-__global__ void __launch_bounds__(kThreads) w4a8_gemm2_kernel(const W4A8Params p) {
-  __shared__ uint32_t lut[kShifts][2];
-  const int tl = blockIdx.y;
-  if (tl >= *p.num_tiles) return;
-  build_shift_tables(lut);
+// K chunks [kb, ke) of item (tile, rt) (chunk `chunk` of `splits`, item index `item`),
+// then its epilogue; split-K fixup as nvfp4_gemm.cuh's gemm_segment (the CTA that
+// completes the item's count adds the partials in chunk order). lut: the shift tables.
+// Every operand of a ring slot is one contiguous run (weight codes and scales in the
+// prepared layout, token rows and their scales in the tiled activation layout), so a
+// slot comes in by four bulk copies counted on its mbarrier; no thread copies, and
+// nothing written through the generic proxy is read by the wgmmas.
+template <int BN, int CHUNKS, bool kGemm1, typename BeforeTokens>
+__device__ __forceinline__ void gemm_segment(const W4A8Params& p, uint8_t* smem, uint64_t* full, const uint8_t* lut,
+                                             int& ring, uint32_t& phase, int tile, int rt, int kb, int ke, int item,
+                                             int splits, int chunk, int tid, BeforeTokens before_tokens) {
+  const int e = __ldcg(p.tile_expert + tile);  // L2: GEMM2 reads it before any grid wait
+  const int KT = kGemm1 ? p.K / kChunk : p.G2;
+  const int RT = kGemm1 ? p.N / 32 : p.K / kTileRows;
+  const int nk = ke - kb;
+  using S = Smem<BN, CHUNKS>;
+  constexpr int kSteps = S::kSteps, kSlots = S::kSlots;
+  const int nslots = (nk + kSteps - 1) / kSteps;
+  const size_t tile_index = (size_t(e) * RT + rt) * KT + kb;
+  const uint8_t* wq = (kGemm1 ? p.w13 : p.w2) + tile_index * kCodeTile;
+  const uint8_t* wsc = (kGemm1 ? p.w13_scale : p.w2_scale) + tile_index * kScaleTile;
+  const size_t act_index = size_t(tile) * KT + kb;
+  const uint8_t* bq = (kGemm1 ? p.xg : p.hq) + act_index * S::kB;
+  const float* bs = (kGemm1 ? p.xgs : p.hs) + act_index * BN;
+
+  uint8_t* sB = smem;
+  uint8_t* sW = sB + CHUNKS * S::kB;
+  uint8_t* sS = sW + CHUNKS * kCodeTile;
+  uint8_t* sX = sS + CHUNKS * kScaleTile;
+
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+
+  // The slot's expected bytes are set with its weights; the four copies are issued by
+  // lane 0 of four warps (a bulk copy is ~15 instructions of uniform-operand setup: one
+  // warp issuing all four would lag the others, which meet it at every wgmma). A copy
+  // may complete before the expect_tx (the tx-count goes negative; the phase still needs
+  // the arrival), so the token copies may also follow later (GEMM2: after the wait for h).
+  const int issuer = lane == 0 ? warp : -1;  // lane 0 of warp 0, 1 (weights), 2, 3 (tokens)
+  auto load_weights = [&](int si, int slot) {
+    if (si < nslots && (issuer == 0 || issuer == 1)) {
+      const int k0 = kSteps * si;
+      const int steps = min(kSteps, nk - k0);
+      if (issuer == 0) {
+        mbar_arrive_expect_tx(full + slot, steps * (kCodeTile + kScaleTile + S::kB + S::kSx));
+        bulk_g2s(smem_u32(sW) + slot * kSteps * kCodeTile, wq + size_t(k0) * kCodeTile, steps * kCodeTile,
+                 full + slot);
+      } else {
+        bulk_g2s(smem_u32(sS) + slot * kSteps * kScaleTile, wsc + size_t(k0) * kScaleTile, steps * kScaleTile,
+                 full + slot);
+      }
+    }
+  };
+  auto load_tokens = [&](int si, int slot) {
+    if (si < nslots && (issuer == 2 || issuer == 3)) {
+      const int k0 = kSteps * si;
+      const int steps = min(kSteps, nk - k0);
+      if (issuer == 2)
+        bulk_g2s(smem_u32(sB) + slot * kSteps * S::kB, bq + size_t(k0) * S::kB, steps * S::kB, full + slot);
+      else
+        bulk_g2s(smem_u32(sX) + slot * kSteps * S::kSx, bs + size_t(k0) * BN, steps * S::kSx, full + slot);
+    }
+  };
+
+  // Prefetch distance kSlots - 1: the slot refilled in slot step si was read in si - 1,
+  // whose reads every warp finished (wgmma_wait<0>) before this slot's barrier. The ring
+  // position (slot `ring`, mbarrier parity `phase`) carries over between the segments of
+  // a persistent CTA.
+  constexpr int kAhead = kSlots - 1;
+  auto slot_after = [](int slot, int n) { return slot + n >= kSlots ? slot + n - kSlots : slot + n; };
+#pragma unroll
+  for (int j = 0; j < kAhead; ++j) load_weights(j, slot_after(ring, j));
+  before_tokens();
+#pragma unroll
+  for (int j = 0; j < kAhead; ++j) load_tokens(j, slot_after(ring, j));
+
+  float acc[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+
+  const uint64_t desc0 = wgmma_desc_sw128(smem_u32(sB), 16, 1024);  // the address field advances by bytes >> 4
+  const uint32_t sW_rd = smem_u32(sW) + tid * 16;
+  const uint32_t sS_rd = smem_u32(sS) + (warp * 8 + g) * 8;
+  const uint32_t lut_base = smem_u32(lut);
+  const uint32_t rot = (4 * t - 3) & 31;
+  float part[BN / 2];  // one chunk's sums (each chunk's first wgmma overwrites them)
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) part[i] = 0.0f;
+
+  // One 128-chunk of ring position st: the A fragments of its 4 k32 steps (16 words),
+  // 4 wgmmas into the partial, then the promotion into acc. B: the chunk's token rows,
+  // K-major, 128-byte swizzled (8-row groups 1024 bytes apart); a k32 step advances 32
+  // bytes (2 in the descriptor's address field).
+  auto chunk_mma = [&](int st) {
+    const uint4 c_lo = lds_v4(sW_rd + st * kCodeTile);          // row g: steps 0..3
+    const uint4 c_hi = lds_v4(sW_rd + st * kCodeTile + 2048);   // row g + 8
+    const uint2 sw = lds_v2(sS_rd + st * kScaleTile);
+    const uint2 t_lo = lds_v2(lut_base + lut_offset(sw.x, rot));
+    const uint2 t_hi = lds_v2(lut_base + lut_offset(sw.y, rot));
+    const uint32_t w_lo[4] = {c_lo.x, c_lo.y, c_lo.z, c_lo.w}, w_hi[4] = {c_hi.x, c_hi.y, c_hi.z, c_hi.w};
+    uint32_t a[4][4];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      e2m1x8_to_e4m3(w_lo[s], t_lo, a[s][0], a[s][2]);
+      e2m1x8_to_e4m3(w_hi[s], t_hi, a[s][1], a[s][3]);
+    }
+    const uint64_t desc = desc0 + uint32_t(st * (S::kB >> 4));
+    // All 16 A words computed before the first wgmma (else ptxas splits the group to
+    // re-fence registers written between the wgmmas, C7519).
+#pragma unroll
+    for (int s = 0; s < 4; ++s) fence_regs(a[s]);
+    wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < 4; ++s) WgmmaRsE4m3<BN>::mma(part, a[s], desc + 2 * s, s);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(part);
+    const float f_lo = chunk_base(sw.x), f_hi = chunk_base(sw.y);
+#pragma unroll
+    for (int h = 0; h < BN / 8; ++h) {
+      const float2 sx = *reinterpret_cast<const float2*>(sX + st * S::kSx + (8 * h + 2 * t) * 4);
+      acc[4 * h + 0] = fmaf(part[4 * h + 0], f_lo * sx.x, acc[4 * h + 0]);
+      acc[4 * h + 1] = fmaf(part[4 * h + 1], f_lo * sx.y, acc[4 * h + 1]);
+      acc[4 * h + 2] = fmaf(part[4 * h + 2], f_hi * sx.x, acc[4 * h + 2]);
+      acc[4 * h + 3] = fmaf(part[4 * h + 3], f_hi * sx.y, acc[4 * h + 3]);
+    }
+  };
+
+  // Slot step si ready: everyone is done with the slot refilled next, the slot's bytes arrived.
+  auto enter_slot = [&](int si) {
+    __syncthreads();
+    load_weights(si + kAhead, slot_after(ring, kAhead));
+    load_tokens(si + kAhead, slot_after(ring, kAhead));
+    mbar_wait(full + ring, phase);
+  };
+  auto next_slot = [&] {
+    if (++ring == kSlots) {
+      ring = 0;
+      phase ^= 1;
+    }
+  };
+
+  const int full_slots = nk / kSteps;
+  for (int si = 0; si < full_slots; ++si) {
+    enter_slot(si);
+    const int st = kSteps * ring;
+#pragma unroll
+    for (int q = 0; q < kSteps; ++q) chunk_mma(st + q);
+    next_slot();
+  }
+  if (const int rest = nk - full_slots * kSteps) {  // the last 1 .. kSteps - 1 chunks
+    enter_slot(full_slots);
+    const int st = kSteps * ring;
+    for (int q = 0; q < rest; ++q) chunk_mma(st + q);
+    next_slot();
+  }
   __syncthreads();
-  const int e = p.tile_expert[tl];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int r0 = blockIdx.x * 256 + 64 * warp;
-  if (r0 >= p.K) return;
-  // GEMM2's B rows are the tile's padded rows themselves (hq row = tile row)
-  const int rb = tl * kBN;
-  const int tok_b = p.row_slot[rb + g] < 0 ? -1 : rb + g;
-  const int tok_c0 = p.row_slot[rb + 2 * t] < 0 ? -1 : rb + 2 * t;
-  const int tok_c1 = p.row_slot[rb + 2 * t + 1] < 0 ? -1 : rb + 2 * t + 1;
-  float acc[4][4] = {};
-  const int rows[4] = {r0, r0 + 16, r0 + 32, r0 + 48};
-  w4a8_mainloop<4>(acc, p.w2 + size_t(e) * p.K * (p.N / 2), p.w2_scale + size_t(e) * p.K * (p.N / 32), rows,
-                   p.N / 2, p.N / 32, p.N, p.hq, p.hs, p.N, tok_b, tok_c0, tok_c1, lut);
+
+  // Split-K fixup (as nvfp4_gemm.cuh): partials thread-major; GEMM2's in the second half
+  // of the buffer (the two GEMMs overlap in time).
+  constexpr int kPartial = kTileRows * BN;
+  if (splits > 1) {
+    float* part = p.sk_partial + (kGemm1 ? 0 : size_t(p.sk_ctas) * kPartial) + size_t(item) * splits * kPartial + tid;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < BN / 2; ++i) __stcg(part + chunk * kPartial + i * kThreads, acc[i]);
+    __threadfence();
+    __syncthreads();
+    int* arrivals = p.sk_count + (kGemm1 ? 0 : p.sk_ctas) + item;
+    __shared__ int s_last;
+    if (tid == 0) {
+      s_last = atomicAdd(arrivals, 1) == splits - 1;
+      __threadfence();
+    }
+    __syncthreads();
+    if (!s_last) return;
+    float own[BN / 2];
 #pragma unroll
-    for (int v = 0; v < 4; ++v) {
-      const int col = rows[i] + g + 8 * (v >> 1);
-      const size_t row = size_t(rb) + 2 * t + (v & 1);
-      p.y[row * p.K + col] = __float2bfloat16_rn(acc[i][v]);
+    for (int i = 0; i < BN / 2; ++i) {
+      own[i] = acc[i];
+      acc[i] = 0.0f;
+    }
+    for (int j = 0; j < splits; ++j) {
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[i] += j == chunk ? own[i] : __ldcg(part + j * kPartial + i * kThreads);
+    }
+  }
+
+  if constexpr (kGemm1)
+    gemm1_epilogue<BN>(p, acc, reinterpret_cast<float*>(smem), tile, rt, tid);
+  else
+    gemm2_epilogue<BN>(p, acc, reinterpret_cast<__nv_bfloat16*>(smem), tile, rt, tid);
+}
+
+// The ring's mbarriers and the shift tables (all threads), then one barrier.
+template <int NBARS>
+__device__ __forceinline__ void init_cta(uint64_t (&full)[NBARS], uint8_t* lut) {
+  build_lut(lut);
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int j = 0; j < NBARS; ++j) mbar_init(full + j, 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+}
+
+// Launch order and waits as nvfp4_gemm.cuh (gemm_grid_dependencies): GEMM1 waits for the
+// quantization grid (which waited for the routing grid) before it lets GEMM2 launch;
+// GEMM2 never waits for GEMM1's grid, only per token tile for its h (gemm2_wait_h).
+template <bool kGemm1>
+__device__ __forceinline__ void gemm_grid_dependencies() {
+  if constexpr (kGemm1) pdl_wait();
+  pdl_launch_dependents();
+}
+
+// Classic grid: x = 64-row weight tile (fastest, so a token tile's h completes early),
+// y = token tile; CTAs past *num_tiles exit at once.
+template <int BN, int CHUNKS, bool kGemm1>
+__global__ void __launch_bounds__(kThreads) mxfp4_gemm_kernel(const W4A8Params p) {
+  gemm_grid_dependencies<kGemm1>();
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = align_smem_1024(smem_raw);
+  __shared__ uint64_t full[Smem<BN, CHUNKS>::kSlots];
+  __shared__ __align__(16) uint8_t lut[kLutBytes];
+  const int tile = blockIdx.y;
+  if (tile >= __ldcg(p.num_tiles)) return;
+  init_cta(full, lut);
+  int ring = 0;
+  uint32_t phase = 0;
+  const int KT = kGemm1 ? p.K / kChunk : p.G2;
+  gemm_segment<BN, CHUNKS, kGemm1>(p, smem, full, lut, ring, phase, tile, blockIdx.x, 0, KT, 0, 1, 0, threadIdx.x,
+                                   [&] {
+                                     if constexpr (!kGemm1) gemm2_wait_h(p, tile);
+                                   });
+}
+
+// Split-K on a persistent grid (as nvfp4_gemm.cuh's moe_gemm_splitk_kernel): items
+// (tile, weight-row tile) cut into `splits` equal K chunks, splits chosen on device so
+// that items * splits fills the grid at most once (at most KT / kSplitMinChunks).
+template <int BN, int CHUNKS, bool kGemm1>
+__global__ void __launch_bounds__(kThreads, 4) mxfp4_gemm_splitk_kernel(const W4A8Params p) {
+  gemm_grid_dependencies<kGemm1>();
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = align_smem_1024(smem_raw);
+  const int num_tiles = __ldcg(p.num_tiles);
+  const int KT = kGemm1 ? p.K / kChunk : p.G2;
+  const int RT = kGemm1 ? p.N / 32 : p.K / kTileRows;
+  const int items = num_tiles * RT;
+  const int P = gridDim.x;
+  const int splits = items >= P || items == 0 ? 1 : max(1, min(P / items, KT / kSplitMinChunks));
+  const int units = items * splits;
+  if (units == 0) return;
+  __shared__ uint64_t full[Smem<BN, CHUNKS>::kSlots];
+  __shared__ __align__(16) uint8_t lut[kLutBytes];
+  init_cta(full, lut);
+  int ring = 0;
+  uint32_t phase = 0;
+#pragma unroll 1
+  for (int u = blockIdx.x; u < units; u += P) {
+    const int tid = threadIdx.x;
+    const int item = u / splits;
+    const int chunk = u - item * splits;
+    const int tile = item / RT;
+    gemm_segment<BN, CHUNKS, kGemm1>(p, smem, full, lut, ring, phase, tile, item - tile * RT, KT * chunk / splits,
+                                     KT * (chunk + 1) / splits, item, splits, chunk, tid, [&] {
+                                       if constexpr (!kGemm1) gemm2_wait_h(p, tile);
+                                     });
+    if (u + P < units) {  // the epilogue's staging smem is the next prologue's ring, refilled by bulk copies
+      fence_proxy_async_smem();
+      __syncthreads();
     }
   }
 }
-
-// --------------------------------------------------------------------- launches -----
-
-// Order (mxfp4_moe.cu): routing (moe_route_kernel, block_n = kBN), then these three,
-// then moe_combine_kernel. max_tiles: the routing's bound on token tiles.
-inline void launch_w4a8_decode(const W4A8Params& p, int max_tiles, cudaStream_t stream) {
-  const int groups = p.M * (p.K / kChunk);
-  if (groups > 0) w4a8_quant_x_kernel<<<(groups + 7) / 8, 256, 0, stream>>>(p);
-  w4a8_gemm1_kernel<<<dim3((p.N + kChunk - 1) / kChunk, max_tiles), kThreads, 0, stream>>>(p);
-  w4a8_gemm2_kernel<<<dim3((p.K + 255) / 256, max_tiles), kThreads, 0, stream>>>(p);
-}
-
-// What remains (docs/perf-history/2026-12-02-mxfp4-vs-humming.md, look-back):
-// * speed at small M: a split over N and K so that at least one wave of CTAs streams
-//   weights (the NVFP4 path's split-K grid is the model). Also: weight loads are plain
-//   16-byte global loads without a pipeline (cp.async / bulk-copy ring as in
-//   nvfp4_gemm.cuh), h and y are written with byte / 2-byte stores (stage through
-//   shared memory), every CTA rebuilds the 120-byte shift table, the tile is fixed at 8
-//   tokens, routing is one CTA.
-// * the prefill path: wgmma m64nNk32 e4m3 with A from registers (the same conversion)
-//   and B (tokens) from shared memory, per-128 promotion into a second accumulator set.
-// * the grids assume K % 128 == 0 (checked by the entry; every V4 shape) and N % 64 == 0
-//   (prepare pads); GEMM1's last CTA of N = 288 -> 320 runs 2 live warps of 4 (`live`).
-// * GEMM2 reads hq / hs by tile row (GEMM1 writes them per padded row), so both GEMMs
-//   must run on the same routing (they do).
 
 }  // namespace w4a8
 }  // namespace moe

@@ -1,21 +1,23 @@
 // C++ entry of the MXFP4 W4A8 MoE: dsv4::mxfp4_moe (CUDA). Laid out as the NVFP4 entry
-// (nvfp4_moe.cu): (a) checks, (b) the launch configuration (get_best_config in
-// config.h; the kernels are the small-batch path only, 8-token tiles at every M for now;
-// DSV4_PRINT_CONFIG=1 prints it), (c) a workspace laid out by one function that counts,
-// then carves one allocation (common/workspace.h; sized from shapes only), (d) the
-// launch on the current stream: routing (routing.h, the kernels the NVFP4 op runs too)
-// -> FP8 quantization of x -> GEMM1 with the SwiGLU + FP8 epilogue -> GEMM2
-// (mxfp4_gemm.cuh) -> the weighted combine (routing.h).
+// (nvfp4_moe.cu): (a) checks, (b) the kernel choice (get_best_config in config.h, from
+// the shapes and the device facts measured here once per device; DSV4_PRINT_CONFIG=1
+// prints it), (c) a workspace laid out by one function that counts, then carves one
+// allocation (common/workspace.h; sized from shapes only), (d) the launch on the current
+// stream: routing (routing.h, the kernels the NVFP4 op runs too) -> FP8 quantization of
+// x -> GEMM1 with the SwiGLU + FP8 epilogue -> GEMM2 with the weighted combine
+// (mxfp4_gemm.cuh), chained by programmatic dependent launches.
 // No host sync, no value-dependent allocation: CUDA-graph capturable.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <mutex>
 #include <optional>
 #include <string>
 
 #include "common/checks.h"
+#include "common/dynamic_smem.h"  // kMaxDevices
 #include "common/env.h"
 #include "common/workspace.h"
 #include "moe/config.h"
@@ -27,6 +29,8 @@ namespace dsv4 {
 namespace {
 
 namespace w4a8 = moe::w4a8;
+using moe::GemmOccupancy;
+using moe::Mxfp4DeviceFacts;
 using moe::Mxfp4MoeConfig;
 using moe::Mxfp4MoeShape;
 
@@ -35,9 +39,9 @@ using moe::Mxfp4MoeShape;
 // ---------------------------------------------------------------------------------
 
 Mxfp4MoeShape check_inputs(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                     const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w2,
-                     const at::Tensor& w2_scale, const std::optional<at::Tensor>& expert_map,
-                     std::optional<double> swiglu_limit, c10::string_view activation, const at::Tensor& out) {
+                           const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w2,
+                           const at::Tensor& w2_scale, const std::optional<at::Tensor>& expert_map,
+                           std::optional<double> swiglu_limit, c10::string_view activation, const at::Tensor& out) {
   const char* prep = " (pass the output of dsv4.prepare_moe_weights(..., activation='fp8'))";
   check_cuda(x, "x");
   check_dtype(x, at::kBFloat16, "x");
@@ -61,24 +65,30 @@ Mxfp4MoeShape check_inputs(const at::Tensor& x, const at::Tensor& topk_ids, cons
   check_contiguous(topk_weights, "topk_weights");
   TORCH_CHECK(topk_weights.dim() == 2 && topk_weights.size(0) == M && topk_weights.size(1) == topk,
               "dsv4: topk_weights must have shape [M=", M, ", k=", topk, "] like topk_ids, got ", topk_weights.sizes());
+  TORCH_CHECK(M * topk < (int64_t(1) << 30), "dsv4: M * k = ", M * topk, " slots is too large");
 
+  // The prepared tiles (dsv4.formats.mxfp4_w4a8; check_w4a8_layout there has the same rules).
   for (auto [t, name] : {std::pair{&w13, "w13"}, {&w13_scale, "w13_scale"}, {&w2, "w2"}, {&w2_scale, "w2_scale"}}) {
     check_same_device(*t, x, name, "x");
     check_dtype(*t, at::kByte, name);
-    check_dim(*t, 3, name, "[E, rows, cols]");
+    check_dim(*t, 4, name, "[E, row tiles, K chunks, bytes]");
     check_contiguous(*t, name);
     check_aligned(*t, 16, name);
   }
-  const int64_t E = w13.size(0), N = w13.size(1) / 2;
-  TORCH_CHECK(E >= 1 && w13.size(1) % 2 == 0 && w13.size(2) * 2 == K, "dsv4: w13 must have shape [E, 2N, K/2 = ",
-              K / 2, "]", prep, ", got ", w13.sizes());
-  TORCH_CHECK(N >= 64 && N % 64 == 0, "dsv4: the prepared intermediate size N must be a multiple of 64, got ", N, prep);
-  TORCH_CHECK(w13_scale.size(0) == E && w13_scale.size(1) == 2 * N && w13_scale.size(2) == K / 32,
-              "dsv4: w13_scale must have shape [", E, ", ", 2 * N, ", ", K / 32, "]", prep, ", got ", w13_scale.sizes());
-  TORCH_CHECK(w2.size(0) == E && w2.size(1) == K && w2.size(2) == N / 2, "dsv4: w2 must have shape [", E, ", ", K,
-              ", ", N / 2, "]", prep, ", got ", w2.sizes());
-  TORCH_CHECK(w2_scale.size(0) == E && w2_scale.size(1) == K && w2_scale.size(2) == N / 32,
-              "dsv4: w2_scale must have shape [", E, ", ", K, ", ", N / 32, "]", prep, ", got ", w2_scale.sizes());
+  TORCH_CHECK(w13.size(0) >= 1 && w13.size(3) == w4a8::kCodeTile, "dsv4: w13 must be the prepared layout [E, 2N/64, "
+              "K/128, 4096]", prep, ", got shape ", w13.sizes());
+  const int64_t E = w13.size(0), N = w13.size(1) * 32, G2 = (N + 127) / 128;
+  TORCH_CHECK(w13.size(2) * 128 == K, "dsv4: w13 has K/128 = ", w13.size(2), " chunks but x has K = ", K);
+  TORCH_CHECK(N % 64 == 0, "dsv4: the intermediate size N = 2 * 32 * w13.shape[1] = ", N,
+              " must be a multiple of 64", prep);
+  auto check_shape = [&](const at::Tensor& t, const char* name, int64_t d1, int64_t d2, int64_t d3) {
+    TORCH_CHECK(t.size(0) == E && t.size(1) == d1 && t.size(2) == d2 && t.size(3) == d3, "dsv4: ", name,
+                " must have shape [", E, ", ", d1, ", ", d2, ", ", d3, "] (the prepared layout for E = ", E, ", N = ",
+                N, ", K = ", K, ")", prep, ", got ", t.sizes());
+  };
+  check_shape(w13_scale, "w13_scale", 2 * N / 64, K / 128, w4a8::kScaleTile);
+  check_shape(w2, "w2", K / 64, G2, w4a8::kCodeTile);
+  check_shape(w2_scale, "w2_scale", K / 64, G2, w4a8::kScaleTile);
   int64_t E_global = E;
   if (expert_map.has_value()) {
     check_same_device(*expert_map, x, "expert_map", "x");
@@ -95,34 +105,125 @@ Mxfp4MoeShape check_inputs(const at::Tensor& x, const at::Tensor& topk_ids, cons
   check_contiguous(out, "out");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == K, "dsv4: out must have shape [M=", M, ", K=", K,
               "], got ", out.sizes());
+  check_aligned(out, 16, "out");
   return Mxfp4MoeShape{M, K, N, E, E_global, topk};
+}
+
+// ---------------------------------------------------------------------------------
+// (b) kernel choice: the device facts it reads (the rules: config.h)
+// ---------------------------------------------------------------------------------
+
+// 128-K chunks of shared-memory ring per grid: the classic grid 4 (two slots of two:
+// 512 of K in flight, as the NVFP4 classic grid's 8 x 64), the split-K grid 8 (its few
+// CTAs run long K loops; as the NVFP4 split-K grid's 16 x 64).
+constexpr int kClassicChunks = 4;
+constexpr int kSplitKChunks = 8;
+
+template <int BN>
+GemmOccupancy gemm_setup() {
+  using S = w4a8::Smem<BN, kClassicChunks>;
+  using SK = w4a8::Smem<BN, kSplitKChunks>;
+  auto k1 = w4a8::mxfp4_gemm_splitk_kernel<BN, kSplitKChunks, true>;
+  auto k2 = w4a8::mxfp4_gemm_splitk_kernel<BN, kSplitKChunks, false>;
+  auto c1 = w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, true>;
+  auto c2 = w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, false>;
+  for (auto k : {k1, k2}) C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, SK::kBytes));
+  for (auto k : {c1, c2}) C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
+  GemmOccupancy o{};
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o.gemm1, k1, moe::kThreads, SK::kBytes));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o.gemm2, k2, moe::kThreads, SK::kBytes));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o.classic1, c1, moe::kThreads, S::kBytes));
+  TORCH_CHECK(o.gemm1 > 0 && o.gemm2 > 0 && o.classic1 > 0, "dsv4: mxfp4_moe GEMM kernels do not fit on this device");
+  return o;
+}
+
+// Once per device (the shared-memory opt-in is per device).
+const Mxfp4DeviceFacts& device_facts() {
+  static std::once_flag once[kMaxDevices];
+  static Mxfp4DeviceFacts facts[kMaxDevices];
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  TORCH_CHECK(dev >= 0 && dev < kMaxDevices, "dsv4: mxfp4_moe runs on CUDA devices 0..", kMaxDevices - 1,
+              ", got device ", dev);
+  std::call_once(once[dev], [dev] {
+    Mxfp4DeviceFacts f{};
+    f.sms = at::cuda::getDeviceProperties(dev)->multiProcessorCount;
+    f.occ[0] = gemm_setup<8>();
+    f.occ[1] = gemm_setup<16>();
+    facts[dev] = f;
+  });
+  return facts[dev];
 }
 
 // ---------------------------------------------------------------------------------
 // (c) workspace
 // ---------------------------------------------------------------------------------
 
-// ints (slot_pos | row_slot | tile_expert | num_tiles | error_flag | group_ready) |
-// xq | xs | hq | hs | y. rp: the fields that routing and combine read.
+// ints (slot_pos | row_slot | tile_expert | num_tiles | error_flag | route_counts |
+// route_tile_off | sk_count | group_ready | group_left | combine_left) | xg | xgs | hf |
+// hq | hs | y | [split-K partials]. rp: the fields that routing reads.
 void layout_workspace(Carver& w, moe::MoeParams& rp, w4a8::W4A8Params& p, const Mxfp4MoeShape& c,
-                      int64_t max_tiles) {
-  const int64_t S = c.M * c.topk, rows = max_tiles * w4a8::kBN, G1 = c.K / 128, G2 = (c.N + 127) / 128;
+                      const Mxfp4MoeConfig& cfg) {
+  const int64_t S = c.M * c.topk, rows = int64_t(cfg.max_tiles) * cfg.block_n, G1 = c.K / 128, G2 = (c.N + 127) / 128;
   rp.slot_pos = w.region<int>(S);
   rp.row_slot = w.next<int>(rows);
-  rp.tile_expert = w.next<int>(max_tiles);
+  rp.tile_expert = w.next<int>(cfg.max_tiles);
   rp.num_tiles = w.next<int>(1);
   rp.error_flag = w.next<int>(1);
-  rp.group_ready = w.next<int>(max_tiles);
-  p.xq = w.region<uint8_t>(c.M * c.K);
-  p.xs = w.region<float>(c.M * G1);
-  p.hq = w.region<uint8_t>(rows * c.N);
+  if (cfg.multi_cta_route) {
+    rp.route_counts = w.next<int>(c.E);
+    rp.route_tile_off = w.next<int>(c.E + 1);
+  }
+  rp.sk_count = w.next<int>(2 * int64_t(cfg.sk_ctas));
+  rp.group_ready = w.next<int>(cfg.max_tiles);
+  p.group_left = w.next<int>(int64_t(cfg.max_tiles) * G2);
+  p.combine_left = w.next<int>(c.M * (c.K / 64));
+  p.xg = w.region<uint8_t>(rows * c.K);
+  p.xgs = w.region<float>(rows * G1);
+  p.hf = w.region<float>(rows * c.N);
+  p.hq = w.region<uint8_t>(rows * G2 * 128);
   p.hs = w.region<float>(rows * G2);
   p.y = w.region<__nv_bfloat16>(rows * c.K);
+  if (cfg.splitk) p.sk_partial = w.region<float>(2 * int64_t(cfg.sk_ctas) * moe::kTileRows * cfg.block_n);
 }
 
 // ---------------------------------------------------------------------------------
 // (d) the op: parameters and launch
 // ---------------------------------------------------------------------------------
+
+template <typename Kernel>
+void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, bool pdl, cudaStream_t stream,
+            const w4a8::W4A8Params& p) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+}
+
+template <int BN>
+void launch_gemms(const Mxfp4MoeConfig& cfg, const w4a8::W4A8Params& p, cudaStream_t stream) {
+  const dim3 block(moe::kThreads);
+  if (cfg.splitk) {
+    using SK = w4a8::Smem<BN, kSplitKChunks>;
+    launch(w4a8::mxfp4_gemm_splitk_kernel<BN, kSplitKChunks, true>, dim3(unsigned(cfg.gemm1_ctas)), block,
+           SK::kBytes, cfg.pdl, stream, p);
+    launch(w4a8::mxfp4_gemm_splitk_kernel<BN, kSplitKChunks, false>, dim3(unsigned(cfg.gemm2_ctas)), block,
+           SK::kBytes, cfg.pdl, stream, p);
+    return;
+  }
+  using S = w4a8::Smem<BN, kClassicChunks>;
+  launch(w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, true>, dim3(unsigned(p.N / 32), unsigned(cfg.max_tiles)), block,
+         S::kBytes, cfg.pdl, stream, p);
+  launch(w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, false>, dim3(unsigned(p.K / 64), unsigned(cfg.max_tiles)),
+         block, S::kBytes, cfg.pdl, stream, p);
+}
 
 void mxfp4_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights, const at::Tensor& w13,
                const at::Tensor& w13_scale, const at::Tensor& w2, const at::Tensor& w2_scale,
@@ -135,53 +236,65 @@ void mxfp4_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const env::Switches& sw = env::switches();
-  const Mxfp4MoeConfig cfg = moe::get_best_config(c);
+  const Mxfp4DeviceFacts& d = device_facts();
+  const Mxfp4MoeConfig cfg = moe::get_best_config(c, d, sw);
 
-  moe::MoeParams rp{};  // the fields routing and combine read
+  moe::MoeParams rp{};  // the fields routing reads
   rp.M = int(c.M);
   rp.topk = int(c.topk);
   rp.E = int(c.E);
   rp.E_global = int(c.E_global);
   rp.K = int(c.K);
   rp.N = int(c.N);
-  rp.block_n = w4a8::kBN;
+  rp.block_n = cfg.block_n;
   rp.max_tiles = cfg.max_tiles;
-  rp.max_rows = cfg.max_tiles * w4a8::kBN;
+  rp.max_rows = cfg.max_tiles * cfg.block_n;
+  rp.splitk = cfg.splitk ? 1 : 0;
+  rp.sk_ctas = cfg.sk_ctas;
   rp.topk_ids = topk_ids.data_ptr<int>();
   rp.topk_weights = topk_weights.data_ptr<float>();
   rp.expert_map = expert_map.has_value() ? expert_map->data_ptr<int>() : nullptr;
 
   w4a8::W4A8Params p{};
   at::Tensor ws;
-  const int64_t ws_bytes = count_then_carve([&](Carver& w) { layout_workspace(w, rp, p, c, cfg.max_tiles); },
+  const int64_t ws_bytes = count_then_carve([&](Carver& w) { layout_workspace(w, rp, p, c, cfg); },
                                             [&](int64_t bytes) {
                                               ws = at::empty({bytes}, x.options().dtype(at::kByte));
                                               return ws.data_ptr<uint8_t>();
                                             });
-  if (sw.print_config) moe::print_config(c, cfg, ws_bytes);
+  if (sw.print_config) moe::print_config(c, d, cfg, ws_bytes);
 
   p.M = int(c.M);
   p.topk = int(c.topk);
   p.K = int(c.K);
   p.N = int(c.N);
+  p.G2 = int((c.N + 127) / 128);
+  p.block_n = cfg.block_n;
+  p.max_tiles = cfg.max_tiles;
   p.ue8m0 = ue8m0 ? 1 : 0;
   p.has_limit = swiglu_limit.has_value() ? 1 : 0;
   p.swiglu_limit = swiglu_limit.has_value() ? float(*swiglu_limit) : 0.0f;
+  p.sk_ctas = cfg.sk_ctas;
+  p.slot_pos = rp.slot_pos;
   p.row_slot = rp.row_slot;
   p.tile_expert = rp.tile_expert;
   p.num_tiles = rp.num_tiles;
+  p.topk_weights = rp.topk_weights;
   p.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
   p.w13 = w13.data_ptr<uint8_t>();
   p.w13_scale = w13_scale.data_ptr<uint8_t>();
   p.w2 = w2.data_ptr<uint8_t>();
   p.w2_scale = w2_scale.data_ptr<uint8_t>();
-  rp.y = p.y;
-  rp.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
+  p.group_ready = rp.group_ready;
+  p.sk_count = rp.sk_count;
+  p.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
 
-  moe::launch_routing(rp, false, stream);  // one CTA
-  w4a8::launch_w4a8_decode(p, cfg.max_tiles, stream);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  moe::launch_combine(rp, cfg.combine_ctas, false, stream);
+  moe::launch_routing(rp, cfg.multi_cta_route, stream);
+  launch(w4a8::mxfp4_quant_x_kernel, dim3(unsigned(cfg.quant_ctas)), dim3(256), 0, cfg.pdl, stream, p);
+  if (cfg.block_n == 8)
+    launch_gemms<8>(cfg, p, stream);
+  else
+    launch_gemms<16>(cfg, p, stream);
 }
 
 }  // namespace

@@ -4,7 +4,8 @@
 //     (nvfp4_gemm.cuh, nvfp4_gemm_ws.cuh) and combine. Its routing and combine fields
 //     also serve dsv4::mxfp4_moe, whose routing and combine are the same kernels
 //     (routing.cuh, launched through routing.h).
-//   w4a8::W4A8Params: the MXFP4 W4A8 GEMMs of dsv4::mxfp4_moe (mxfp4_gemm.cuh).
+//   w4a8::W4A8Params: the MXFP4 W4A8 kernels of dsv4::mxfp4_moe (mxfp4_gemm.cuh) and
+//     the constants of their prepared weight tiles.
 // Host and device code include it (config.h reads the tile constants).
 //
 // Prepared weight layout (dsv4.formats.nvfp4_moe_layout writes it, through
@@ -132,30 +133,51 @@ __host__ __device__ __forceinline__ size_t act_offset(int row, int chunk, int co
 
 namespace w4a8 {
 
-constexpr int kBN = 8;  // token rows per tile of the MXFP4 W4A8 GEMMs (one mma n8)
+// The prepared W4A8 weight tiles (dsv4.formats.mxfp4_w4a8 writes them; the layout is
+// documented there and in mxfp4_gemm.cuh): 64 weight rows x 128 of K per tile.
+constexpr int kChunk = 128;                         // K per step: one FP8 activation group, 4 MXFP4 blocks
+constexpr int kCodeTile = kTileRows * kChunk / 2;   // 4096 bytes of e2m1 codes
+constexpr int kScaleTile = kTileRows * 4;           // 256 bytes: one scale word per row
 
 // The MXFP4 W4A8 GEMMs' parameters (mxfp4_gemm.cuh). The routing tables are the ones
-// moe_route_kernel builds in MoeParams' workspace fields with block_n = kBN.
+// moe_route_kernel (routing.cuh) builds in MoeParams' workspace fields with the same
+// block_n; group_ready and sk_count are zeroed by it, group_left and combine_left by
+// mxfp4_quant_x_kernel.
 struct W4A8Params {
   int M, topk, K, N;                // N: the padded intermediate size (multiple of 64)
+  int G2;                           // ceil(N / 128): GEMM2's K chunks, h's FP8 groups
+  int block_n;                      // token tile (8 or 16)
+  int max_tiles;
   int ue8m0, has_limit;
   float swiglu_limit;
-  // routing (routing.cuh, block_n = kBN)
-  const int* row_slot;              // [max_tiles * kBN] slot of each padded row, -1 = padding
+  int sk_ctas;                      // split-K: bound on either GEMM's grid (0: classic grids)
+  // routing (routing.cuh)
+  const int* slot_pos;              // [M * topk] padded row of each slot, -1 = not local
+  const int* row_slot;              // [max_tiles * block_n] slot of each padded row, -1 = padding
   const int* tile_expert;           // [max_tiles]
   const int* num_tiles;             // [1]
+  const float* topk_weights;        // [M, topk]
   // inputs
   const __nv_bfloat16* x;           // [M, K]
-  const uint8_t* w13;               // [E, 2N, K/2]
-  const uint8_t* w13_scale;         // [E, 2N, K/32] e8m0
-  const uint8_t* w2;                // [E, K, N/2]
-  const uint8_t* w2_scale;          // [E, K, N/32]
+  const uint8_t* w13;               // [E, 2N/64, K/128, 4096]
+  const uint8_t* w13_scale;         // [E, 2N/64, K/128, 256]
+  const uint8_t* w2;                // [E, K/64, G2, 4096]
+  const uint8_t* w2_scale;          // [E, K/64, G2, 256]
   // workspace
-  uint8_t* xq;                      // [M, K] e4m3
-  float* xs;                        // [M, K/128]
-  uint8_t* hq;                      // [max_rows, N] e4m3
-  float* hs;                        // [max_rows, ceil(N/128)]
-  __nv_bfloat16* y;                 // [max_rows, K] per padded row, read by moe_combine_kernel
+  // GEMM inputs, tiled (mxfp4_gemm.cuh act_row): [tile][chunk][row][128] e4m3 in MMA order,
+  // 128-byte swizzled; scales [tile][chunk][row]
+  uint8_t* xg;                      // [max_tiles, K/128, block_n, 128] GEMM1's input, by mxfp4_quant_x_kernel
+  float* xgs;                       // [max_tiles, K/128, block_n]
+  float* hf;                        // [max_rows, N] fp32 SwiGLU output (GEMM1 -> its FP8 quantization)
+  uint8_t* hq;                      // [max_tiles, G2, block_n, 128] GEMM2's input, by GEMM1's epilogue
+  float* hs;                        // [max_tiles, G2, block_n]
+  int* group_left;                  // [max_tiles, G2] GEMM1 row tiles of an h group still to write
+  int* group_ready;                 // [max_tiles] h groups quantized (GEMM2 reads a tile at G2)
+  int* combine_left;                // [M, K/64] local slots of a token whose GEMM2 row tile is still to come
+  int* sk_count;                    // [2, sk_ctas] (GEMM1, GEMM2) split chunks done per item
+  float* sk_partial;                // [2, sk_ctas, 64 * block_n] fp32 partials (GEMM1, GEMM2)
+  __nv_bfloat16* y;                 // [max_rows, K] GEMM2 output per padded row (bf16, as the NVFP4 path)
+  __nv_bfloat16* out;               // [M, K]
 };
 
 }  // namespace w4a8

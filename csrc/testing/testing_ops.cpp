@@ -68,13 +68,27 @@ std::vector<int64_t> nvfp4_moe_config(c10::IntArrayRef shape, bool nvfp4, int64_
           g.direct_x, g.ws,        g.cluster,         g.ws_ctas, g.pdl,        g.gather_ctas, g.combine_ctas};
 }
 
-// get_best_config of dsv4::mxfp4_moe. shape: [M, K, N, E, E_global, topk].
-// Returns [block_n, max_tiles, combine_ctas].
-std::vector<int64_t> mxfp4_moe_config(c10::IntArrayRef shape) {
-  TORCH_CHECK(shape.size() == 6, "dsv4_testing::mxfp4_moe_config: shape has 6 values");
-  const moe::Mxfp4MoeConfig g =
-      moe::get_best_config(moe::Mxfp4MoeShape{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5]});
-  return {moe::w4a8::kBN, g.max_tiles, g.combine_ctas};
+// get_best_config of dsv4::mxfp4_moe.
+//   shape: [M, K, N, E, E_global, topk];
+//   device: [sms, then per token tile 8, 16 the resident split-K GEMM1, split-K GEMM2 and
+//     classic GEMM1 CTAs per SM] (7 values, Mxfp4DeviceFacts);
+//   overrides: [DSV4_MOE_SPLITK, DSV4_MOE_PDL], -1 = unset.
+// Returns [block_n, max_tiles, multi_cta_route, splitk, gemm1_ctas, gemm2_ctas, sk_ctas,
+// pdl, quant_ctas] (Mxfp4MoeConfig's fields in order).
+std::vector<int64_t> mxfp4_moe_config(c10::IntArrayRef shape, c10::IntArrayRef device, c10::IntArrayRef overrides) {
+  TORCH_CHECK(shape.size() == 6 && device.size() == 7 && overrides.size() == 2,
+              "dsv4_testing::mxfp4_moe_config: shape has 6 values, device 7, overrides 2");
+  const moe::Mxfp4MoeShape c{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5]};
+  moe::Mxfp4DeviceFacts d{};
+  d.sms = int(device[0]);
+  for (int t = 0; t < 2; ++t)
+    d.occ[t] = moe::GemmOccupancy{int(device[1 + 3 * t]), int(device[2 + 3 * t]), int(device[3 + 3 * t])};
+  env::Switches o{};
+  o.moe_splitk = as_switch(overrides[0]);
+  o.moe_pdl = as_switch(overrides[1]);
+  const moe::Mxfp4MoeConfig g = moe::get_best_config(c, d, o);
+  return {g.block_n, g.max_tiles, g.multi_cta_route, g.splitk, g.gemm1_ctas, g.gemm2_ctas, g.sk_ctas, g.pdl,
+          g.quant_ctas};
 }
 
 }  // namespace
@@ -91,5 +105,5 @@ TORCH_LIBRARY_FRAGMENT(dsv4_testing, m) {
   m.def("env_switches() -> int[]", &dsv4::testing::env_switches);
   m.def("nvfp4_moe_config(int[] shape, bool nvfp4, int cta_mode, int[] device, int[] overrides) -> int[]",
         &dsv4::testing::nvfp4_moe_config);
-  m.def("mxfp4_moe_config(int[] shape) -> int[]", &dsv4::testing::mxfp4_moe_config);
+  m.def("mxfp4_moe_config(int[] shape, int[] device, int[] overrides) -> int[]", &dsv4::testing::mxfp4_moe_config);
 }

@@ -6,7 +6,9 @@
   stacked layout, and the conversions the MoE prepare step makes of it;
 - ``dsv4.formats.kv_cache``: vLLM's paged ``fp8_ds_mla`` and bf16 KV caches;
 - ``dsv4.formats.nvfp4_moe_layout``: the prepared NVFP4 MoE weights, the tile layout
-  dsv4::nvfp4_moe's kernels read (``prepare_nvfp4_moe_weights`` and its inverse).
+  dsv4::nvfp4_moe's kernels read (``prepare_nvfp4_moe_weights`` and its inverse);
+- ``dsv4.formats.mxfp4_w4a8``: the tiles the MXFP4 W4A8 kernels read (made by the MoE
+  prepare step, activation "fp8"), and their inverse.
 
 Each module's docstring has its layouts byte for byte (docs/design.md section 2 the same
 in prose). The names below are the modules' public ones, for ``dsv4.formats.X``. The float32

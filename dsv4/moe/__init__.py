@@ -27,6 +27,7 @@ import torch
 
 from .. import _checks as C
 from ..formats import mxfp4 as mxfp4_format
+from ..formats import mxfp4_w4a8
 from ..formats.nvfp4_moe_layout import (
     TILE,
     Nvfp4MoeWeights,
@@ -101,8 +102,9 @@ def prepare_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, *,
     N is padded to a multiple of 64 (the kernels' tile) with zero rows and columns, which
     add exactly nothing (V4.1-Flash at TP 8: 288 -> 320, as vLLM's Humming path pads it).
     "bf16": the NVFP4 layout of the same values (dsv4.formats.mxfp4.mxfp4_to_nvfp4), prepared for
-    the bf16 kernels. "fp8": the vLLM layout with every block fitted to the FP8 operand
-    rule (dsv4.formats.mxfp4.fit_fp8_operand). Blocks too far below their matrix's (bf16) or
+    the bf16 kernels. "fp8": every block fitted to the FP8 operand rule
+    (dsv4.formats.mxfp4.fit_fp8_operand), then tiled for the W4A8 kernels
+    (dsv4.formats.mxfp4_w4a8.w4a8_layout). Blocks too far below their matrix's (bf16) or
     their 128 elements' (fp8) largest block to be folded exactly are re-rounded, counted
     in ``report`` and warned about once (none in real checkpoints' nonzero blocks so far).
 
@@ -115,6 +117,9 @@ def prepare_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, *,
         raise C.error(op, f'activation must be "bf16" (W4A16) or "fp8" (W4A8) for MXFP4 weights, got {activation!r}')
     if K % TILE:
         raise C.error(op, f"the hidden size K = {K} must be a multiple of {TILE} (the MoE kernels' K tile)")
+    if activation == "fp8" and K % mxfp4_format.FP8_GROUP:
+        raise C.error(op, f"the hidden size K = {K} must be a multiple of {mxfp4_format.FP8_GROUP} for activation "
+                          "\"fp8\" (the W4A8 kernels' K chunk, the activations' FP8 group)")
     p = mxfp4_format.pad_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, multiple=TILE)
     Np = p["w2"].shape[2] * 2
     total = (2 * Np * K + K * Np) // mxfp4_format.MXFP4_BLOCK * E
@@ -128,7 +133,7 @@ def prepare_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, *,
     c2, s2, n2 = mxfp4_format.fit_fp8_operand(p["w2"], p["w2_scale"], name="w2")
     report = _mxfp4_report(E, N, Np, K, activation, total, n13, n2)
     _warn_inexact(report, "128 elements' largest block (14 binades)")
-    return MoeWeights("mxfp4", "fp8", Mxfp4MoeWeights(*(t.contiguous() for t in (c13, s13, c2, s2))), report)
+    return MoeWeights("mxfp4", "fp8", Mxfp4MoeWeights(*mxfp4_w4a8.w4a8_layout(c13, s13, c2, s2)), report)
 
 
 def prepare_moe_weights(w13, w13_scale, w2, w2_scale, *, w13_scale_2=None, w2_scale_2=None,

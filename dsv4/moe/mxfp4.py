@@ -1,8 +1,8 @@
 """dsv4::mxfp4_moe (CUDA: csrc/moe/mxfp4_moe.cu): the routed-expert MoE with MXFP4
 weights (DeepSeek V4's native checkpoints) in W4A8, vLLM 0.33.0's Hopper numerics. Its
 weights type :class:`Mxfp4MoeWeights`, argument rules (the CPU and fake kernels check
-what the C++ entry checks, less its kernels' K % 128), fake kernel, CPU kernel (the
-float32 reference ``dsv4.reference.mxfp4_moe``, activation "fp8") and the wrapper
+what the C++ entry checks), fake kernel, CPU kernel (the float32 reference
+``dsv4.reference.mxfp4_moe``, activation "fp8", on the un-tiled weights) and the wrapper
 :func:`mxfp4_moe`.
 
 Numerics (docs/design.md section 2): GEMM1's input x quantized to FP8 e4m3 per token and
@@ -10,8 +10,9 @@ per 128 along K (vLLM's ``per_token_group_quant_fp8``, power-of-two scales with 
 the weights exact in FP8 relative to a base per row and 128 of K (prepare fits every
 block: ``dsv4.formats.mxfp4.fit_fp8_operand``), the clamped SwiGLU in fp32 quantized to
 FP8 per token and per 128 columns (Humming's rule) before GEMM2, the weighted combine in
-fp32. CUDA: the small-batch kernels (8-token tiles, FP8 ``mma.sync``) at every M for now
-(csrc/moe/mxfp4_gemm.cuh; no wgmma prefill kernel yet). MXFP4 W4A16 is not this op: it
+fp32. CUDA: the decode kernels (8- or 16-token tiles, FP8 ``wgmma`` with the weights
+from registers, split-K or classic grid) at every M for now (csrc/moe/mxfp4_gemm.cuh; no
+prefill kernel yet). MXFP4 W4A16 is not this op: it
 runs on dsv4::nvfp4_moe after ``dsv4.prepare_moe_weights(..., activation="bf16")``.
 """
 
@@ -24,20 +25,21 @@ import torch
 from .. import _checks as C
 from .. import reference
 from .._ops import op
-from ..formats import mxfp4
-from ..formats.nvfp4_moe_layout import TILE
+from ..formats import mxfp4_w4a8
 from . import _routing
 
 __all__ = ["Mxfp4MoeWeights", "mxfp4_moe"]
 
 
 class Mxfp4MoeWeights(NamedTuple):
-    """MXFP4 expert weights as dsv4::mxfp4_moe (W4A8) reads them: vLLM's stacked layout
-    with N padded to a multiple of 64 (zero rows / columns) and every block fitted to the
-    W4A8 kernels' exact FP8 operand rule (dsv4.formats.mxfp4.fit_fp8_operand).
+    """MXFP4 expert weights as dsv4::mxfp4_moe (W4A8) reads them: N padded to a multiple
+    of 64 (zero rows / columns), every block fitted to the exact FP8 operand rule
+    (dsv4.formats.mxfp4.fit_fp8_operand), then cut into the kernels' 64-row x 128-K tiles
+    (dsv4.formats.mxfp4_w4a8: codes in MMA fragment order, one scale word per row and 128
+    of K). Internal to the build that made it: prepare at load time.
 
-    w13 uint8 [E, 2N, K/2], w13_scale uint8 e8m0 [E, 2N, K/32], w2 uint8 [E, K, N/2],
-    w2_scale uint8 [E, K, N/32].
+    w13 uint8 [E, 2N/64, K/128, 4096], w13_scale uint8 [E, 2N/64, K/128, 256], w2 uint8
+    [E, K/64, ceil(N/128), 4096], w2_scale uint8 [E, K/64, ceil(N/128), 256].
     """
 
     w13: torch.Tensor
@@ -50,19 +52,13 @@ class Mxfp4MoeWeights(NamedTuple):
 
 def _check_mxfp4_moe(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map, swiglu_limit,
                      activation, out) -> None:
-    """The rules of csrc/moe/mxfp4_moe.cu (section (a); less its kernels' K % 128), for the
-    CPU and fake kernels."""
+    """The rules of csrc/moe/mxfp4_moe.cu (section (a)), for the CPU and fake kernels."""
     op = "mxfp4_moe"
     M, K, _ = _routing.check_tokens(op, x, topk_ids, topk_weights)
-    for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
-        C.dtype(op, name, t, torch.uint8, note=f" (e8m0 bytes){_MX_HINT}")
-    _, N, Kw = mxfp4.check_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, op=op)
+    _, _, Kw = mxfp4_w4a8.check_w4a8_layout(op, w13, w13_scale, w2, w2_scale, _MX_HINT)
     C.same_device(op, "w13", w13, "x", x)
     if Kw != K:
         raise C.error(op, f"w13 has K = {Kw} but x has K = {K}")
-    if N % TILE or K % TILE:
-        raise C.error(op, f"the prepared MXFP4 weights must have N and K multiples of {TILE}, got N = {N}, K = {K}"
-                          f"{_MX_HINT}")
     if activation != "fp8":
         raise C.error(op, f'dsv4::mxfp4_moe runs activation "fp8" (W4A8), got "{activation}" (MXFP4 W4A16 runs on '
                           'dsv4::nvfp4_moe: prepare with activation="bf16")')
@@ -85,8 +81,9 @@ def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map, swigl
 def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map, swiglu_limit, activation, ue8m0, out):
     _check_mxfp4_moe(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map, swiglu_limit, activation,
                      out)
-    y = reference.mxfp4_moe(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, swiglu_limit=swiglu_limit,
-                            activation="fp8", ue8m0=ue8m0, expert_map=expert_map)
+    w = mxfp4_w4a8.w4a8_unlayout(w13, w13_scale, w2, w2_scale)
+    y = reference.mxfp4_moe(x, topk_ids, topk_weights, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"],
+                            swiglu_limit=swiglu_limit, activation="fp8", ue8m0=ue8m0, expert_map=expert_map)
     out.copy_(y.to(torch.bfloat16))
 
 

@@ -234,4 +234,38 @@ struct WgmmaSS<256, kTransB> {
   }
 };
 
+// D[64 x N] (+)= A[64 x 32] * B[32 x N], e4m3 x e4m3 -> f32 (the native FP8 tensor-core
+// path on sm_90a; mma.sync with e4m3 is emulated there through f16 MMAs). A from registers:
+// 4 words of 4 e4m3 per thread, warp w's rows 16w .. 16w + 15 laid out as mma.sync
+// m16n8k32's A fragment; B K-major from shared memory (FP8 has no transposed form);
+// scale_d = 0 overwrites D.
+template <int N>
+struct WgmmaRsE4m3;
+
+template <>
+struct WgmmaRsE4m3<8> {
+  __device__ __forceinline__ static void mma(float (&d)[4], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+  }
+};
+
+template <>
+struct WgmmaRsE4m3<16> {
+  __device__ __forceinline__ static void mma(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+  }
+};
+
 }  // namespace dsv4

@@ -73,6 +73,13 @@ __device__ __forceinline__ void cp_async_16_unordered(uint32_t smem_dst, const v
       "{\n.reg .pred z;\nsetp.ne.b32 z, %2, 0;\ncp.async.cg.shared.global [%0], [%1], 16, z;\n}\n" ::"r"(smem_dst),
       "l"(gmem_src), "r"(zero));
 }
+// A 4-byte copy through L1 (.ca: the only form below 16 bytes), zero-filled when zero != 0
+// (src must still be a valid address); ordered like cp_async_16_unordered.
+__device__ __forceinline__ void cp_async_4_unordered(uint32_t smem_dst, const void* gmem_src, uint32_t zero) {
+  asm volatile(
+      "{\n.reg .pred z;\nsetp.ne.b32 z, %2, 0;\ncp.async.ca.shared.global [%0], [%1], 4, z;\n}\n" ::"r"(smem_dst),
+      "l"(gmem_src), "r"(zero));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

@@ -1,0 +1,579 @@
+"""The MXFP4 W4A8 kernels (csrc/moe/mxfp4_gemm.cuh, dsv4::mxfp4_moe) and their prepared
+weight layout (dsv4.formats.mxfp4_w4a8).
+
+CPU: the layout round trip and its exactness (blocks spread over many binades), the
+integer register conversion e2m1 -> e4m3 (PRMT tables, sign bits, the shift-table
+offset) emulated bit for bit, and an emulation of the kernels with their own index
+arithmetic (per-thread weight fragments, scale words, the activations' tiled and
+swizzled MMA order, split-K, the FP8 quantization of h by the last CTA of a 128-column
+group, the combine) against the float32 W4A8 reference.
+GPU: dsv4::mxfp4_moe against the reference on fresh random data (ragged M, binade
+spreads, expert maps, all-remote tokens, untouched experts, both grids), graph replay,
+opcheck and bad inputs.
+
+Tolerances. The kernels quantize x exactly as the reference does (vLLM's rule, bit for
+bit); what differs: the fp32 accumulation order (tensor-core k32 sums, promotion every
+128, split-K partials), the fast-division silu (2 ulp), y rounded to bf16 per slot before
+the combine (as the NVFP4 path) and out to bf16. h's FP8 rounding then flips now and then
+where an ulp moves h * (1 / s) across a rounding boundary (one e4m3 step of one element).
+bf16 y and out alone give a relative L2 of ~1.1e-3 each on random data; 5e-3 leaves room
+for the flips, and W4A16 (no activation rounding) is ~2-3e-2 away."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsv4 import reference
+from dsv4.formats import mxfp4, mxfp4_w4a8 as L
+from dsv4.formats.nvfp4 import E2M1_VALUES, pack_fp4, unpack_fp4
+from dsv4.moe import prepare_moe_weights, routed_moe
+
+MX = ("w13", "w13_scale", "w2", "w2_scale")
+M32 = 0xFFFFFFFF
+
+
+def _weights(E, N, K, seed, device="cpu", **kw):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return mxfp4.random_mxfp4_moe_weights(E, N, K, generator=gen, device=device, **kw)
+
+
+def _spread_weights(E, N, K, seed, device="cpu"):
+    """Random codes, scale bytes spread over ~40 binades along each row, each 128-chunk
+    within 14 binades of its largest nonzero block (exact), with blocks 12-14 binades below
+    their chunk's largest and 12-18 below their row's largest, and all-zero blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    w = _weights(E, N, K, seed, quantize=False)
+
+    def scales(rows, cols):
+        nb = cols // 32
+        base = torch.randint(100, 140, (E, rows, -(-nb // 4)), generator=gen).repeat_interleave(4, -1)[..., :nb]
+        s = base - torch.randint(0, 15, (E, rows, nb), generator=gen)  # within 14 of the chunk's base
+        s[..., 0::4] = base[..., 0::4]  # the chunk's largest
+        s[:, ::3, 1::4] = base[:, ::3, 1::4] - 13  # 12-14 below the chunk's largest
+        return s.clamp(0, 254).to(torch.uint8)
+
+    w["w13_scale"], w["w2_scale"] = scales(2 * N, K), scales(K, N)
+    w["w13"][:, 5, :16] = 0  # an all-zero block with a nonzero scale byte
+    w["w13"][0, :, 0::8] |= 0x77  # the chunk's largest block has nonzero codes
+    w["w2"][:, :, 0::8] |= 0x77
+    return {k: v.to(device) for k, v in w.items()}
+
+
+def _rel_l2(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def _routing(M, k, E_ids, gen, device="cpu"):
+    ids = torch.stack([torch.randperm(E_ids, generator=gen)[:k] for _ in range(M)]) if M else torch.zeros(0, k)
+    w = torch.rand(M, k, generator=gen) + 0.1
+    return ids.to(torch.int32).to(device), (w / w.sum(-1, keepdim=True)).float().to(device)
+
+
+# ------------------------------------------------------------------ layout --------
+
+
+def test_word_bits_cover_the_word():
+    bits = sorted(b for j in range(8) for b in L._BITS[j])
+    assert bits == list(range(32))
+    codes = torch.randint(0, 16, (1000, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(L.decode_words(L.encode_words(codes)), codes)
+
+
+def test_chunk_position_is_the_kernels():
+    e = torch.arange(128)
+    p = L.chunk_position(e)
+    assert sorted(p.tolist()) == list(range(128))
+    # chunk_word_pos(q) of mxfp4_gemm.cuh: the word of elements 4q .. 4q + 3
+    for q in range(32):
+        pos = 32 * ((q >> 1) & 3) + 16 * (q & 1) + 4 * (q >> 3)
+        assert p[4 * q: 4 * q + 4].tolist() == [pos, pos + 1, pos + 2, pos + 3]
+
+
+@pytest.mark.parametrize("N,K", [(64, 128), (96, 256), (288, 128)])
+def test_layout_roundtrip(N, K):
+    w = _spread_weights(3, N, K, seed=N + K)
+    p = mxfp4.pad_mxfp4_moe_weights(*(w[k] for k in MX), multiple=64)
+    fitted = {}
+    for name in ("w13", "w2"):
+        c, s, n = mxfp4.fit_fp8_operand(p[name], p[f"{name}_scale"])
+        assert n == 0
+        fitted[name], fitted[f"{name}_scale"] = c, s
+    t = L.w4a8_layout(*(fitted[k] for k in MX))
+    Np = p["w2"].shape[2] * 2
+    assert [tuple(x.shape) for x in t] == list(L.w4a8_shapes(3, Np, K).values())
+    back = L.w4a8_unlayout(*t)
+    for name in ("w13", "w2"):
+        assert torch.equal(back[name], fitted[name])
+        assert torch.equal(mxfp4.dequantize_mxfp4_experts(back[name], back[f"{name}_scale"]),
+                           mxfp4.dequantize_mxfp4_experts(p[name], p[f"{name}_scale"]))
+    assert L.check_w4a8_layout("t", *t) == (3, Np, K)
+
+
+def test_layout_refuses_unfitted_blocks():
+    w = _weights(1, 64, 128, seed=3, quantize=False)
+    w["w13_scale"][0, 0, :2] = torch.tensor([140, 120], dtype=torch.uint8)  # 20 binades apart in one chunk
+    w["w13"][0, 0, :32] = 0x77
+    with pytest.raises(ValueError, match="14 binades"):
+        L.w4a8_layout(*(w[k] for k in MX))
+
+
+def test_scale_word_base_clamp():
+    """Chunks whose largest byte is below 7: 2^b stays a normal fp32 (b = -126)."""
+    codes = torch.full((1, 1, 128), 7, dtype=torch.uint8)
+    sb = torch.tensor([[[0, 3, 6, 1]]], dtype=torch.uint8)
+    word = int(L.scale_words(codes, sb)[0, 0, 0])
+    assert (word >> 23) & 0xFF == 1  # 2^-126
+    d = [((word >> (4 * t)) & 15) - 8 for t in range(4)]
+    assert d == [int(e) - 127 + 126 for e in sb[0, 0]]
+
+
+# ----------------------------------------------- register conversion (bit level) -----
+
+
+def _lut() -> torch.Tensor:
+    """mxfp4_gemm.cuh build_lut: [16, 8] bytes, entry idx = e4m3 of |e2m1(c)| * 2^(idx - 8)."""
+    mags = torch.tensor([abs(v) for v in E2M1_VALUES[:8]], dtype=torch.float32)
+    out = torch.zeros(16, 8, dtype=torch.int64)
+    for idx in range(15):
+        out[idx] = (mags * 2.0 ** (idx - 8)).to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int64)
+    return out
+
+
+def _words(b: torch.Tensor) -> torch.Tensor:
+    """little-endian uint8 [..., 4n] -> int64 words [..., n]"""
+    b = b.to(torch.int64).reshape(*b.shape[:-1], -1, 4)
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+
+def _prmt(lo, hi, sel):
+    """PRMT default mode, selector bit 3 clear: byte n = byte (sel >> 4n) & 7 of {hi:lo}."""
+    lo, hi, sel = torch.broadcast_tensors(torch.as_tensor(lo), torch.as_tensor(hi), torch.as_tensor(sel))
+    src = torch.stack([(lo >> (8 * i)) & 0xFF for i in range(4)] + [(hi >> (8 * i)) & 0xFF for i in range(4)], -1)
+    out = 0
+    for n in range(4):
+        idx = (sel >> (4 * n)) & 0xF
+        assert bool((idx < 8).all())
+        out = out | (torch.gather(src, -1, idx.unsqueeze(-1)).squeeze(-1) << (8 * n))
+    return out
+
+
+def _e2m1x8_to_e4m3(w, lut_lo, lut_hi):
+    sel = w & 0x77777777
+    lo = _prmt(lut_lo, lut_hi, sel) | (w & 0x80808080)
+    hi = _prmt(lut_lo, lut_hi, sel >> 16) | ((w << 4) & M32 & 0x80808080)
+    return lo, hi
+
+
+def _lut_offset(word, t):
+    rot = (4 * t - 3) & 31
+    r = ((word >> rot) | (word << (32 - rot))) & M32
+    return r & 0x78
+
+
+def _e4m3(b: torch.Tensor) -> torch.Tensor:
+    return b.to(torch.uint8).view(torch.float8_e4m3fn).double()
+
+
+def _bytes_of(word):
+    return torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], -1)
+
+
+def test_register_conversion_every_code_and_shift():
+    """e2m1x8_to_e4m3 with every shift table: every code at every element position of a
+    word gives e4m3(code * 2^d), the rest of the word random."""
+    lut = _lut()
+    gen = torch.Generator().manual_seed(1)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float64)
+    for idx in range(15):
+        lo_t = _words(lut[idx].to(torch.uint8))
+        for j in range(8):
+            codes = torch.randint(0, 16, (16, 8), dtype=torch.uint8, generator=gen)
+            codes[:, j] = torch.arange(16, dtype=torch.uint8)
+            w = L.encode_words(codes)
+            lo, hi = _e2m1x8_to_e4m3(w, lo_t[0], lo_t[1])
+            got = _e4m3(torch.cat([_bytes_of(lo), _bytes_of(hi)], -1))
+            want = table[codes.long()] * 2.0 ** (idx - 8)
+            assert torch.equal(got, want), (idx, j)
+    for t in range(4):  # the shift-table offset of block t from a scale word
+        words = torch.randint(0, 2**32, (64,), dtype=torch.int64, generator=gen)
+        assert torch.equal(_lut_offset(words, t), ((words >> (4 * t)) & 15) * 8)
+
+
+# ------------------------------------------------------ emulation of the kernels ----
+
+
+def _tile_fragments(codes4096, scales256):
+    """One 64-row x 128-K weight tile as the warpgroup's threads read it (thread T reads
+    16 bytes at 16T and 2048 + 16T, scale words at 8 (8w + g)): the e4m3 A matrices of
+    the chunk's 4 k32 steps [4, 64, 32] (float64) and 2^b per row [64]."""
+    lut = _lut()
+    T = torch.arange(128)
+    w, g, t = T // 32, (T % 32) // 4, T % 4
+    lo_words = _words(codes4096[(16 * T)[:, None] + torch.arange(16)])           # [128, 4]: row g, steps
+    hi_words = _words(codes4096[(2048 + 16 * T)[:, None] + torch.arange(16)])    # row g + 8
+    sw = _words(scales256[(8 * (8 * w + g))[:, None] + torch.arange(8)])         # [128, 2]
+    A = torch.zeros(4, 64, 32, dtype=torch.float64)
+    base = torch.zeros(64, dtype=torch.float64)
+    for hh, words in ((0, lo_words), (1, hi_words)):
+        off = _lut_offset(sw[:, hh], t)
+        ent = lut[off // 8]  # [128, 8]
+        lt = _words(ent.to(torch.uint8))  # [128, 2]
+        row = 16 * w + g + 8 * hh
+        for s in range(4):
+            lo, hi = _e2m1x8_to_e4m3(words[:, s], lt[:, 0], lt[:, 1])
+            for i in range(4):
+                A[s, row, 4 * t + i] = _e4m3(_bytes_of(lo)[:, i])
+                A[s, row, 16 + 4 * t + i] = _e4m3(_bytes_of(hi)[:, i])
+        base[row] = (sw[:, hh] & 0x7F800000).to(torch.int32).view(torch.float32).double()
+    return A, base
+
+
+def _tile_B(rows128: torch.Tensor, BN: int) -> torch.Tensor:
+    """[BN, 128] swizzled chunk bytes (act layout) -> the wgmma's B of the 4 steps [4, 32, BN]."""
+    p = torch.arange(128)
+    r = torch.arange(BN)[:, None]
+    addr = (((p >> 4) ^ (r & 7)) << 4) | (p & 15)  # act_word
+    logical = torch.gather(rows128.to(torch.int64), 1, addr)  # [BN, 128] in MMA order
+    return _e4m3(logical).reshape(BN, 4, 32).permute(1, 2, 0)
+
+
+def _route(ids, emap, E, BN):
+    """moe_route_kernel's tables (an expert's slots in slot order; any order is valid)."""
+    local = ids.long() if emap is None else emap.long()[ids.long()]
+    S = local.numel()
+    slot_pos = torch.full((S,), -1, dtype=torch.long)
+    tile_expert, row_slot = [], []
+    for e in range(E):
+        slots = (local.reshape(-1) == e).nonzero().squeeze(1).tolist()
+        for t0 in range(0, len(slots), BN):
+            part = slots[t0:t0 + BN]
+            for j, sl in enumerate(part):
+                slot_pos[sl] = len(row_slot) + j
+            row_slot += part + [-1] * (BN - len(part))
+            tile_expert.append(e)
+    return slot_pos, torch.tensor(row_slot, dtype=torch.long), tile_expert
+
+
+def _splits(items, P, KT):
+    return 1 if items >= P or items == 0 else max(1, min(P // items, KT // 4))
+
+
+def _gemm(codes, scales, e, rt, KT, act, acts, tile, BN, splits):
+    """Item (tile, rt) over all KT chunks in `splits` equal ranges, partials added in chunk
+    order (fp32). act: [tiles, KT, BN, 128] bytes, acts: [tiles, KT, BN] fp32."""
+    total = torch.zeros(64, BN, dtype=torch.float32)
+    for c in range(splits):
+        acc = torch.zeros(64, BN, dtype=torch.float32)
+        for kc in range(KT * c // splits, KT * (c + 1) // splits):
+            A, base = _tile_fragments(codes[e, rt, kc], scales[e, rt, kc])
+            B = _tile_B(act[tile, kc], BN)
+            part = sum(A[s] @ B[s] for s in range(4)).float()  # exact products, fp32 sum
+            acc = acc + part * (base.float()[:, None] * acts[tile, kc].float()[None, :])
+        total = total + acc
+    return total
+
+
+def Np_of(p):
+    return p.report["N_padded"]
+
+
+def _emulate(x, ids, tw, prepared, limit, ue8m0, emap=None, BN=8, P=None):
+    """dsv4::mxfp4_moe as the kernels compute it (P: split-K grid size, None = classic)."""
+    w13, s13, w2, s2 = prepared
+    M, K = x.shape
+    E, RT1, KC1, _ = w13.shape
+    N, RT2, G2 = RT1 * 32, w2.shape[1], w2.shape[2]
+    topk = ids.shape[1]
+    slot_pos, row_slot, tile_expert = _route(ids, emap, E, BN)
+    tiles = len(tile_expert)
+    # mxfp4_quant_x_kernel: per (token, group) vLLM's rule, written to each local slot's tile row
+    xq, xs = reference.quantize_fp8_gemm1(x, ue8m0=ue8m0)
+    xq = xq.view(torch.uint8).reshape(M, KC1, 128)
+    pos = L.chunk_position(torch.arange(128))
+    xg = torch.zeros(tiles, KC1, BN, 128, dtype=torch.uint8)
+    xgs = torch.zeros(tiles, KC1, BN, dtype=torch.float32)
+    for sl in range(M * topk):
+        if slot_pos[sl] < 0:
+            continue
+        tile, r = divmod(int(slot_pos[sl]), BN)
+        addr = (((pos >> 4) ^ (r & 7)) << 4) | (pos & 15)
+        xg[tile, :, r, addr] = xq[sl // topk]
+        xgs[tile, :, r] = xs[sl // topk]
+    # GEMM1 + epilogue: fp32 h, then per 128-column group Humming's FP8
+    hq = torch.zeros(tiles, G2, BN, 128, dtype=torch.uint8)
+    hs = torch.zeros(tiles, G2, BN, dtype=torch.float32)
+    sp1 = 1 if P is None else _splits(tiles * RT1, P, KC1)
+    sp2 = 1 if P is None else _splits(tiles * RT2, P, G2)
+    pre = {}
+    for tile in range(tiles):
+        e = tile_expert[tile]
+        h = torch.zeros(BN, G2 * 128, dtype=torch.float32)
+        for rt in range(RT1):
+            acc = _gemm(w13, s13, e, rt, KC1, xg, xgs, tile, BN, sp1)
+            r = torch.arange(64)
+            gate, up = acc[(r % 16) < 8], acc[(r % 16) >= 8]  # [32 columns 8w + g, BN]
+            pre[tile, rt] = (gate, up)
+            if limit is not None:
+                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            h[:, 32 * rt: 32 * rt + 32] = (torch.nn.functional.silu(gate) * up).T
+        for j in range(G2):
+            grp = h[:, 128 * j: 128 * j + 128]
+            s = (grp.abs().amax(1) / torch.tensor(448.0)).clamp(min=1e-30)
+            q = (grp * (torch.ones_like(s) / s)[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+            for tok in range(BN):
+                addr = (((pos >> 4) ^ (tok & 7)) << 4) | (pos & 15)
+                hq[tile, j, tok, addr] = q[tok]
+            hs[tile, j] = s
+    # GEMM2 (bf16 y per padded row), then the combine in slot order
+    y = torch.zeros(tiles * BN, K, dtype=torch.bfloat16)
+    for tile in range(tiles):
+        e = tile_expert[tile]
+        for rt in range(RT2):
+            acc = _gemm(w2, s2, e, rt, G2, hq, hs, tile, BN, sp2)
+            y[tile * BN: tile * BN + BN, 64 * rt: 64 * rt + 64] = acc.T.to(torch.bfloat16)
+    out = torch.zeros(M, K, dtype=torch.float32)
+    for m in range(M):
+        for j in range(topk):
+            p_ = int(slot_pos[m * topk + j])
+            if p_ >= 0:
+                out[m] = torch.addcmul(out[m], y[p_].float(), torch.tensor(float(tw[m, j])))
+    return out.to(torch.bfloat16), pre, (slot_pos, tile_expert, xq, xs)
+
+
+@pytest.mark.parametrize("N,K,BN,P,ue8m0,use_map", [(64, 1024, 8, 40, True, True), (96, 128, 8, None, False, False),
+                                                    (288, 256, 16, 40, True, True)])
+def test_kernel_emulation(N, K, BN, P, ue8m0, use_map):
+    """N = 64: one h group of 64 columns; 96 -> 128; 288 -> 320: G2 = 3 with a last group of
+    64 columns (w2's K padded to 384). P: the split-K grid's size (K = 1024: GEMM1 in 2
+    splits of 4 chunks), None: the classic grid."""
+    E = 3
+    w = _spread_weights(E, N, K, seed=70 + N)
+    p = prepare_moe_weights(*(w[k] for k in MX), activation="fp8")
+    assert p.report["inexact_blocks"] == 0
+    gen = torch.Generator().manual_seed(71)
+    M, topk = 6, 2
+    x = (torch.randn(M, K, generator=gen) * 2).to(torch.bfloat16)
+    emap = None
+    if use_map:
+        emap = torch.full((E + 4,), -1, dtype=torch.int32)
+        emap[torch.randperm(E + 4, generator=gen)[:E]] = torch.arange(E, dtype=torch.int32)
+    ids, tw = _routing(M, topk, E + 4 if use_map else E, gen)
+    got, pre, (slot_pos, tile_expert, xq, xs) = _emulate(x, ids, tw, p.tensors, 10.0, ue8m0, emap, BN, P)
+    if K == 1024:
+        assert _splits(len(tile_expert) * 2 * Np_of(p) // 64, P, K // 128) == 2
+    # (a) GEMM1's accumulators are the exact W4A8 products (fp32 sums): every index of the
+    # layout, the tables, the scale words and the activations' order is right
+    Np = p.report["N_padded"]
+    wp = mxfp4.pad_mxfp4_moe_weights(*(w[k] for k in MX), multiple=64)
+    W13 = mxfp4.dequantize_mxfp4_experts(wp["w13"], wp["w13_scale"]).double()
+    xdq = reference.dequantize_fp8_groups(xq.reshape(M, K).view(torch.float8_e4m3fn), xs).double()
+    topk_ = ids.shape[1]
+    for (tile, rt), (gate, up) in pre.items():
+        e = tile_expert[tile]
+        rows = [sl for sl in range(M * topk_) if slot_pos[sl] // BN == tile and slot_pos[sl] >= 0]
+        for sl in rows:
+            n = int(slot_pos[sl]) % BN
+            cols = torch.arange(32) + 32 * rt
+            want_g = W13[e, cols] @ xdq[sl // topk_]
+            want_u = W13[e, Np + cols] @ xdq[sl // topk_]
+            assert torch.allclose(gate[:, n].double(), want_g, rtol=2e-6, atol=1e-6 * want_g.abs().max()), (tile, rt)
+            assert torch.allclose(up[:, n].double(), want_u, rtol=2e-6, atol=1e-6 * want_u.abs().max()), (tile, rt)
+    # (b) the whole op against the float32 W4A8 reference
+    ref = reference.mxfp4_moe(x, ids, tw, *(w[k] for k in MX), swiglu_limit=10.0, activation="fp8", ue8m0=ue8m0,
+                              expert_map=emap)
+    bf16 = reference.mxfp4_moe(x, ids, tw, *(w[k] for k in MX), swiglu_limit=10.0, activation="bf16",
+                               expert_map=emap)
+    err = _rel_l2(got, ref)
+    assert err <= 5e-3 < _rel_l2(got, bf16), err
+
+
+# ------------------------------------------------------------------- GPU ----------
+
+SHAPES = {  # K, N, E_global, E_local (a slice of the local experts: the kernels do not depend on E)
+    "flash": (4096, 2048, 256, 16),
+    "pro": (7168, 3072, 384, 8),
+    "v41": (5120, 2304, 384, 12),
+    "v41_tp8": (5120, 288, 384, 24),
+}
+_GPU = {}
+
+
+def _gpu_model(name, spread=False):
+    key = (name, spread)
+    if key not in _GPU:
+        _GPU.clear()
+        torch.cuda.empty_cache()
+        K, N, _, E = SHAPES[name]
+        w = _spread_weights(E, N, K, seed=K + N, device="cuda") if spread else _weights(E, N, K, seed=K + N,
+                                                                                         device="cuda")
+        _GPU[key] = (w, prepare_moe_weights(*(w[k] for k in MX), activation="fp8"))
+    return _GPU[key]
+
+
+def _gpu_case(name, M, seed, routing="uniform", use_map=True):
+    K, _, E_global, E = SHAPES[name]
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, K, generator=gen) * 2).to(torch.bfloat16).cuda()
+    E_ids = E_global if use_map else E
+    if routing == "uniform":
+        ids, tw = _routing(M, 6, E_ids, gen, "cuda")
+    else:  # skewed: every slot to one of two experts, the other experts untouched
+        ids = torch.randint(0, 2, (M, 6), generator=gen).to(torch.int32).cuda() * 3
+        tw = torch.rand(M, 6, generator=gen).cuda()
+    emap = None
+    if use_map:
+        m = torch.full((E_global,), -1, dtype=torch.int32)
+        m[torch.randperm(E_global, generator=gen)[:E]] = torch.arange(E, dtype=torch.int32)
+        if routing != "uniform":
+            m[0], m[3] = 0, 1
+        else:  # token 0 gets a local expert, so that no case is all zeros
+            row = ids[0].cpu()
+            if not bool((m[row.long()] >= 0).any()):
+                free = [e for e in torch.nonzero(m >= 0).view(-1).tolist() if e not in row.tolist()]
+                ids[0, 0] = free[0]
+        emap = m.cuda()
+    return x, ids, tw, emap
+
+
+def _check(name, M, seed, routing="uniform", use_map=True, limit=10.0, ue8m0=True, spread=False):
+    w, p = _gpu_model(name, spread)
+    assert p.report["inexact_blocks"] == 0
+    x, ids, tw, emap = _gpu_case(name, M, seed, routing, use_map)
+    out = torch.full_like(x, float("nan"))  # poisoned
+    got = routed_moe(x, ids, tw, p, swiglu_limit=limit, ue8m0=ue8m0, expert_map=emap, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.isfinite(got).all()
+    ref = reference.mxfp4_moe(x, ids, tw, *(w[k] for k in MX), swiglu_limit=limit, activation="fp8", ue8m0=ue8m0,
+                              expert_map=emap)
+    err = _rel_l2(got, ref)
+    assert err <= 5e-3, f"relative L2 {err:.3e}"
+    bf16 = reference.mxfp4_moe(x, ids, tw, *(w[k] for k in MX), swiglu_limit=limit, activation="bf16",
+                               expert_map=emap)
+    assert bool(ref.abs().max() > 0), "degenerate case: no local route"
+    assert err < _rel_l2(got, bf16)  # closer to the W4A8 numerics than to W4A16's
+    assert torch.equal(routed_moe(x, ids, tw, p, swiglu_limit=limit, ue8m0=ue8m0, expert_map=emap), got)
+    return got
+
+
+RAGGED = [1, 3, 8, 17, 64, 100, 512]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", RAGGED)
+@pytest.mark.parametrize("name", ["flash", "pro", "v41", "v41_tp8"])
+def test_gpu_ragged_m(name, M):
+    _check(name, M, seed=M + 11, use_map=M % 2 == 1, limit=None if M == 17 else 10.0, ue8m0=M != 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,M", [("flash", 8), ("pro", 64), ("v41_tp8", 100)])
+def test_gpu_binade_spread(name, M):
+    """Blocks over ~40 binades along a row, 12-14 below their chunk's largest and 12-18 below
+    their row's largest (where Humming's per-expert window re-rounds): exact here."""
+    _check(name, M, seed=M + 21, spread=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,M", [("flash", 64), ("v41_tp8", 17)])
+def test_gpu_skewed_untouched_experts(name, M):
+    _check(name, M, seed=M + 31, routing="skewed")
+
+
+@pytest.mark.gpu
+def test_gpu_empty_and_all_remote():
+    w, p = _gpu_model("flash")
+    x = torch.zeros(0, 4096, dtype=torch.bfloat16, device="cuda")
+    ids = torch.zeros(0, 6, dtype=torch.int32, device="cuda")
+    assert routed_moe(x, ids, ids.float(), p).shape == (0, 4096)
+    x, ids, tw, _ = _gpu_case("flash", 5, seed=7)
+    out = torch.full_like(x, float("nan"))
+    emap = torch.full((256,), -1, dtype=torch.int32, device="cuda")
+    assert torch.equal(routed_moe(x, ids, tw, p, expert_map=emap, out=out), torch.zeros_like(x))
+    # some tokens all-remote, the others not
+    x, ids, tw, emap = _gpu_case("flash", 9, seed=8)
+    got = routed_moe(x, ids, tw, p, expert_map=emap)
+    ref = reference.mxfp4_moe(x, ids, tw, *(w[k] for k in MX), activation="fp8", expert_map=emap)
+    remote = (emap[ids.long()] < 0).all(1)
+    assert bool(remote.any()) and torch.equal(got[remote], torch.zeros_like(got[remote]))
+    assert _rel_l2(got, ref) <= 5e-3
+
+
+def _child_forced(env_value: str) -> None:
+    """In a child process (the overrides are read once per process): both grids forced."""
+    for name, M in (("flash", 8), ("pro", 64), ("v41_tp8", 100)):
+        _check(name, M, seed=M + 41)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splitk", ["0", "1"])
+def test_gpu_forced_grids(splitk):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_")}
+    env["DSV4_MOE_SPLITK"] = splitk
+    code = ("import sys; sys.path.insert(0, %r); import test_mxfp4_w4a8 as t; t._child_forced(%r)"
+            % (os.path.dirname(__file__), splitk))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["flash", "v41_tp8"])
+def test_gpu_cuda_graph_replay(name):
+    w, p = _gpu_model(name)
+    x, ids, tw, emap = _gpu_case(name, 64, seed=51)
+    out = torch.empty_like(x)
+    routed_moe(x, ids, tw, p, swiglu_limit=10.0, expert_map=emap, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        routed_moe(x, ids, tw, p, swiglu_limit=10.0, expert_map=emap, out=out, check_ids=False)
+    for s in (52, 53):
+        x2, ids2, tw2, _ = _gpu_case(name, 64, seed=s)
+        x.copy_(x2)
+        ids.copy_(ids2)
+        tw.copy_(tw2)
+        graph.replay()
+        assert torch.equal(out, routed_moe(x, ids, tw, p, swiglu_limit=10.0, expert_map=emap))
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck_and_cpu_agree():
+    w = _weights(4, 96, 256, seed=40, device="cuda")
+    p = prepare_moe_weights(*(w[k] for k in MX), activation="fp8")
+    gen = torch.Generator().manual_seed(41)
+    x = torch.randn(6, 256, generator=gen).to(torch.bfloat16).cuda()
+    ids, tw = _routing(6, 2, 4, gen, "cuda")
+    for ue8m0 in (True, False):
+        torch.library.opcheck(torch.ops.dsv4.mxfp4_moe.default,
+                              (x, ids, tw, *p.tensors, None, 10.0, "fp8", ue8m0, torch.empty_like(x)))
+    got = routed_moe(x, ids, tw, p, swiglu_limit=10.0)
+    pc = prepare_moe_weights(*(w[k].cpu() for k in MX), activation="fp8")
+    cpu = routed_moe(x.cpu(), ids.cpu(), tw.cpu(), pc, swiglu_limit=10.0)
+    assert _rel_l2(got.cpu(), cpu) <= 5e-3
+
+
+@pytest.mark.gpu
+def test_gpu_bad_inputs():
+    w, p = _gpu_model("flash")
+    x, ids, tw, emap = _gpu_case("flash", 4, seed=8)
+    op = torch.ops.dsv4.mxfp4_moe
+    out = torch.empty_like(x)
+    t = p.tensors
+    with pytest.raises(RuntimeError, match="dsv4: x must have dtype"):
+        op(x.float(), ids, tw, *t, emap, None, "fp8", True, out)
+    with pytest.raises(RuntimeError, match="dsv4: topk_weights must have shape"):
+        op(x, ids, tw[:, :2].contiguous(), *t, emap, None, "fp8", True, out)
+    with pytest.raises(RuntimeError, match="multiple of 128"):
+        op(x[:, :64].contiguous(), ids, tw, *t, emap, None, "fp8", True, out[:, :64].contiguous())
+    with pytest.raises(RuntimeError, match="dsv4: w2_scale must have shape"):
+        op(x, ids, tw, t.w13, t.w13_scale, t.w2, t.w2_scale[:, :, :1].contiguous(), emap, None, "fp8", True, out)
+    with pytest.raises(RuntimeError, match="dsv4: w13 must be 4-D"):
+        op(x, ids, tw, w["w13"], t.w13_scale, t.w2, t.w2_scale, emap, None, "fp8", True, out)
+    with pytest.raises(RuntimeError, match="dsv4: w13 has K/128"):
+        op(x[:, :2048].contiguous(), ids, tw, *t, emap, None, "fp8", True, out[:, :2048].contiguous())
+    with pytest.raises(RuntimeError, match='runs activation "fp8"'):
+        op(x, ids, tw, *t, emap, None, "bf16", True, out)
+    with pytest.raises(RuntimeError, match="dsv4: out must have shape"):
+        op(x, ids, tw, *t, emap, None, "fp8", True, out[:2])
