@@ -662,6 +662,71 @@ def test_decode_cuda_graph(b):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("b", [2, 200])  # split-KV + combine, and no split
+def test_decode_reads_what_the_kernels_before_it_write(b, graph):
+    """The main kernel is launched with programmatic dependent launch (DSV4_ATTN_MAIN_PDL):
+    its CTAs may start while the kernel before it runs. Kernels right before the call
+    poison q, the indices and the lengths, rewrite them, and last a GEMM writes q (V4's q
+    projection): the result must be that of the final values, eagerly and in a CUDA graph
+    (every read of q, indices, lengths and caches comes after griddepcontrol.wait)."""
+    dev = "cuda"
+    g = _gen(90 + b)
+    cache, rows = make_cache("fp8", 40, 64, dev, 91)
+    cache2, rows2 = make_cache("fp8", 8, 64, dev, 92)
+    x = (torch.randn(b, 256, generator=g) / 16).bfloat16().to(dev)  # q = x @ w ~ N(0, 1)
+    w = torch.randn(256, 64 * 512, generator=g).bfloat16().to(dev)
+    new_idx = make_indices(b, 1, 1024, 40 * 64, g).to(dev)
+    new_lens = make_lengths(b, 1024, g, True).to(dev)
+    idx2 = make_indices(b, 1, 128, 8 * 64, g).to(dev)
+    sink = make_sink("finite", 64, g).to(dev)
+    q = torch.empty(b, 1, 64, 512, dtype=torch.bfloat16, device=dev)
+    idx, lens = torch.empty_like(new_idx), torch.empty_like(new_lens)
+    out = torch.empty_like(q)
+
+    def step():
+        q.fill_(math.nan)
+        idx.fill_(0)
+        lens.fill_(0)
+        torch.add(new_idx, 0, out=idx)
+        torch.add(new_lens, 0, out=lens)
+        torch.matmul(x, w, out=q.view(b, 64 * 512))
+        return sparse_mqa_decode(q, cache, idx, lens, sink, SCALE, cache2, idx2, None, out=out)
+
+    _, lse = step()
+    if graph:
+        torch.cuda.synchronize()
+        gr = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(gr):
+            _, lse = step()
+        out.fill_(math.nan)
+        gr.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(idx, new_idx) and torch.equal(lens, new_lens)
+    ro, rl = ref_decode(q, rows, idx, lens, sink, SCALE, rows2, idx2, None)
+    assert_close(out, lse, ro, rl)
+
+
+@pytest.mark.gpu
+def test_prefill_reads_what_the_kernel_before_it_writes():
+    """As above for sparse_mqa_prefill: a GEMM right before the call writes q."""
+    dev = "cuda"
+    g = _gen(95)
+    t, h, n, topk = 300, 128, 3000, 640
+    x = (torch.randn(t, 256, generator=g) / 16).bfloat16().to(dev)
+    w = torch.randn(256, h * 512, generator=g).bfloat16().to(dev)
+    kv = torch.randn(n, 512, generator=g).bfloat16().to(dev)
+    idx = make_indices(t, 1, topk, n, g)[:, 0].to(dev)
+    lens = make_lengths(t, topk, g, True).to(dev)
+    q = torch.empty(t, h, 512, dtype=torch.bfloat16, device=dev)
+    q.fill_(math.nan)
+    torch.matmul(x, w, out=q.view(t, h * 512))
+    o, lse = sparse_mqa_prefill(q, kv, idx, lens, None, SCALE)
+    ro, rl = ref_decode(q.unsqueeze(1), kv.float(), idx.unsqueeze(1), lens, None, SCALE, chunk=64)
+    assert_close(o, lse, ro.squeeze(1), rl.squeeze(1))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("extra", [False, True])
 def test_opcheck_cuda(extra):
     a = _opcheck_args("cuda", extra)
@@ -875,14 +940,18 @@ def child_switch_cases() -> None:
     for case in SWITCH_DECODE_CASES:
         test_decode_gpu(case)
     test_decode_cuda_graph(2)
+    test_decode_reads_what_the_kernels_before_it_write(2, True)
+    test_decode_reads_what_the_kernels_before_it_write(200, True)
     test_prefill_gpu(PREFILL_CASES[1])
     test_prefill_gpu(PREFILL_CASES[2])
+    test_prefill_reads_what_the_kernel_before_it_writes()
     print("switch cases passed")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("env", [{"DSV4_ATTN_PRICED_SPLITS": "0"}, {"DSV4_ATTN_PDL": "0"},
-                                 {"DSV4_ATTN_SPECIALIZE": "0"}], ids=["splits0", "pdl0", "specialize0"])
+                                 {"DSV4_ATTN_SPECIALIZE": "0"}, {"DSV4_ATTN_MAIN_PDL": "0"}],
+                         ids=["splits0", "pdl0", "specialize0", "main_pdl0"])
 def test_development_switches_keep_results(env):
     import os
     import subprocess

@@ -79,7 +79,17 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   // consumers visit the same items, and the ring's barrier phases count rounds over all of
   // them, so the producer fills the next item's first round while the consumers finish the
   // current one, and the next item's Q loads during the current item's output stores.
+  // The grid is at most the item count (sparse_mqa.cu), so every CTA has a first item.
   const int num_items = num_work_items(p);
+  // Programmatic dependent launch (sparse_mqa.cu, DSV4_ATTN_MAIN_PDL): up to here the CTA
+  // has read only its parameters and written only shared memory, so this ran while the
+  // kernel before it drained. q, the indices, the lengths, the caches and the sink may be
+  // that kernel's outputs, and the output buffers its inputs: every global access comes
+  // after the wait (a no-op without the launch attribute). The work items are decoded
+  // per item below, not once up here: a decoded item carried through the loop costs
+  // registers that the consumers do not have (it spilled), and from `item` the compiler
+  // recomputes it where the epilogue needs it.
+  pdl_wait();
   const int wg = threadIdx.x >> 7;
   if (wg == 0) {
     setmaxnreg_dec<kProducerRegs>();
@@ -108,8 +118,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   // Q [64 heads x 512] of a work item -> smem (swizzled), by the consumers only so that the
   // producer's gathers overlap it; cp.async keeps all 16 chunks per thread in flight at once.
   // Waited for (cp_async_wait_all + kBarQ) when the item starts.
-  const auto load_q = [&](int item) {
-    const WorkItem wi = work_item(p, item);
+  const auto load_q = [&](const WorkItem& wi) {
     const uint16_t* qg = p.q + wi.b * p.q_stride_b + wi.i * p.q_stride_q +
                          static_cast<int64_t>(wi.hb) * kHeadsPerCta * p.q_stride_h;
     const uint32_t q_u32 = smem_u32(smem + kOffQ);
@@ -275,7 +284,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     fence_proxy_async_smem();
   };
 
-  if (blockIdx.x < num_items) load_q(blockIdx.x);
+  if (blockIdx.x < num_items) load_q(work_item(p, blockIdx.x));
   int round_base = 0;  // rounds of the CTA's earlier items: the barrier phases continue
   for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
     const WorkItem wi = work_item(p, item);
@@ -419,7 +428,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     l1 += ssum[(1 - g) * 64 + r0 + 8];
     // Both consumers are past their last S of this item, so Q's smem is free: the next item's
     // Q loads while this one's output is stored.
-    if (item + static_cast<int>(gridDim.x) < num_items) load_q(item + gridDim.x);
+    if (item + static_cast<int>(gridDim.x) < num_items) load_q(work_item(p, item + gridDim.x));
 
     // ---- epilogue ----
     // The CTA's last item: let the combine (launched with programmatic stream serialization
