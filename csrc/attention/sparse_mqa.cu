@@ -1,7 +1,8 @@
 // C++ entries for dsv4::sparse_mqa_decode and dsv4::sparse_mqa_prefill: validate every
 // argument, pick the split count from shapes only (CUDA-graph safe, sparse_mqa_splits.h),
 // launch. Development switches (csrc/common/env.h, README "Environment variables"):
-// DSV4_ATTN_PRICED_SPLITS, DSV4_ATTN_PDL, DSV4_ATTN_SPECIALIZE, DSV4_ATTN_MAIN_PDL.
+// DSV4_ATTN_PRICED_SPLITS, DSV4_ATTN_PDL, DSV4_ATTN_SPECIALIZE, DSV4_ATTN_MAIN_PDL,
+// DSV4_ATTN_COOP_ROUND.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -129,9 +130,9 @@ void check_qo(const at::Tensor& t, const char* name, const char* shape) {
 // or after a copy) the attribute changes nothing; a predecessor that never signals
 // (launch_dependents) lets it launch when its last CTA exits, and the wait still holds it
 // until that grid has completed and its writes are visible.
-template <bool kFp8, int kNumSrc>
+template <bool kFp8, int kNumSrc, bool kCoop = false>
 void launch_main(const SparseMqaParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
-  constexpr auto kernel = attention::sparse_mqa_fwd_kernel<kFp8, kNumSrc>;
+  constexpr auto kernel = attention::sparse_mqa_fwd_kernel<kFp8, kNumSrc, kCoop>;
   ensure_max_dynamic_smem<kernel>(attention::kSmemBytes);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
@@ -244,7 +245,12 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   // on the cold path of a small batch. DSV4_ATTN_SPECIALIZE=0: the general instance for all.
   const bool one = p.num_src == 1 && env::switches().attn_specialize.value_or(true);
   const bool pdl = env::switches().attn_main_pdl.value_or(true);
-  if (kind == CacheKind::kFp8) {
+  // fp8 caches: round 0 of each CTA's first item gathered by all warpgroups at once
+  // (sparse_mqa_first_round.cuh). DSV4_ATTN_COOP_ROUND=0: by the producer alone.
+  const bool coop = env::switches().attn_coop_round.value_or(true);
+  if (kind == CacheKind::kFp8 && coop) {
+    one ? launch_main<true, 1, true>(p, grid, stream, pdl) : launch_main<true, 2, true>(p, grid, stream, pdl);
+  } else if (kind == CacheKind::kFp8) {
     one ? launch_main<true, 1>(p, grid, stream, pdl) : launch_main<true, 2>(p, grid, stream, pdl);
   } else {
     one ? launch_main<false, 1>(p, grid, stream, pdl) : launch_main<false, 2>(p, grid, stream, pdl);

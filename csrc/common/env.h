@@ -36,6 +36,7 @@ struct Switches {
   std::optional<bool> attn_pdl;            // DSV4_ATTN_PDL: 0 = the combine launched without PDL
   std::optional<bool> attn_specialize;     // DSV4_ATTN_SPECIALIZE: 0 = the general kernel instance for all
   std::optional<bool> attn_main_pdl;       // DSV4_ATTN_MAIN_PDL: 0 = the main kernel launched without PDL
+  std::optional<bool> attn_coop_round;    // DSV4_ATTN_COOP_ROUND: 0 = the producer alone fills round 0
 };
 
 inline Switches read_switches() {
@@ -50,6 +51,7 @@ inline Switches read_switches() {
   s.attn_pdl = get("DSV4_ATTN_PDL");
   s.attn_specialize = get("DSV4_ATTN_SPECIALIZE");
   s.attn_main_pdl = get("DSV4_ATTN_MAIN_PDL");
+  s.attn_coop_round = get("DSV4_ATTN_COOP_ROUND");
   return s;
 }
 
