@@ -534,6 +534,7 @@ DECODE_CASES = [
     (2, 1, 64, 1088, None, "fp8", 64, True, "finite"),
     (1, 1, 128, 960, 64, "bf16", 64, False, "finite"),
     (5, 1, 64, 100, 30, "fp8", 64, False, None),
+    (3, 1, 64, 40, 100, "fp8", 16, True, "finite"),  # round 0 straddles the lists (1 + 2 tiles)
     # persistent CTAs: many work items per CTA (1400 and 600 items on 132 SMs), with ragged
     # and empty tokens between them
     (700, 1, 128, 200, 64, "fp8", 64, True, "finite"),
@@ -659,6 +660,71 @@ def test_decode_cuda_graph(b):
     assert torch.equal(lse_g, el)
     ro, rl = ref_decode(q, rows, idx, lens, sink, SCALE, rows2, idx2, None)
     assert_close(out, lse_g, ro, rl)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("b", [2, 200])  # split-KV + combine, and no split
+def test_decode_reads_what_the_kernels_before_it_write(b, graph):
+    """The main kernel is launched with programmatic dependent launch (DSV4_ATTN_MAIN_PDL):
+    its CTAs may start while the kernel before it runs. Kernels right before the call
+    poison q, the indices and the lengths, rewrite them, and last a GEMM writes q (V4's q
+    projection): the result must be that of the final values, eagerly and in a CUDA graph
+    (every read of q, indices, lengths and caches comes after griddepcontrol.wait)."""
+    dev = "cuda"
+    g = _gen(90 + b)
+    cache, rows = make_cache("fp8", 40, 64, dev, 91)
+    cache2, rows2 = make_cache("fp8", 8, 64, dev, 92)
+    x = (torch.randn(b, 256, generator=g) / 16).bfloat16().to(dev)  # q = x @ w ~ N(0, 1)
+    w = torch.randn(256, 64 * 512, generator=g).bfloat16().to(dev)
+    new_idx = make_indices(b, 1, 1024, 40 * 64, g).to(dev)
+    new_lens = make_lengths(b, 1024, g, True).to(dev)
+    idx2 = make_indices(b, 1, 128, 8 * 64, g).to(dev)
+    sink = make_sink("finite", 64, g).to(dev)
+    q = torch.empty(b, 1, 64, 512, dtype=torch.bfloat16, device=dev)
+    idx, lens = torch.empty_like(new_idx), torch.empty_like(new_lens)
+    out = torch.empty_like(q)
+
+    def step():
+        q.fill_(math.nan)
+        idx.fill_(0)
+        lens.fill_(0)
+        torch.add(new_idx, 0, out=idx)
+        torch.add(new_lens, 0, out=lens)
+        torch.matmul(x, w, out=q.view(b, 64 * 512))
+        return sparse_mqa_decode(q, cache, idx, lens, sink, SCALE, cache2, idx2, None, out=out)
+
+    _, lse = step()
+    if graph:
+        torch.cuda.synchronize()
+        gr = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(gr):
+            _, lse = step()
+        out.fill_(math.nan)
+        gr.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(idx, new_idx) and torch.equal(lens, new_lens)
+    ro, rl = ref_decode(q, rows, idx, lens, sink, SCALE, rows2, idx2, None)
+    assert_close(out, lse, ro, rl)
+
+
+@pytest.mark.gpu
+def test_prefill_reads_what_the_kernel_before_it_writes():
+    """As above for sparse_mqa_prefill: a GEMM right before the call writes q."""
+    dev = "cuda"
+    g = _gen(95)
+    t, h, n, topk = 300, 128, 3000, 640
+    x = (torch.randn(t, 256, generator=g) / 16).bfloat16().to(dev)
+    w = torch.randn(256, h * 512, generator=g).bfloat16().to(dev)
+    kv = torch.randn(n, 512, generator=g).bfloat16().to(dev)
+    idx = make_indices(t, 1, topk, n, g)[:, 0].to(dev)
+    lens = make_lengths(t, topk, g, True).to(dev)
+    q = torch.empty(t, h, 512, dtype=torch.bfloat16, device=dev)
+    q.fill_(math.nan)
+    torch.matmul(x, w, out=q.view(t, h * 512))
+    o, lse = sparse_mqa_prefill(q, kv, idx, lens, None, SCALE)
+    ro, rl = ref_decode(q.unsqueeze(1), kv.float(), idx.unsqueeze(1), lens, None, SCALE, chunk=64)
+    assert_close(o, lse, ro.squeeze(1), rl.squeeze(1))
 
 
 @pytest.mark.gpu
@@ -875,15 +941,27 @@ def child_switch_cases() -> None:
     for case in SWITCH_DECODE_CASES:
         test_decode_gpu(case)
     test_decode_cuda_graph(2)
+    test_decode_reads_what_the_kernels_before_it_write(2, True)
+    test_decode_reads_what_the_kernels_before_it_write(200, True)
     test_prefill_gpu(PREFILL_CASES[1])
     test_prefill_gpu(PREFILL_CASES[2])
+    test_prefill_reads_what_the_kernel_before_it_writes()
     print("switch cases passed")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("env", [{"DSV4_ATTN_PRICED_SPLITS": "0"}, {"DSV4_ATTN_PDL": "0"},
-                                 {"DSV4_ATTN_SPECIALIZE": "0"}], ids=["splits0", "pdl0", "specialize0"])
+                                 {"DSV4_ATTN_SPECIALIZE": "0"}, {"DSV4_ATTN_MAIN_PDL": "0"},
+                                 {"DSV4_ATTN_COOP_ROUND": "0"}],
+                         ids=["splits0", "pdl0", "specialize0", "main_pdl0", "coop0"])
 def test_development_switches_keep_results(env):
+    proc = _child(env, "child_switch_cases()")
+    assert proc.returncode == 0 and "switch cases passed" in proc.stdout, \
+        f"under {env} (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def _child(env, call):
+    """Runs test_attention.<call> in a child process with the DSV4_ATTN_* switches of `env` only."""
     import os
     import subprocess
     import sys
@@ -894,8 +972,64 @@ def test_development_switches_keep_results(env):
     full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(dsv4.__file__).parent.parent),
                                                        os.environ.get("PYTHONPATH")]))
     full.update(env)
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_attention as t; t.child_switch_cases()")
-    proc = subprocess.run([sys.executable, "-c", code, str(tests)], env=full, capture_output=True, text=True,
+    code = f"import sys; sys.path.insert(0, sys.argv[1]); import test_attention as t; t.{call}"
+    return subprocess.run([sys.executable, "-c", code, str(tests)], env=full, capture_output=True, text=True,
                           timeout=900)
-    assert proc.returncode == 0 and "switch cases passed" in proc.stdout, \
-        f"under {env} (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+# The cooperative first round (csrc/attention/sparse_mqa_first_round.cuh): round 0 of each
+# CTA's first work item gathered by all warpgroups must leave the KV buffers and masks the
+# producer would: the outputs are bitwise those of DSV4_ATTN_COOP_ROUND=0. Cases: (B, s_q,
+# H, topk, extra_topk or None, block_size, ragged), fp8 caches, skipped entries sprinkled in.
+COOP_CASES = [
+    (1, 1, 64, 128, None, 64, False),   # an SWA call: one round, one CTA
+    (3, 1, 64, 40, 100, 16, True),      # round 0 = list 0's only tile + list 1's first
+    (1, 1, 128, 512, 128, 64, False),   # split calls: every CTA's first item is a split
+    (5, 2, 64, 100, 30, 2, True),       # HCA's block size 2, odd tile counts, empty tokens
+    (140, 1, 64, 130, None, 1, True),   # block size 1; more items than SMs (later ones: the producer)
+    (64, 1, 128, 256, 128, 64, True),   # V4-Pro-like, several rounds after the first
+]
+
+
+def coop_outputs():
+    dev = "cuda"
+    outs = []
+    for case in COOP_CASES:
+        b, s_q, h, topk, topk2, bs, ragged = case
+        g = _gen(zlib.crc32(str(case).encode()))
+        nb = max(4, (max(topk, topk2 or 0) * 2) // bs + 1)
+        cache, _ = make_cache("fp8", nb, bs, dev, 13)
+        q = (torch.randn(b, s_q, h, 512, generator=g) * 3).bfloat16().to(dev)
+        idx = make_indices(b, s_q, topk, nb * bs, g).to(dev)
+        lens = make_lengths(b, topk, g, ragged)
+        lens = None if lens is None else lens.to(dev)
+        sink = make_sink("finite", h, g).to(dev)
+        extra = (None, None, None)
+        if topk2 is not None:
+            cache2, _ = make_cache("fp8", 8, 16, dev, 14)
+            lens2 = make_lengths(b, topk2, g, ragged)
+            extra = (cache2, make_indices(b, s_q, topk2, 128, g).to(dev), None if lens2 is None else lens2.to(dev))
+        o, lse = sparse_mqa_decode(q, cache, idx, lens, sink, SCALE, *extra)
+        outs.append((o.cpu(), lse.cpu()))
+    return outs
+
+
+def child_coop_save(path):
+    torch.save(coop_outputs(), path)
+    print("coop cases saved")
+
+
+def child_coop_compare(path):
+    for case, (o1, l1), (o2, l2) in zip(COOP_CASES, torch.load(path), coop_outputs()):
+        assert torch.equal(o1.view(torch.int16), o2.view(torch.int16)), f"out differs: {case}"
+        assert torch.equal(l1, l2), f"lse differs: {case}"
+    print("coop cases equal")
+
+
+@pytest.mark.gpu
+def test_cooperative_first_round_is_bitwise_the_producers(tmp_path):
+    path = str(tmp_path / "coop.pt")
+    proc = _child({"DSV4_ATTN_COOP_ROUND": "1"}, f"child_coop_save({path!r})")
+    assert proc.returncode == 0 and "coop cases saved" in proc.stdout, proc.stderr[-6000:]
+    proc = _child({"DSV4_ATTN_COOP_ROUND": "0"}, f"child_coop_compare({path!r})")
+    assert proc.returncode == 0 and "coop cases equal" in proc.stdout, proc.stderr[-6000:]

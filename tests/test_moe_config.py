@@ -32,7 +32,8 @@ import dsv4._ops
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 OVERRIDES = ("DSV4_MOE_WS", "DSV4_MOE_SPLITK", "DSV4_MOE_DIRECT_X", "DSV4_MOE_PDL")
-ATTN_OVERRIDES = ("DSV4_ATTN_PRICED_SPLITS", "DSV4_ATTN_PDL", "DSV4_ATTN_SPECIALIZE")  # csrc/attention (tests/test_attention.py)
+ATTN_OVERRIDES = ("DSV4_ATTN_PRICED_SPLITS", "DSV4_ATTN_PDL", "DSV4_ATTN_SPECIALIZE", "DSV4_ATTN_MAIN_PDL",
+                  "DSV4_ATTN_COOP_ROUND")  # csrc/attention (tests/test_attention.py)
 VARIABLES = OVERRIDES + ("DSV4_PRINT_CONFIG",) + ATTN_OVERRIDES
 
 

@@ -1,7 +1,8 @@
 // C++ entries for dsv4::sparse_mqa_decode and dsv4::sparse_mqa_prefill: validate every
 // argument, pick the split count from shapes only (CUDA-graph safe, sparse_mqa_splits.h),
 // launch. Development switches (csrc/common/env.h, README "Environment variables"):
-// DSV4_ATTN_PRICED_SPLITS, DSV4_ATTN_PDL, DSV4_ATTN_SPECIALIZE.
+// DSV4_ATTN_PRICED_SPLITS, DSV4_ATTN_PDL, DSV4_ATTN_SPECIALIZE, DSV4_ATTN_MAIN_PDL,
+// DSV4_ATTN_COOP_ROUND.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -121,12 +122,29 @@ void check_qo(const at::Tensor& t, const char* name, const char* shape) {
   if (t.numel() > 0) check_aligned(t, 16, name);
 }
 
-template <bool kFp8, int kNumSrc>
-void launch_main(const SparseMqaParams& p, int64_t grid, cudaStream_t stream) {
-  constexpr auto kernel = attention::sparse_mqa_fwd_kernel<kFp8, kNumSrc>;
+// The main kernel. With `pdl` it is launched with programmatic stream serialization: its
+// CTAs may be scheduled while the kernel before it in the stream (or the CUDA graph) drains,
+// and run their barrier setup and first work-item decode before griddepcontrol.wait; every
+// read of q, the indices, the lengths, the caches and the sink, and every global write, comes
+// after it (sparse_mqa.cuh). Without a programmatic predecessor (the first kernel of a graph,
+// or after a copy) the attribute changes nothing; a predecessor that never signals
+// (launch_dependents) lets it launch when its last CTA exits, and the wait still holds it
+// until that grid has completed and its writes are visible.
+template <bool kFp8, int kNumSrc, bool kCoop = false>
+void launch_main(const SparseMqaParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
+  constexpr auto kernel = attention::sparse_mqa_fwd_kernel<kFp8, kNumSrc, kCoop>;
   ensure_max_dynamic_smem<kernel>(attention::kSmemBytes);
-  kernel<<<dim3(static_cast<unsigned>(grid)), attention::kThreads, attention::kSmemBytes, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(attention::kThreads);
+  cfg.dynamicSmemBytes = attention::kSmemBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
 // The combine, one CTA per (token, head). With `pdl` it is launched with programmatic
@@ -226,10 +244,16 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   // One-source calls (SWA layers, prefill) run the instance that reads one list: less code
   // on the cold path of a small batch. DSV4_ATTN_SPECIALIZE=0: the general instance for all.
   const bool one = p.num_src == 1 && env::switches().attn_specialize.value_or(true);
-  if (kind == CacheKind::kFp8) {
-    one ? launch_main<true, 1>(p, grid, stream) : launch_main<true, 2>(p, grid, stream);
+  const bool pdl = env::switches().attn_main_pdl.value_or(true);
+  // fp8 caches: round 0 of each CTA's first item gathered by all warpgroups at once
+  // (sparse_mqa_first_round.cuh). DSV4_ATTN_COOP_ROUND=0: by the producer alone.
+  const bool coop = env::switches().attn_coop_round.value_or(true);
+  if (kind == CacheKind::kFp8 && coop) {
+    one ? launch_main<true, 1, true>(p, grid, stream, pdl) : launch_main<true, 2, true>(p, grid, stream, pdl);
+  } else if (kind == CacheKind::kFp8) {
+    one ? launch_main<true, 1>(p, grid, stream, pdl) : launch_main<true, 2>(p, grid, stream, pdl);
   } else {
-    one ? launch_main<false, 1>(p, grid, stream) : launch_main<false, 2>(p, grid, stream);
+    one ? launch_main<false, 1>(p, grid, stream, pdl) : launch_main<false, 2>(p, grid, stream, pdl);
   }
   if (p.num_splits > 1) launch_combine(p, tokens * H, stream, env::switches().attn_pdl.value_or(true));
   return lse;

@@ -24,6 +24,7 @@
 // Files by role: sparse_mqa_layout.cuh (thread counts, smem offsets, barrier ids, register
 // budgets), sparse_mqa_schedule.cuh (token tiles, work items, index -> slot),
 // sparse_mqa_producer.cuh (paged sources, row offsets, fp8 / bf16 loaders),
+// sparse_mqa_first_round.cuh (round 0 of a CTA's first item by all warpgroups),
 // sparse_mqa_combine.cuh (split-KV merge); the kernel and its consumers are here.
 #pragma once
 
@@ -32,6 +33,7 @@
 #include <cstdint>
 
 #include "attention/sparse_mqa_combine.cuh"
+#include "attention/sparse_mqa_first_round.cuh"
 #include "attention/sparse_mqa_layout.cuh"
 #include "attention/sparse_mqa_params.cuh"
 #include "attention/sparse_mqa_producer.cuh"
@@ -53,10 +55,31 @@ namespace attention {
 // (conditional rescaling, as in FlashAttention-4).
 constexpr float kMaxSlack = 8.f;
 
+// Q [64 heads x 512] of a work item -> smem (swizzled), by the consumer threads (128..383)
+// only, so that the producer's gathers overlap it; cp.async keeps all 16 chunks per thread
+// in flight at once. Waited for (cp_async_wait_all + kBarQ) when the item starts.
+// Thread ct takes elements d .. d + 7, d = 8 (ct % 64), of heads r0 + 4k, r0 = ct / 64 < 4,
+// k < 16: head r0 + 4k sits at tile_offset(r0 + 4 (k % 2), d) + 1024 (k / 2), so two
+// swizzled offsets and one pointer step serve all 16 copies (about 4 instructions each; a
+// tile_offset and a 64-bit multiply per copy were ~20, fetched cold on the first item).
+__device__ __forceinline__ void load_q_tile(const SparseMqaParams& p, const WorkItem& wi, uint8_t* smem) {
+  static_assert(kHeadsPerCta == 64 && kHeadDim == 512, "16 copies of 16 bytes per consumer thread");
+  const int ct = threadIdx.x - 128;
+  const int r0 = ct >> 6, d = (ct & 63) * 8;
+  const uint16_t* src = p.q + wi.b * p.q_stride_b + wi.i * p.q_stride_q +
+                        (static_cast<int64_t>(wi.hb) * kHeadsPerCta + r0) * p.q_stride_h + d;
+  const int64_t step = 4 * p.q_stride_h;
+  const uint32_t s0 = smem_u32(smem + kOffQ) + tile_offset(r0, d), s1 = smem_u32(smem + kOffQ) + tile_offset(r0 + 4, d);
+#pragma unroll
+  for (int k = 0; k < 16; ++k) cp_async_16(((k & 1) ? s1 : s0) + (k >> 1) * 1024, src + k * step);
+}
+
 // kNumSrc: 1 for calls with one source (SWA layers, prefill), 2 for any call
-// (sparse_mqa_schedule.cuh, token_tiles).
-template <bool kFp8, int kNumSrc>
+// (sparse_mqa_schedule.cuh, token_tiles). kCoop (fp8 only): round 0 of the CTA's first
+// item is gathered by all warpgroups (sparse_mqa_first_round.cuh, DSV4_ATTN_COOP_ROUND).
+template <bool kFp8, int kNumSrc, bool kCoop>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __grid_constant__ SparseMqaParams p) {
+  static_assert(kFp8 || !kCoop, "the cooperative first round gathers fp8_ds_mla rows");
   extern __shared__ uint8_t smem_raw[];
   // By pointer arithmetic (align_smem_1024), so that the compiler sees shared memory: the
   // maxima, sums, masks and P tiles go by LDS / STS, not by generic LD / ST through the
@@ -79,16 +102,49 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   // consumers visit the same items, and the ring's barrier phases count rounds over all of
   // them, so the producer fills the next item's first round while the consumers finish the
   // current one, and the next item's Q loads during the current item's output stores.
-  const int num_items = num_work_items(p);
+  // The grid is at most the item count (sparse_mqa.cu), so every CTA has a first item.
+  // Programmatic dependent launch (sparse_mqa.cu, DSV4_ATTN_MAIN_PDL): up to here the CTA
+  // has read only its parameters and written only shared memory, so this ran while the
+  // kernel before it drained. q, the indices, the lengths, the caches and the sink may be
+  // that kernel's outputs, and the output buffers its inputs: every global access comes
+  // after the wait (a no-op without the launch attribute). The work items are decoded
+  // per item below, not once up here: a decoded item carried through the loop costs
+  // registers that the consumers do not have (it spilled), and from `item` the compiler
+  // recomputes it where the epilogue needs it.
+  pdl_wait();
   const int wg = threadIdx.x >> 7;
+  if (kCoop) {
+    // The first item's round 0 by every thread; the consumer threads issue its Q's copies
+    // right after their row loads (both fly together, and the row loads, the longer chain,
+    // do not wait for Q's code). The role loops decode the item again (per item, see above).
+    const WorkItem wi = work_item(p, blockIdx.x);
+    const TokenTiles tt = token_tiles<kNumSrc>(p, wi.b, wi.split);
+    const auto q_copies = [&] {
+      if (wg > 0) load_q_tile(p, wi, smem);
+    };
+    if (tt.t1 > tt.t0) {
+      first_round_fp8<kNumSrc>(p, tt, wi.b, wi.i, smem, q_copies);
+    } else {
+      q_copies();
+    }
+  }
   if (wg == 0) {
     setmaxnreg_dec<kProducerRegs>();
+    // Counted in each role, after its setmaxnreg: counted once above and held across the
+    // first round and the register reallocation, it was spilled.
+    const int num_items = num_work_items(p);
     int round_base = 0;
     for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
       const WorkItem wi = work_item(p, item);
       const TokenTiles tt = token_tiles<kNumSrc>(p, wi.b, wi.split);
       if (kFp8) {
-        producer_loop_fp8<kNumSrc>(p, tt, wi.b, wi.i, smem, round_base);
+        // After a cooperative first round the producer starts at round 1: the same loop over
+        // the item's tiles from t0 + 2, its barrier phases one round on (a select, not a
+        // second inlined loop nor a flag inside it: at 88 registers either spilled).
+        const bool skip = kCoop && item == static_cast<int>(blockIdx.x);
+        TokenTiles from = tt;
+        from.t0 += skip ? 2 : 0;
+        producer_loop_fp8<kNumSrc>(p, from, wi.b, wi.i, smem, round_base + (skip ? 1 : 0));
       } else {
         producer_loop_bf16<kNumSrc>(p, tt, wi.b, wi.i, smem, round_base);
       }
@@ -97,6 +153,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     return;
   }
   setmaxnreg_inc<kConsumerRegs>();
+  const int num_items = num_work_items(p);
 
   // This consumer's buffer (S, softmax) and O half. Broadcast from lane 0 so the compiler
   // sees a warp-uniform value: wgmma under a branch it thinks divergent gets serialized.
@@ -105,22 +162,6 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   const int w = t >> 5, lane = t & 31, quad = lane & 3;
   const int r0 = 16 * w + (lane >> 2);  // this thread's accumulator rows: r0 and r0 + 8
 
-  // Q [64 heads x 512] of a work item -> smem (swizzled), by the consumers only so that the
-  // producer's gathers overlap it; cp.async keeps all 16 chunks per thread in flight at once.
-  // Waited for (cp_async_wait_all + kBarQ) when the item starts.
-  const auto load_q = [&](int item) {
-    const WorkItem wi = work_item(p, item);
-    const uint16_t* qg = p.q + wi.b * p.q_stride_b + wi.i * p.q_stride_q +
-                         static_cast<int64_t>(wi.hb) * kHeadsPerCta * p.q_stride_h;
-    const uint32_t q_u32 = smem_u32(smem + kOffQ);
-    const int ct = threadIdx.x - 128;
-#pragma unroll
-    for (int k = 0; k < kHeadsPerCta * (kHeadDim / 8) / 256; ++k) {
-      const int c = ct + 256 * k;
-      const int r = c >> 6, d = (c & 63) * 8;
-      cp_async_16(q_u32 + tile_offset(r, d), qg + r * p.q_stride_h + d);
-    }
-  };
   const uint32_t q_base = smem_u32(smem + kOffQ);
   const uint32_t kv_mine = smem_u32(smem + kOffKV + g * kBufBytes);
   const uint32_t kv_other = smem_u32(smem + kOffKV + (1 - g) * kBufBytes);
@@ -275,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     fence_proxy_async_smem();
   };
 
-  if (blockIdx.x < num_items) load_q(blockIdx.x);
+  if (!kCoop && blockIdx.x < num_items) load_q_tile(p, work_item(p, blockIdx.x), smem);
   int round_base = 0;  // rounds of the CTA's earlier items: the barrier phases continue
   for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
     const WorkItem wi = work_item(p, item);
@@ -419,7 +460,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     l1 += ssum[(1 - g) * 64 + r0 + 8];
     // Both consumers are past their last S of this item, so Q's smem is free: the next item's
     // Q loads while this one's output is stored.
-    if (item + static_cast<int>(gridDim.x) < num_items) load_q(item + gridDim.x);
+    if (item + static_cast<int>(gridDim.x) < num_items) load_q_tile(p, work_item(p, item + gridDim.x), smem);
 
     // ---- epilogue ----
     // The CTA's last item: let the combine (launched with programmatic stream serialization

@@ -36,6 +36,8 @@ struct Switches {
   std::optional<bool> attn_priced_splits;  // DSV4_ATTN_PRICED_SPLITS: 0 = the earlier split-count rule
   std::optional<bool> attn_pdl;            // DSV4_ATTN_PDL: 0 = the combine launched without PDL
   std::optional<bool> attn_specialize;     // DSV4_ATTN_SPECIALIZE: 0 = the general kernel instance for all
+  std::optional<bool> attn_main_pdl;       // DSV4_ATTN_MAIN_PDL: 0 = the main kernel launched without PDL
+  std::optional<bool> attn_coop_round;    // DSV4_ATTN_COOP_ROUND: 0 = the producer alone fills round 0
 };
 
 inline Switches read_switches() {
@@ -49,6 +51,8 @@ inline Switches read_switches() {
   s.attn_priced_splits = get("DSV4_ATTN_PRICED_SPLITS");
   s.attn_pdl = get("DSV4_ATTN_PDL");
   s.attn_specialize = get("DSV4_ATTN_SPECIALIZE");
+  s.attn_main_pdl = get("DSV4_ATTN_MAIN_PDL");
+  s.attn_coop_round = get("DSV4_ATTN_COOP_ROUND");
   return s;
 }
 

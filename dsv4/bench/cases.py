@@ -22,12 +22,17 @@ slots each, as its pages would be), so batch 256 at 128K needs no private caches
 Prefill attention (:func:`prefill_case`): q ``[T, H, 512]`` over vLLM's gathered bf16
 workspace rows ``[rows, 512]`` with ``window + topk`` indices per token (vLLM's
 ``combined_topk``), int32 lengths.
+
+The predecessor of the compare routine's ``--predecessor gemm`` mode
+(:class:`QProjection`): the kernel that writes q right before attention in a V4 layer,
+so that a launch overlap of attention with it (programmatic dependent launch) shows in the
+timed graph.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -35,7 +40,8 @@ from .. import formats
 from .models import HEAD_DIM, KINDS, RATIO, SOFTMAX_SCALE, WINDOW, ModelShape
 
 __all__ = ["BLOCK", "C128A_ALIGN", "c128a_width", "attention_keys", "random_fp8_pool", "DecodePools",
-           "decode_case", "prefill_case", "dsv4_decode", "torch_decode", "torch_decode_bytes"]
+           "decode_case", "prefill_case", "dsv4_decode", "torch_decode", "torch_decode_bytes", "PREDECESSORS",
+           "Q_LORA_RANK", "QProjection"]
 
 # vLLM's block sizes of the three caches (entries per block): window 64, C4A 256 / 4, C128A 256 / 128.
 BLOCK = {"swa": 64, "csa": 64, "hca": 2}
@@ -218,3 +224,62 @@ def prefill_case(model: ModelShape, tokens: int, kv_rows: int, gen: torch.Genera
     return dict(q=torch.randn(tokens, model.heads, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16),
                 kv=kv, idx=idx, lens=torch.full((tokens,), topk, dtype=torch.int32, device=device),
                 sink=torch.randn(model.heads, generator=gen, device=device), topk=topk)
+
+
+# --------------------------------------------------------------------------------------
+# The predecessor kernel of the compare routine's --predecessor mode
+# --------------------------------------------------------------------------------------
+
+PREDECESSORS = ("none", "gemm")  # --predecessor: nothing before attention in the graph, or the q projection
+# q_lora_rank of the checkpoints' config.json (deepseek-ai/DeepSeek-V4-Flash: 1024, DeepSeek-V4-Pro: 1536): the
+# rank of V4's low-rank q path, x -> wq_a -> q_norm -> wq_b -> q [heads, 512]; keyed like MODELS.
+Q_LORA_RANK = {"flash": 1024, "pro": 1536}
+
+
+@dataclass
+class QProjection:
+    """V4's q up-projection ``wq_b`` as the predecessor of an attention call: the bf16
+    GEMM ``[tokens, q_lora_rank] x [q_lora_rank, heads * 512]`` whose output *is* q, written
+    in place into the attention call's q buffer (so the attention kernel reads what its
+    predecessor wrote, as in a model step; the RoPE on q's last 64 dims that vLLM runs in
+    between is left out). bf16 where the checkpoints store ``wq_b`` in block FP8: the shape
+    and the data dependency are what matter here (the launch overlap at the kernel boundary),
+    not the GEMM's own time, which the compare routine measures alone and subtracts.
+
+    ``weight`` bf16 [q_lora_rank, heads * 512], shared by every call of one model (64 MB
+    for V4-Flash, 192 MB for V4-Pro: larger than L2, so the GEMM streams it as the real
+    projection does).
+    """
+
+    weight: torch.Tensor
+
+    @staticmethod
+    def build(model: ModelShape, device, gen: torch.Generator) -> "QProjection":
+        k = Q_LORA_RANK[model.key]
+        w = torch.randn(k, model.heads * HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
+        return QProjection(w)
+
+    @staticmethod
+    def shape_text(model: ModelShape) -> str:
+        """'[T, 1024] x [1024, 32768]': the GEMM of one call over T query tokens."""
+        k = Q_LORA_RANK[model.key]
+        return f"[T, {k}] x [{k}, {model.heads * HEAD_DIM}]"
+
+    def writer(self, q: torch.Tensor, gen: torch.Generator) -> Callable[[], torch.Tensor]:
+        """A zero-argument call writing ``q`` (bf16 [..., heads, 512], contiguous) as
+        ``x @ weight`` for a fresh x [tokens, q_lora_rank] scaled so that q ~ N(0, 1) like
+        the cases' own q. Writes the same values on every call."""
+        k, n = self.weight.shape
+        if not q.is_contiguous() or q.dtype != torch.bfloat16 or q.numel() % n:
+            raise ValueError(f"dsv4: q must be a contiguous bf16 tensor of [tokens, {n}] elements, got "
+                             f"{q.dtype} {tuple(q.shape)}")
+        tokens = q.numel() // n
+        x = (torch.randn(tokens, k, generator=gen, device=q.device) * k**-0.5).to(torch.bfloat16)
+        qv = q.view(tokens, n)
+        w = self.weight
+
+        def call() -> torch.Tensor:
+            return torch.matmul(x, w, out=qv)
+
+        call()
+        return call

@@ -8,6 +8,15 @@ two on that case's first input set. Decode cases: :func:`dsv4.bench.cases.decode
 (DeepSeek V4's native experts) vs Humming W4A8, the two paths vLLM 0.33.0 takes on Hopper.
 Without the incumbents (see :mod:`dsv4.bench.anchors`) dsv4 runs alone and one line says
 why; ``--dry-run`` lists the cases and the incumbents found without a GPU.
+
+``--predecessor gemm`` (attention rows): each timed graph holds V4's q projection
+(:class:`dsv4.bench.cases.QProjection`, the bf16 GEMM ``[tokens, q_lora_rank] x
+[q_lora_rank, heads * 512]`` that writes q) right before the attention call, for dsv4 and
+FlashMLA alike, and the same GEMM alone is a third variant of the same
+:func:`~dsv4.bench.timing.time_us` call. A row then reports the pair times (GEMM +
+attention), the GEMM alone, and as ``dsv4_us`` / ``incumbent_us`` / ``ratio`` each pair
+minus the GEMM alone: the attention's share of the pair, which a launch overlap with the
+GEMM (programmatic dependent launch) makes smaller than the attention call alone.
 """
 
 from __future__ import annotations
@@ -17,12 +26,14 @@ import json
 import math
 import sys
 
+from typing import Optional
+
 import torch
 
 from ...formats.kv_cache import FP8_DS_MLA_VIEW_LAST_DIM
 from .. import traffic
 from ..argtypes import anchor_paths, context_list, int_list, name_list
-from ..cases import DecodePools, decode_case, dsv4_decode, prefill_case
+from ..cases import PREDECESSORS, DecodePools, QProjection, decode_case, dsv4_decode, prefill_case
 from ..experts import MOE_LABELS, dsv4_moe, moe_cases, moe_format_list, moe_routing, prepare, random_experts
 from ..incumbents import MOE_INCUMBENTS
 from ..models import HEAD_DIM, KINDS, MODELS, SCHEDULED, SOFTMAX_SCALE
@@ -42,7 +53,41 @@ def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
 
 
-def decode_rows(anchors, models, kinds, batches, contexts, iters: int, invariant: bool = False) -> list[dict]:
+def with_predecessor(variants: dict, pre: Optional[list]) -> dict:
+    """The timed variants of one attention case: unchanged without a predecessor; else each
+    call i of every variant preceded by ``pre[i]`` (the GEMM writing that input set's q, so
+    both are captured into one graph), and ``pre`` alone as the variant ``"gemm"``."""
+    if pre is None:
+        return variants
+    out = {}
+    for name, calls in variants.items():
+        if len(calls) != len(pre):
+            raise ValueError(f"dsv4: {len(pre)} predecessor calls for {len(calls)} {name} calls")
+        out[name] = [(lambda f=f, g=g: (g(), f())[1]) for f, g in zip(calls, pre)]
+    out["gemm"] = list(pre)
+    return out
+
+
+def attention_fields(t: dict, incumbent: str = "FlashMLA") -> dict:
+    """Row fields from the timings of :func:`with_predecessor`'s variants: ``dsv4_us`` and
+    ``incumbent_us`` (+ ``ratio``) are the attention's times; with a ``"gemm"`` variant
+    they are each pair minus the GEMM alone, and the row also holds the pair times
+    (``pair_us``, ``incumbent_pair_us``, ``ratio_pair``) and ``predecessor_us``."""
+    gemm = t["gemm"].us if "gemm" in t else None
+    row = dict(dsv4_us=t["dsv4"].us - (gemm or 0.0), method=t["dsv4"].method)
+    if gemm is not None:
+        row.update(predecessor="gemm", predecessor_us=gemm, pair_us=t["dsv4"].us)
+    if "flashmla" in t:
+        inc = t["flashmla"].us
+        row.update(incumbent=incumbent, incumbent_us=inc - (gemm or 0.0))
+        row["ratio"] = row["incumbent_us"] / row["dsv4_us"] if row["dsv4_us"] > 0 else math.nan
+        if gemm is not None:
+            row.update(incumbent_pair_us=inc, ratio_pair=inc / t["dsv4"].us)
+    return row
+
+
+def decode_rows(anchors, models, kinds, batches, contexts, iters: int, invariant: bool = False,
+                predecessor: str = "none") -> list[dict]:
     from ..incumbents import FlashMLADecode
     from ..timing import time_us
 
@@ -51,6 +96,8 @@ def decode_rows(anchors, models, kinds, batches, contexts, iters: int, invariant
     rows = []
     for mname in models:
         m = MODELS[mname]
+        qproj = QProjection.build(m, dev, torch.Generator(device=dev).manual_seed(5)) if predecessor == "gemm" \
+            else None
         for kind in kinds:
             for ctx in (contexts if kind != "swa" else [contexts[0]]):
                 for b in batches:
@@ -64,25 +111,27 @@ def decode_rows(anchors, models, kinds, batches, contexts, iters: int, invariant
                     if anchors.flashmla:
                         variants["flashmla"] = [FlashMLADecode(s, SOFTMAX_SCALE, o)
                                                 for s, o in zip(sets, outs["flashmla"])]
-                    t = time_us(variants, iters=iters)
-                    us = t["dsv4"].us
+                    pre = None if qproj is None else [qproj.writer(s["q"], gen) for s in sets]
+                    t = time_us(with_predecessor(variants, pre), iters=iters)
+                    fields = attention_fields(t)
+                    us = fields["dsv4_us"]
                     tr = traffic.decode_attention(b, m.heads, sets[0]["keys"])
                     row = dict(op="decode", model=m.name, kind=kind, context=ctx if kind != "swa" else None,
-                               batch=b, keys=sets[0]["keys"], dsv4_us=us, method=t["dsv4"].method,
-                               tflops=tr.tflops(us), tbps=tr.tbps(us))
+                               batch=b, keys=sets[0]["keys"], **fields, tflops=tr.tflops(us), tbps=tr.tbps(us))
                     if "inv" in t:
-                        row.update(invariant_us=t["inv"].us, invariant_cost=t["inv"].us / us)
+                        inv = t["inv"].us - fields.get("predecessor_us", 0.0)
+                        row.update(invariant_us=inv, invariant_cost=inv / us)
                     if "flashmla" in t:
-                        row.update(incumbent="FlashMLA", incumbent_us=t["flashmla"].us, ratio=t["flashmla"].us / us,
-                                   maxdiff=_maxdiff(outs["dsv4"][0], outs["flashmla"][0]))
+                        row["maxdiff"] = _maxdiff(outs["dsv4"][0], outs["flashmla"][0])
                     rows.append(row)
                     print(line(row), flush=True)
+        del qproj
     del pools
     torch.cuda.empty_cache()
     return rows
 
 
-def prefill_rows(anchors, models, tokens, iters: int, copy_tbps: float) -> list[dict]:
+def prefill_rows(anchors, models, tokens, iters: int, copy_tbps: float, predecessor: str = "none") -> list[dict]:
     from ...attention import sparse_mqa_prefill
     from ..incumbents import flashmla_prefill
     from ..timing import time_us
@@ -93,6 +142,7 @@ def prefill_rows(anchors, models, tokens, iters: int, copy_tbps: float) -> list[
     rows = []
     for mname in models:
         m = MODELS[mname]
+        qproj = QProjection.build(m, dev, gen) if predecessor == "gemm" else None
         for T in tokens:
             sets = [prefill_case(m, T, 0, gen, dev, kv=kv) for _ in range(2)]
             outs = {k: [torch.empty_like(s["q"]) for s in sets] for k in ("dsv4", "flashmla")}
@@ -103,8 +153,10 @@ def prefill_rows(anchors, models, tokens, iters: int, copy_tbps: float) -> list[
                 variants["flashmla"] = [(lambda s=s, o=o: flashmla_prefill(s["q"], s["kv"], s["idx"], s["lens"],
                                                                             s["sink"], SOFTMAX_SCALE, o))
                                         for s, o in zip(sets, outs["flashmla"])]
-            t = time_us(variants, iters=iters)
-            topk, us = sets[0]["topk"], t["dsv4"].us
+            pre = None if qproj is None else [qproj.writer(s["q"], gen) for s in sets]
+            t = time_us(with_predecessor(variants, pre), iters=iters)
+            fields = attention_fields(t)
+            topk, us = sets[0]["topk"], fields["dsv4_us"]
             tr = traffic.prefill_attention(T, m.heads, topk)
             # vLLM gathers and dequantizes the KV rows a prefill chunk can reference into the
             # bf16 workspace first (a CuTe-DSL/Triton kernel not runnable without vLLM): its
@@ -112,16 +164,15 @@ def prefill_rows(anchors, models, tokens, iters: int, copy_tbps: float) -> list[
             # measured copy rate, for a fresh T-token request (T window rows + T/4 compressed).
             row_bytes = FP8_DS_MLA_VIEW_LAST_DIM + 2 * HEAD_DIM  # fp8 row read, bf16 row written
             gather_us = (T + T // 4) * row_bytes / (copy_tbps * 1e12) * 1e6
-            row = dict(op="prefill", model=m.name, kind=f"topk {topk}", context=None, batch=T, keys=topk,
-                       dsv4_us=us, method=t["dsv4"].method, tflops=tr.tflops(us), tbps=tr.tbps(us),
-                       gather_est_us=gather_us)
+            row = dict(op="prefill", model=m.name, kind=f"topk {topk}", context=None, batch=T, keys=topk, **fields,
+                       tflops=tr.tflops(us), tbps=tr.tbps(us), gather_est_us=gather_us)
             if "flashmla" in t:
-                fm = t["flashmla"].us
-                row.update(incumbent="FlashMLA", incumbent_us=fm, ratio=fm / us,
-                           ratio_with_gather=(fm + gather_us) / (us + gather_us),
+                fm = fields["incumbent_us"]
+                row.update(ratio_with_gather=(fm + gather_us) / (us + gather_us),
                            maxdiff=_maxdiff(outs["dsv4"][0], outs["flashmla"][0]))
             rows.append(row)
             print(line(row), flush=True)
+        del qproj
     return rows
 
 
@@ -207,10 +258,24 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--iters", type=int, default=30, help="timed calls per case (at least 30 are run; default 30)")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="decode: also time sparse_mqa_decode(batch_invariant=True) in the same call")
+    ap.add_argument("--predecessor", choices=PREDECESSORS, default="none",
+                    help="attention rows: 'gemm' captures V4's q projection (bf16 [tokens, q_lora_rank] x "
+                         "[q_lora_rank, heads * 512], writing q) before every attention call of both sides and "
+                         "times it alone in the same call; the rows give the pair times and each pair minus the "
+                         "GEMM alone, so a launch overlap with the predecessor shows (default none)")
     ap.add_argument("--json", default=None, help="write rows, ceilings and the incumbents line here")
     ap.add_argument("--markdown", default=None, help="also write the tables as markdown here")
     ap.add_argument("--from-json", default=None, help="render the tables of an earlier --json run; time nothing")
     ap.add_argument("--dry-run", action="store_true", help="list the cases and the incumbents; time nothing")
+
+
+def predecessor_line(args) -> str:
+    """The header line of a --predecessor run ('' without one): the GEMM per model."""
+    if args.predecessor == "none" or not ({"decode", "prefill"} & set(args.only)):
+        return ""
+    shapes = ", ".join(f"{MODELS[m].name} {QProjection.shape_text(MODELS[m])}" for m in args.models)
+    return (f"predecessor: V4's q projection before every attention call, bf16 {shapes} (T = query tokens); "
+            "dsv4 / incumbent us = pair - GEMM alone")
 
 
 def _listed(args) -> list[dict]:
@@ -250,6 +315,9 @@ def run(args: argparse.Namespace) -> int:
     if (not anchors.flashmla or anchors.humming is None or (w4a8 and not anchors.vllm_c)) and gpu \
             and not args.dry_run:
         head += " -> the missing incumbents' columns stay empty (dsv4 runs alone there)"
+    mode = predecessor_line(args)
+    if mode:
+        head += "\n" + mode
     if args.dry_run or not gpu:
         rows = _listed(args)
         reason = "--dry-run" if args.dry_run else "no CUDA device"
@@ -278,17 +346,19 @@ def run(args: argparse.Namespace) -> int:
                 r["pct_copy"] = 100 * r["tbps"] / ceilings["copy TB/s"]
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(dict(anchors=head, ceilings=ceilings, rows=rows), f, indent=1)
+                json.dump(dict(anchors=head, ceilings=ceilings, predecessor=args.predecessor, rows=rows), f,
+                          indent=1)
         if args.markdown:
             with open(args.markdown, "w") as f:
                 f.write(markdown(rows, ceilings))
 
     if "decode" in args.only:
         rows += decode_rows(anchors, args.models, args.kinds, args.batch, args.context, iters,
-                            invariant=args.batch_invariant)
+                            invariant=args.batch_invariant, predecessor=args.predecessor)
         save()
     if "prefill" in args.only:
-        rows += prefill_rows(anchors, args.models, args.tokens, iters, ceilings["copy TB/s"])
+        rows += prefill_rows(anchors, args.models, args.tokens, iters, ceilings["copy TB/s"],
+                             predecessor=args.predecessor)
         save()
     if "moe" in args.only:
         rows += moe_rows(anchors, args.moe_models, args.moe_m, iters, moe_cases(args.moe_format))

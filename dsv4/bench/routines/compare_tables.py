@@ -26,6 +26,10 @@ def line(r: dict) -> str:
         s += f", {r['incumbent']} {r['incumbent_us']:.1f} us, ratio {r['ratio']:.2f}x, max|diff| {r['maxdiff']:.3g}"
     if "invariant_us" in r:
         s += f", batch-invariant {r['invariant_us']:.1f} us ({r['invariant_cost']:.2f}x dsv4)"
+    if "predecessor_us" in r:
+        s += f" (pair - GEMM); GEMM alone {r['predecessor_us']:.1f} us, pairs: dsv4 {r['pair_us']:.1f} us"
+        if "incumbent_pair_us" in r:
+            s += f", {r['incumbent']} {r['incumbent_pair_us']:.1f} us, ratio {r['ratio_pair']:.2f}x"
     return s
 
 
@@ -60,6 +64,15 @@ def _nan(r: dict, key: str, spec: str = ".1f") -> str:
     return format(r.get(key, float("nan")), spec)
 
 
+# --predecessor rows: the GEMM alone and the two pairs (GEMM + attention), timed in one call.
+_PAIR_COLUMNS = ["GEMM us", "dsv4 pair us", "FlashMLA pair us", "ratio of pairs"]
+
+
+def _pair_cells(r: dict) -> list[str]:
+    rp = f"{r['ratio_pair']:.2f}x" if "ratio_pair" in r else "-"
+    return [_nan(r, "predecessor_us"), _nan(r, "pair_us"), _nan(r, "incumbent_pair_us"), rp]
+
+
 def tables(rows: list[dict]) -> list[Table]:
     """The markdown tables of compared rows, one per op (and per MoE mode)."""
     out = []
@@ -71,20 +84,25 @@ def tables(rows: list[dict]) -> list[Table]:
         sel = [r for r in rows if r["op"] == op and (kind is None or r["kind"] == kind)]
         if not sel:
             continue
+        pre = any("predecessor_us" in r for r in sel)
+        if pre:
+            title += " after V4's q-projection GEMM (us = pair - GEMM alone)"
         if op == "decode":
             t = Table(title, ["model", "layer", "context", "B", "dsv4 us", "FlashMLA us", "ratio", "dsv4 TFLOP/s",
-                              "% bf16 peak"], align="lllrrrrrr")
+                              "% bf16 peak"] + _PAIR_COLUMNS * pre, align="lllrrrrrr" + "rrrr" * pre)
             for r in sel:
                 ctx = f"{r['context'] // 1024}K" if r.get("context") else "any"
                 t.rows.append([r["model"], r["kind"].upper(), ctx, r["batch"], f"{r['dsv4_us']:.1f}",
-                               _nan(r, "incumbent_us"), _ratio(r), f"{r['tflops']:.0f}", _nan(r, "pct_gemm", ".0f")])
+                               _nan(r, "incumbent_us"), _ratio(r), _nan(r, "tflops", ".0f"),
+                               _nan(r, "pct_gemm", ".0f")] + _pair_cells(r) * pre)
         elif op == "prefill":
             t = Table(title, ["model", "indices", "T", "dsv4 us", "FlashMLA us", "ratio", "ratio incl. gather (est.)",
-                              "dsv4 TFLOP/s", "% bf16 peak"], align="llrrrrrrr")
+                              "dsv4 TFLOP/s", "% bf16 peak"] + _PAIR_COLUMNS * pre, align="llrrrrrrr" + "rrrr" * pre)
             for r in sel:
                 rg = f"{r['ratio_with_gather']:.2f}x" if "ratio_with_gather" in r else "-"
                 t.rows.append([r["model"], r["keys"], r["batch"], f"{r['dsv4_us']:.1f}", _nan(r, "incumbent_us"),
-                               _ratio(r), rg, f"{r['tflops']:.0f}", _nan(r, "pct_gemm", ".0f")])
+                               _ratio(r), rg, _nan(r, "tflops", ".0f"), _nan(r, "pct_gemm", ".0f")]
+                              + _pair_cells(r) * pre)
         else:
             t = Table(title, ["experts", "M", "dsv4 us", "Humming us", "ratio", "dsv4 TFLOP/s", "% bf16 peak",
                               "dsv4 TB/s (weights)", "% copy", "rel. L2 vs Humming"])
