@@ -17,7 +17,19 @@ bit); what differs: the fp32 accumulation order (tensor-core k32 sums, promotion
 the combine (as the NVFP4 path) and out to bf16. h's FP8 rounding then flips now and then
 where an ulp moves h * (1 / s) across a rounding boundary (one e4m3 step of one element).
 bf16 y and out alone give a relative L2 of ~1.1e-3 each on random data; 5e-3 leaves room
-for the flips, and W4A16 (no activation rounding) is ~2-3e-2 away."""
+for the flips, and W4A16 (no activation rounding) is ~2-3e-2 away.
+
+Hopper's FP8 tensor cores do not sum a k32 step (and the steps of a 128-chunk before the
+promotion) in full fp32: they keep ~14 bits relative to the largest product (DeepSeek-V3
+technical report, arXiv 2412.19437, section 3.3.2, measured on H800), which is why every
+FP8 GEMM here promotes per 128 of K. Products of blocks far below their chunk's largest
+lose bits there. Measured on the H200 (docs/perf-history/2026-12-04-mxfp4-w4a8-decode.md,
+look-back): weights whose chunks span 12-14 binades give 7e-3 (V4-Pro, M=64) and 1.2e-2
+(V4.1-Flash TP8, M=100) against the float32 reference; the same rows with one scale per
+chunk give 3.8e-3 and 2.4e-3, random weights 3e-3 (the float32 reference and a float64 one
+differ by 1e-7 on these cases, so the reference's own order is not it). The binade-spread
+cases therefore take 2e-2, the chunk-uniform ones 5e-3; a case of 6 tokens (opcheck) takes
+2e-2 too, where one flipped h element moves a token by ~1e-2."""
 
 import math
 import os
@@ -403,6 +415,17 @@ SHAPES = {  # K, N, E_global, E_local (a slice of the local experts: the kernels
 _GPU = {}
 
 
+def _chunk_uniform(w):
+    """The same weights with every block of a 128-chunk at its chunk's largest scale byte
+    (no range inside a chunk)."""
+    w = dict(w)
+    for k in ("w13_scale", "w2_scale"):
+        E, R, nb = w[k].shape
+        s4 = torch.nn.functional.pad(w[k], (0, (-nb) % 4)).reshape(E, R, -1, 4)
+        w[k] = s4.amax(-1, keepdim=True).expand_as(s4).reshape(E, R, -1)[..., :nb].contiguous()
+    return w
+
+
 def _gpu_model(name, spread=False):
     key = (name, spread)
     if key not in _GPU:
@@ -411,6 +434,8 @@ def _gpu_model(name, spread=False):
         K, N, _, E = SHAPES[name]
         w = _spread_weights(E, N, K, seed=K + N, device="cuda") if spread else _weights(E, N, K, seed=K + N,
                                                                                          device="cuda")
+        if spread == "chunk_uniform":
+            w = _chunk_uniform(w)
         _GPU[key] = (w, prepare_moe_weights(*(w[k] for k in MX), activation="fp8"))
     return _GPU[key]
 
@@ -440,7 +465,7 @@ def _gpu_case(name, M, seed, routing="uniform", use_map=True):
     return x, ids, tw, emap
 
 
-def _check(name, M, seed, routing="uniform", use_map=True, limit=10.0, ue8m0=True, spread=False):
+def _check(name, M, seed, routing="uniform", use_map=True, limit=10.0, ue8m0=True, spread=False, tol=5e-3):
     w, p = _gpu_model(name, spread)
     assert p.report["inexact_blocks"] == 0
     x, ids, tw, emap = _gpu_case(name, M, seed, routing, use_map)
@@ -450,7 +475,7 @@ def _check(name, M, seed, routing="uniform", use_map=True, limit=10.0, ue8m0=Tru
     ref = reference.mxfp4_moe(x, ids, tw, *(w[k] for k in MX), swiglu_limit=limit, activation="fp8", ue8m0=ue8m0,
                               expert_map=emap)
     err = _rel_l2(got, ref)
-    assert err <= 5e-3, f"relative L2 {err:.3e}"
+    assert err <= tol, f"relative L2 {err:.3e}"
     bf16 = reference.mxfp4_moe(x, ids, tw, *(w[k] for k in MX), swiglu_limit=limit, activation="bf16",
                                expert_map=emap)
     assert bool(ref.abs().max() > 0), "degenerate case: no local route"
@@ -473,8 +498,17 @@ def test_gpu_ragged_m(name, M):
 @pytest.mark.parametrize("name,M", [("flash", 8), ("pro", 64), ("v41_tp8", 100)])
 def test_gpu_binade_spread(name, M):
     """Blocks over ~40 binades along a row, 12-14 below their chunk's largest and 12-18 below
-    their row's largest (where Humming's per-expert window re-rounds): exact here."""
-    _check(name, M, seed=M + 21, spread=True)
+    their row's largest (where Humming's per-expert window re-rounds): exact weights here,
+    the tensor cores' FP8 sums within a chunk lose bits of the far blocks (module doc)."""
+    _check(name, M, seed=M + 21, spread=True, tol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,M", [("pro", 64), ("v41_tp8", 100)])
+def test_gpu_binade_spread_across_chunks(name, M):
+    """The same rows with one scale per 128-chunk: the ~40 binades only between chunks, where
+    the promotion's fp32 sum carries them, so the usual tolerance holds."""
+    _check(name, M, seed=M + 21, spread="chunk_uniform")
 
 
 @pytest.mark.gpu
@@ -551,7 +585,7 @@ def test_gpu_opcheck_and_cpu_agree():
     got = routed_moe(x, ids, tw, p, swiglu_limit=10.0)
     pc = prepare_moe_weights(*(w[k].cpu() for k in MX), activation="fp8")
     cpu = routed_moe(x.cpu(), ids.cpu(), tw.cpu(), pc, swiglu_limit=10.0)
-    assert _rel_l2(got.cpu(), cpu) <= 5e-3
+    assert _rel_l2(got.cpu(), cpu) <= 2e-2  # 6 tokens: one flipped h element is ~1e-2 (module doc)
 
 
 @pytest.mark.gpu
