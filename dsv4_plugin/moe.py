@@ -530,8 +530,8 @@ class DSV4DeepseekV4Config(DeepseekV4FP8Config):
         if not mxfp4_claimed():
             logger.info_once(
                 "dsv4 plugin: MXFP4 routed experts stay on vLLM's MoE kernels (Humming "
-                "W4A8, faster than dsv4's MXFP4 MoE on H200, docs/perf.md; DSV4_MOE_MXFP4=1 "
-                "selects dsv4's); attention runs dsv4"
+                "W4A8, faster than dsv4's MXFP4 MoE at prefill sizes on H200, docs/perf.md; "
+                "DSV4_MOE_MXFP4=1 selects dsv4's); attention runs dsv4"
             )
             return None
         return DSV4Mxfp4FusedMoE
