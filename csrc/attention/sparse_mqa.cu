@@ -17,6 +17,7 @@
 #include "common/checks.h"
 #include "common/dynamic_smem.h"
 #include "common/env.h"
+#include "common/launch.h"
 
 namespace dsv4 {
 namespace {
@@ -134,17 +135,8 @@ template <bool kFp8, int kNumSrc, bool kCoop = false>
 void launch_main(const SparseMqaParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
   constexpr auto kernel = attention::sparse_mqa_fwd_kernel<kFp8, kNumSrc, kCoop>;
   ensure_max_dynamic_smem<kernel>(attention::kSmemBytes);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(grid));
-  cfg.blockDim = dim3(attention::kThreads);
-  cfg.dynamicSmemBytes = attention::kSmemBytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+  launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(attention::kThreads), attention::kSmemBytes, stream,
+                pdl, p);
 }
 
 // The combine, one CTA per (token, head). With `pdl` it is launched with programmatic
@@ -153,17 +145,7 @@ void launch_main(const SparseMqaParams& p, int64_t grid, cudaStream_t stream, bo
 // the partials (sparse_mqa_combine.cuh), so its launch and prologue overlap the main
 // kernel's tail instead of following it. Captured into CUDA graphs as a programmatic edge.
 void launch_combine(const SparseMqaParams& p, int64_t ctas, cudaStream_t stream, bool pdl) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(ctas));
-  cfg.blockDim = dim3(128);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, attention::sparse_mqa_combine_kernel, p));
+  launch_kernel(attention::sparse_mqa_combine_kernel, dim3(static_cast<unsigned>(ctas)), dim3(128), 0, stream, pdl, p);
 }
 
 // Shared body: q4/out4 are [B, s_q, H, 512]; idx are [B, s_q, topk].

@@ -19,6 +19,7 @@
 #include "common/checks.h"
 #include "common/dynamic_smem.h"  // kMaxDevices
 #include "common/env.h"
+#include "common/launch.h"
 #include "common/workspace.h"
 #include "moe/config.h"
 #include "moe/mxfp4_gemm.cuh"
@@ -191,38 +192,22 @@ void layout_workspace(Carver& w, moe::MoeParams& rp, w4a8::W4A8Params& p, const 
 // (d) the op: parameters and launch
 // ---------------------------------------------------------------------------------
 
-template <typename Kernel>
-void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, bool pdl, cudaStream_t stream,
-            const w4a8::W4A8Params& p) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
-}
-
 template <int BN>
 void launch_gemms(const Mxfp4MoeConfig& cfg, const w4a8::W4A8Params& p, cudaStream_t stream) {
   const dim3 block(moe::kThreads);
   if (cfg.splitk) {
     using SK = w4a8::Smem<BN, kSplitKChunks>;
-    launch(w4a8::mxfp4_gemm_splitk_kernel<BN, kSplitKChunks, true>, dim3(unsigned(cfg.gemm1_ctas)), block,
-           SK::kBytes, cfg.pdl, stream, p);
-    launch(w4a8::mxfp4_gemm_splitk_kernel<BN, kSplitKChunks, false>, dim3(unsigned(cfg.gemm2_ctas)), block,
-           SK::kBytes, cfg.pdl, stream, p);
+    launch_kernel(w4a8::mxfp4_gemm_splitk_kernel<BN, kSplitKChunks, true>, dim3(unsigned(cfg.gemm1_ctas)), block,
+                  SK::kBytes, stream, cfg.pdl, p);
+    launch_kernel(w4a8::mxfp4_gemm_splitk_kernel<BN, kSplitKChunks, false>, dim3(unsigned(cfg.gemm2_ctas)), block,
+                  SK::kBytes, stream, cfg.pdl, p);
     return;
   }
   using S = w4a8::Smem<BN, kClassicChunks>;
-  launch(w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, true>, dim3(unsigned(p.N / 32), unsigned(cfg.max_tiles)), block,
-         S::kBytes, cfg.pdl, stream, p);
-  launch(w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, false>, dim3(unsigned(p.K / 64), unsigned(cfg.max_tiles)),
-         block, S::kBytes, cfg.pdl, stream, p);
+  launch_kernel(w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, true>, dim3(unsigned(p.N / 32), unsigned(cfg.max_tiles)),
+                block, S::kBytes, stream, cfg.pdl, p);
+  launch_kernel(w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, false>, dim3(unsigned(p.K / 64), unsigned(cfg.max_tiles)),
+                block, S::kBytes, stream, cfg.pdl, p);
 }
 
 void mxfp4_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights, const at::Tensor& w13,
@@ -290,7 +275,7 @@ void mxfp4_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor
   p.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
 
   moe::launch_routing(rp, cfg.multi_cta_route, stream);
-  launch(w4a8::mxfp4_quant_x_kernel, dim3(unsigned(cfg.quant_ctas)), dim3(256), 0, cfg.pdl, stream, p);
+  launch_kernel(w4a8::mxfp4_quant_x_kernel, dim3(unsigned(cfg.quant_ctas)), dim3(256), 0, stream, cfg.pdl, p);
   if (cfg.block_n == 8)
     launch_gemms<8>(cfg, p, stream);
   else

@@ -26,6 +26,7 @@
 #include "common/checks.h"
 #include "common/dynamic_smem.h"  // kMaxDevices
 #include "common/env.h"
+#include "common/launch.h"
 #include "common/workspace.h"
 #include "moe/config.h"
 #include "moe/nvfp4_gemm.cuh"
@@ -331,9 +332,9 @@ void launch_ws_gemms(const Nvfp4MoeConfig& cfg, const MoeParams& p, bool gemm2, 
   const dim3 grid(unsigned(cfg.ws_ctas));
   auto k1 = cfg.cluster == 2 ? moe::moe_gemm_ws_kernel<true, 2> : moe::moe_gemm_ws_kernel<true, 1>;
   auto k2 = cfg.cluster == 2 ? moe::moe_gemm_ws_kernel<false, 2> : moe::moe_gemm_ws_kernel<false, 1>;
-  moe::launch_moe_kernel(k1, grid, C::kThreads, C::kBytes, stream, cfg.pdl, p, cfg.cluster);
+  launch_kernel(k1, grid, C::kThreads, C::kBytes, stream, cfg.pdl, p, cfg.cluster);
   // Always programmatic: GEMM2 overlaps GEMM1's tail (see moe_gemm_ws_kernel).
-  if (gemm2) moe::launch_moe_kernel(k2, grid, C::kThreads, C::kBytes, stream, true, p, cfg.cluster);
+  if (gemm2) launch_kernel(k2, grid, C::kThreads, C::kBytes, stream, true, p, cfg.cluster);
 }
 
 template <int BN>
@@ -342,18 +343,18 @@ void launch_gemms(const Nvfp4MoeConfig& cfg, const MoeParams& p, bool gemm2, cud
   using S = moe::GemmSmem<BN, STAGES>;
   using SK = moe::GemmSmem<BN, SK_STAGES>;
   if (cfg.splitk) {
-    moe::launch_moe_kernel(moe::moe_gemm_splitk_kernel<BN, SK_STAGES, true>, dim3(unsigned(cfg.gemm1_ctas)),
+    launch_kernel(moe::moe_gemm_splitk_kernel<BN, SK_STAGES, true>, dim3(unsigned(cfg.gemm1_ctas)),
                            moe::kThreads, SK::kBytes, stream, cfg.pdl, p);
     if (gemm2)
-      moe::launch_moe_kernel(moe::moe_gemm_splitk_kernel<BN, SK_STAGES, false>, dim3(unsigned(cfg.gemm2_ctas)),
+      launch_kernel(moe::moe_gemm_splitk_kernel<BN, SK_STAGES, false>, dim3(unsigned(cfg.gemm2_ctas)),
                              moe::kThreads, SK::kBytes, stream, cfg.pdl, p);
     return;
   }
   const dim3 g1(unsigned(2 * p.N / moe::kTileRows), unsigned(p.max_tiles));
   const dim3 g2(unsigned(p.K / moe::kTileRows), unsigned(p.max_tiles));
-  moe::launch_moe_kernel(moe::moe_gemm_kernel<BN, STAGES, true>, g1, moe::kThreads, S::kBytes, stream, cfg.pdl, p);
+  launch_kernel(moe::moe_gemm_kernel<BN, STAGES, true>, g1, moe::kThreads, S::kBytes, stream, cfg.pdl, p);
   if (gemm2)
-    moe::launch_moe_kernel(moe::moe_gemm_kernel<BN, STAGES, false>, g2, moe::kThreads, S::kBytes, stream, cfg.pdl, p);
+    launch_kernel(moe::moe_gemm_kernel<BN, STAGES, false>, g2, moe::kThreads, S::kBytes, stream, cfg.pdl, p);
 }
 
 // The chain on the current stream; with full unset it stops after GEMM1 (debug op).

@@ -4,36 +4,11 @@
 
 #include <c10/cuda/CUDAException.h>
 
+#include "common/launch.h"
 #include "moe/routing.cuh"
 
 namespace dsv4 {
 namespace moe {
-
-void launch_moe_kernel(void (*kernel)(MoeParams), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
-                       const MoeParams& p, int cluster) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  int n = 0;
-  if (pdl) {
-    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n].val.programmaticStreamSerializationAllowed = 1;
-    ++n;
-  }
-  if (cluster > 1) {
-    attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = unsigned(cluster);
-    attr[n].val.clusterDim.y = 1;
-    attr[n].val.clusterDim.z = 1;
-    ++n;
-  }
-  cfg.attrs = attr;
-  cfg.numAttrs = n;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
-}
 
 void launch_routing(const MoeParams& p, bool multi_cta, cudaStream_t stream) {
   const size_t route_smem = size_t(4 * p.E + 1) * sizeof(int);  // see moe_route_kernel
@@ -58,12 +33,12 @@ void launch_routing(const MoeParams& p, bool multi_cta, cudaStream_t stream) {
 }
 
 void launch_gather(const MoeParams& p, int ctas, bool pdl, cudaStream_t stream) {
-  launch_moe_kernel(p.act_nvfp4 ? moe_gather_kernel<true> : moe_gather_kernel<false>, dim3(unsigned(ctas)), dim3(256),
+  launch_kernel(p.act_nvfp4 ? moe_gather_kernel<true> : moe_gather_kernel<false>, dim3(unsigned(ctas)), dim3(256),
                     0, stream, pdl, p);
 }
 
 void launch_combine(const MoeParams& p, int ctas, bool pdl, cudaStream_t stream) {
-  launch_moe_kernel(moe_combine_kernel, dim3(unsigned(ctas)), dim3(256), 0, stream, pdl, p);
+  launch_kernel(moe_combine_kernel, dim3(unsigned(ctas)), dim3(256), 0, stream, pdl, p);
 }
 
 }  // namespace moe

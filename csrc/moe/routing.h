@@ -1,8 +1,6 @@
 // Host launchers of the kernels around the MoE's grouped GEMMs (routing.cuh; their one
 // compilation is routing.cu), called by both ops: dsv4::nvfp4_moe (nvfp4_moe.cu) and
-// dsv4::mxfp4_moe (mxfp4_moe.cu). Also the launch helper of every MoeParams kernel
-// (programmatic launches, clusters), which nvfp4_moe.cu's GEMM launches use too.
-// Each launches on `stream`; none syncs the host.
+// dsv4::mxfp4_moe (mxfp4_moe.cu). Each launches on `stream`; none syncs the host.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,13 +11,6 @@
 
 namespace dsv4 {
 namespace moe {
-
-// `kernel` on grid x block with `smem` bytes of dynamic shared memory; pdl: with
-// programmatic stream serialization (the kernel may start while its predecessor in the
-// stream drains; see pdl_wait in common/ptx/pdl.cuh); cluster > 1: in clusters of that
-// many CTAs along x.
-void launch_moe_kernel(void (*kernel)(MoeParams), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
-                       const MoeParams& p, int cluster = 1);
 
 // Routing prep (moe_route_kernel): per local expert its slots' padded rows (slot_pos,
 // row_slot), the tile -> expert table (tile_expert, num_tiles), with p.ws the prefill

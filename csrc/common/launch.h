@@ -1,0 +1,40 @@
+// One host helper for every dsv4 kernel launch that needs launch attributes: programmatic
+// stream serialization (PDL: the kernel may be scheduled while its predecessor in the
+// stream drains; the kernel side is common/ptx/pdl.cuh) and thread-block clusters.
+// cudaLaunchKernelEx is captured into CUDA graphs like a plain launch (a programmatic edge
+// where `pdl`).
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+#include <cuda_runtime.h>
+
+namespace dsv4 {
+
+template <typename Params>
+void launch_kernel(void (*kernel)(Params), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
+                   const Params& p, int cluster = 1) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  int n = 0;
+  if (pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  if (cluster > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = unsigned(cluster);
+    attr[n].val.clusterDim.y = 1;
+    attr[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = n;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+}
+
+}  // namespace dsv4
