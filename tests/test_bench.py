@@ -509,7 +509,8 @@ def test_moe_vs_vllm_passes_the_formats_to_compare(rich_extra, no_env, capsys, m
 
 
 @pytest.mark.parametrize("argv", [["--moe-format", "mxfp4-w4a8", "--activation", "nvfp4"],
-                                  ["--moe-format", "nvfp4,fp8"], ["--variants", "sk=2"], ["--decode", "1,x"],
+                                  ["--moe-format", "nvfp4,fp8"], ["--variants", "sk=2"], ["--variants", "bn=48"],
+                                  ["--decode", "1,x"],
                                   ["--models", "flash,v5"]])
 def test_moe_rejects_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as e:

@@ -32,9 +32,10 @@ import dsv4._ops
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 OVERRIDES = ("DSV4_MOE_WS", "DSV4_MOE_SPLITK", "DSV4_MOE_DIRECT_X", "DSV4_MOE_PDL")
+CHOICES = {"DSV4_MOE_BLOCK_N": "`8`, `16`, `64`"}  # name -> README's values cell
 ATTN_OVERRIDES = ("DSV4_ATTN_PRICED_SPLITS", "DSV4_ATTN_PDL", "DSV4_ATTN_SPECIALIZE", "DSV4_ATTN_MAIN_PDL",
                   "DSV4_ATTN_COOP_ROUND")  # csrc/attention (tests/test_attention.py)
-VARIABLES = OVERRIDES + ("DSV4_PRINT_CONFIG",) + ATTN_OVERRIDES
+VARIABLES = OVERRIDES + tuple(CHOICES) + ("DSV4_PRINT_CONFIG",) + ATTN_OVERRIDES
 
 
 # ---------------------------------------------------------------- CPU ---------
@@ -55,13 +56,17 @@ def _readme_variables() -> dict[str, list[str]]:
 
 def test_env_h_and_readme_list_the_same_variables():
     env_h = (ROOT / "csrc/common/env.h").read_text()
-    read = re.findall(r'get\("(DSV4_[A-Z_]+)"\)', env_h)
+    read = re.findall(r'(?:get|parse_int_choice)\("(DSV4_[A-Z_]+)"', env_h)
     assert sorted(read) == sorted(VARIABLES)
     rows = _readme_variables()
     assert sorted(rows) == sorted(VARIABLES)
     for name, cells in rows.items():
         assert len(cells) == 3 and all(cells), f"README row {name}: values | default | effect, got {cells}"
-        assert cells[0] == "`0`, `1`", f"README row {name}: env.h's switches take 0 or 1, the row says {cells[0]}"
+        values = CHOICES.get(name, "`0`, `1`")
+        assert cells[0] == values, f"README row {name}: env.h takes {values}, the row says {cells[0]}"
+    for name, values in CHOICES.items():  # env.h's list of values is the README's
+        listed = re.search(rf'parse_int_choice\("{name}", [^{{]*\{{([^}}]*)\}}', env_h).group(1)
+        assert ", ".join(f"`{v.strip()}`" for v in listed.split(",")) == values
 
 
 def test_python_switches_follow_env_h(monkeypatch):
@@ -157,11 +162,12 @@ def test_debug_op_is_not_in_the_public_schema():
 def test_bench_moe_variants_map_to_the_overrides():
     from dsv4.bench.routines import moe as b
 
-    assert sorted(b.SWITCHES.values()) == sorted(OVERRIDES)
+    assert sorted(b.SWITCHES.values()) == sorted(OVERRIDES + tuple(CHOICES))
     assert b.variant_env("") == {}
+    assert b.variant_env("bn=64,sk=1") == {"DSV4_MOE_BLOCK_N": "64", "DSV4_MOE_SPLITK": "1"}
     assert b.variant_env(" sk=1, pdl=0 ") == {"DSV4_MOE_SPLITK": "1", "DSV4_MOE_PDL": "0"}
     assert b.variant_env("dx=0,ws=1") == {"DSV4_MOE_DIRECT_X": "0", "DSV4_MOE_WS": "1"}
-    for bad in ("sk=2", "sk", "xx=1", "pdl=", "sk=yes"):
+    for bad in ("sk=2", "sk", "xx=1", "pdl=", "sk=yes", "bn=1", "bn=32"):
         with pytest.raises(ValueError, match="moe --variants item"):
             b.variant_env(bad)
     argv = ["--quick", "--variants", "sk=0;sk=1", "--json", "a.json", "--decode=1,64", "--variants=x"]
@@ -285,16 +291,19 @@ def test_nvfp4_config_refusals():
     assert _nvfp4_config(M, 128, 64, 1, 1, 1)["ws"] == 1  # the persistent grid has no such bound
 
 
-MX_DEVICE = [132, 5, 5, 9, 4, 4, 8]  # sms; split-K GEMM1, GEMM2, classic GEMM1 CTAs per SM at 8, 16 tokens
+# sms; split-K GEMM1, GEMM2, classic GEMM1 CTAs per SM at 8, 16, 64 tokens
+MX_DEVICE = [132, 5, 5, 9, 4, 4, 8, 3, 3, 4]
+MX_BLOCK_NS = (8, 16, 64)
 
 
-def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=None):
+def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=None, block_n=None):
     """mxfp4_moe's get_best_config, written out (csrc/moe/config.h)."""
     S, per_expert = M * topk, M * topk / Eg
-    bn = 8 if per_expert <= 4 else 16
-    occ = device[1:4] if bn == 8 else device[4:7]
+    bn = block_n or (8 if per_expert <= 4 else 16 if per_expert <= 24 else 64)
+    i = MX_BLOCK_NS.index(bn)
+    occ = device[1 + 3 * i:4 + 3 * i]
     touched = E * (1 - (1 - 1 / E) ** (S * E / Eg))
-    sk = touched * (2 * N // 64) < occ[2] * device[0] if splitk is None else splitk
+    sk = bn <= 16 and touched * (2 * N // 64) < occ[2] * device[0] if splitk is None else splitk
     g1, g2 = (occ[0] * device[0], occ[1] * device[0]) if sk else (0, 0)
     return [bn, max(1, (S + min(E, S) * (bn - 1)) // bn), int(S > 8192), int(sk), g1, g2, max(g1, g2),
             1 if pdl is None else int(pdl), max(1, min((M * (K // 128) + 7) // 8, device[0] * 8))]
@@ -305,17 +314,26 @@ def test_mxfp4_config():
     config = torch.ops.dsv4_testing.mxfp4_moe_config
     shapes = [(9, 256, 128, 4, 4, 2), (1, 4096, 2048, 32, 256, 6), (1, 7168, 3072, 48, 384, 6),
               (64, 4096, 2048, 32, 256, 6), (512, 5120, 2304, 48, 384, 6), (512, 5120, 320, 384, 384, 6),
-              (4096, 4096, 2048, 32, 256, 6), (5000, 128, 64, 1, 1, 1)]
+              (4096, 4096, 2048, 32, 256, 6), (5000, 128, 64, 1, 1, 1), (1536, 4096, 2048, 32, 256, 6),
+              (2048, 4096, 2048, 32, 256, 6), (16384, 7168, 3072, 48, 384, 6), (8192, 4096, 320, 384, 384, 6)]
     for shape in shapes:
-        assert config(list(shape), MX_DEVICE, [-1, -1]) == _mxfp4_expected(*shape), shape
+        assert config(list(shape), MX_DEVICE, [-1, -1, -1]) == _mxfp4_expected(*shape), shape
         for sk, pdl in ((0, 1), (1, 0)):
-            assert config(list(shape), MX_DEVICE, [sk, pdl]) == _mxfp4_expected(*shape, splitk=bool(sk), pdl=pdl)
-    # the rules' plain cases, stated outright: decode sizes split K, the rest run the classic grid
-    assert config([1, 4096, 2048, 32, 256, 6], MX_DEVICE, [-1, -1])[3] == 1
-    assert config([4096, 4096, 2048, 32, 256, 6], MX_DEVICE, [-1, -1])[:4] == [16, 1566, 1, 0]
+            assert config(list(shape), MX_DEVICE, [sk, pdl, -1]) == _mxfp4_expected(*shape, splitk=bool(sk), pdl=pdl)
+        for bn in MX_BLOCK_NS:
+            assert config(list(shape), MX_DEVICE, [-1, -1, bn]) == _mxfp4_expected(*shape, block_n=bn), (shape, bn)
+    # the rules' plain cases, stated outright: decode sizes split K, the rest run the classic grid,
+    # the token tile grows with the expected tokens per local expert (M * 6 / 256 here)
+    assert config([1, 4096, 2048, 32, 256, 6], MX_DEVICE, [-1, -1, -1])[3] == 1
+    assert [config([M, 4096, 2048, 32, 256, 6], MX_DEVICE, [-1, -1, -1])[0]
+            for M in (170, 171, 1024, 1025, 16384)] == [8, 16, 16, 64, 64]
+    assert config([4096, 4096, 2048, 32, 256, 6], MX_DEVICE, [-1, -1, -1])[:4] == [64, 415, 1, 0]
     with pytest.raises(RuntimeError, match="dsv4: mxfp4_moe's GEMM grid takes at most 65535 token tiles, got 65536"):
-        config([65535 * 16 + 1, 128, 64, 1, 1, 1], MX_DEVICE, [0, -1])
-    assert config([65535 * 16 + 1, 128, 64, 1, 1, 1], MX_DEVICE, [1, -1])[3] == 1  # the persistent grid has no such bound
+        config([65535 * 16 + 1, 128, 64, 1, 1, 1], MX_DEVICE, [0, -1, 16])
+    # the persistent grid has no such bound
+    assert config([65535 * 16 + 1, 128, 64, 1, 1, 1], MX_DEVICE, [1, -1, 16])[3] == 1
+    with pytest.raises(RuntimeError, match="the block_n override is 8, 16, 64 or -1, got 48"):
+        config([64, 128, 64, 1, 1, 1], MX_DEVICE, [-1, -1, 48])
 
 
 # ---------------------------------------------------- GPU / extension ---------
@@ -370,7 +388,7 @@ def child_read_once() -> None:
 def test_switches_are_read_once_per_process():
     out = _child({"DSV4_MOE_WS": "1", "DSV4_MOE_PDL": "0", "DSV4_PRINT_CONFIG": "1"}, "child_read_once")
     first, again = json.loads(out.stdout.strip().splitlines()[-1])
-    assert first == again == [1, -1, -1, 0, 1]  # WS, SPLITK, DIRECT_X, PDL, PRINT_CONFIG
+    assert first == again == [1, -1, -1, 0, 1, -1]  # WS, SPLITK, DIRECT_X, PDL, PRINT_CONFIG, BLOCK_N
 
 
 def child_bad_value() -> None:
@@ -394,6 +412,14 @@ def child_bad_value() -> None:
 def test_bad_value_is_an_error(name):
     out = _child({name: "yes"}, "child_bad_value")
     msg = f'ERROR: dsv4: environment variable {name} must be 0 or 1 (or unset), got "yes"'
+    assert out.stdout.strip().splitlines()[-2:] == [msg, msg]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad", ["yes", "32", "064", " 64", "-1"])
+def test_bad_block_n_is_an_error(bad):
+    out = _child({"DSV4_MOE_BLOCK_N": bad}, "child_bad_value")
+    msg = f'ERROR: dsv4: environment variable DSV4_MOE_BLOCK_N must be one of 8, 16, 64 (or unset), got "{bad}"'
     assert out.stdout.strip().splitlines()[-2:] == [msg, msg]
 
 
@@ -489,11 +515,18 @@ def test_printed_config_follows_the_rules():
     assert {k: debug[k] for k in _expected_config(debug)} == _expected_config(debug)
     assert debug["workspace_bytes"] == _expected_workspace(debug, full=False)
     up = lambda b: (b + 255) // 256 * 256  # noqa: E731
-    S, tiles = 9 * 2, max(1, (9 * 2 + min(4, 18) * 7) // 8)
-    rows = tiles * 8
-    assert (mx["block_n"], mx["max_tiles"], mx["N"], mx["K"]) == (8, tiles, 128, 256)
-    assert mx["workspace_bytes"] == (up(4 * (S + rows + 2 * tiles + 2)) + up(9 * 256) + up(9 * 2 * 4) + up(rows * 128)
-                                     + up(rows * 1 * 4) + up(rows * 256 * 2))
+    # M = 9, K = 256, N = 128, 4 experts, top-2: 4.5 expected tokens per expert -> 16-row tiles
+    S, bn, G1, G2 = 9 * 2, 16, 2, 1
+    tiles = max(1, (S + min(4, S) * (bn - 1)) // bn)
+    rows, sk = tiles * bn, mx["sk_ctas"]
+    assert (mx["block_n"], mx["max_tiles"], mx["N"], mx["K"]) == (bn, tiles, 128, 256)
+    # mxfp4_moe.cu's layout_workspace: ints (slot_pos, row_slot, tile_expert, num_tiles,
+    # error_flag, sk_count, group_ready, group_left, combine_left) | xg | xgs | hf | hq | hs | y |
+    # [split-K partials]
+    n_ints = S + rows + tiles + 2 + 2 * sk + tiles + tiles * G2 + 9 * (256 // 64)
+    assert mx["workspace_bytes"] == (up(4 * n_ints) + up(rows * 256) + up(rows * G1 * 4) + up(rows * 128 * 4)
+                                     + up(rows * G2 * 128) + up(rows * G2 * 4) + up(rows * 256 * 2)
+                                     + (up(2 * sk * 64 * bn * 4) if mx["splitk"] else 0))
 
 
 # Every override on the cases it changes, against the reference (the test functions of

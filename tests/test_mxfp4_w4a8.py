@@ -33,6 +33,7 @@ cases therefore take 2e-2, the chunk-uniform ones 5e-3; a case of 6 tokens (opch
 
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -551,6 +552,40 @@ def test_gpu_forced_grids(splitk):
             % (os.path.dirname(__file__), splitk))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,M", [("flash", 2048), ("v41_tp8", 4096), ("flash", 8192), ("pro", 6000)])
+def test_gpu_wide_token_tiles(name, M):
+    """The 64-row token tiles of larger M (csrc/moe/config.h: 48 to 192 expected tokens per
+    local expert here), on full tiles and each expert's ragged last one."""
+    _check(name, M, seed=M + 61, use_map=M != 8192)
+
+
+def _child_block_n() -> None:
+    """Every case at the one token tile this process was given (DSV4_MOE_BLOCK_N), from
+    one token (a tile of padding rows but one) to several tiles per expert. The one-token
+    case measured 5.6e-3 at every tile alike (the FP8 tensor-core sums of one token, not
+    averaged over others: module doc), so it gets 8e-3."""
+    _check("flash", 1, seed=72, tol=8e-3)
+    for name, M in (("flash", 17), ("pro", 64), ("v41_tp8", 300), ("v41", 1000)):
+        _check(name, M, seed=M + 71, use_map=M % 2 == 1)
+    _check("pro", 64, seed=72, spread="chunk_uniform")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n,splitk", [("8", ""), ("16", ""), ("64", ""), ("8", "0"), ("64", "1")])
+def test_gpu_forced_token_tiles(block_n, splitk):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_")}
+    env.update(DSV4_MOE_BLOCK_N=block_n, DSV4_MOE_SPLITK=splitk, DSV4_PRINT_CONFIG="1")
+    code = "import sys; sys.path.insert(0, %r); import test_mxfp4_w4a8 as t; t._child_block_n()" % os.path.dirname(
+        __file__)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    printed = re.findall(r"^dsv4 config mxfp4_moe: .* block_n=(\d+) .* splitk=(\d)", r.stderr, re.M)
+    assert printed and all(bn == block_n for bn, _ in printed), printed  # the override in effect on every call
+    if splitk:
+        assert all(sk == "1" for _, sk in printed), printed
 
 
 @pytest.mark.gpu

@@ -10,7 +10,9 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <optional>
+#include <string>
 
 namespace dsv4 {
 namespace env {
@@ -24,6 +26,21 @@ inline std::optional<bool> parse_switch(const char* name, const char* value) {
   return value[0] == '1';
 }
 
+// A choice among a few integers: unset or empty -> std::nullopt, else exactly the
+// decimal spelling of one of `allowed` (no sign, spaces or leading zeros); anything else
+// is an error naming the variable and the values.
+inline std::optional<int> parse_int_choice(const char* name, const char* value, std::initializer_list<int> allowed) {
+  if (value == nullptr || value[0] == '\0') return std::nullopt;
+  std::string list;
+  for (int a : allowed) {
+    if (std::to_string(a) == value) return a;
+    list += (list.empty() ? "" : ", ") + std::to_string(a);
+  }
+  TORCH_CHECK(false, "dsv4: environment variable ", name, " must be one of ", list, " (or unset), got \"", value,
+              "\"");
+  return std::nullopt;
+}
+
 struct Switches {
   // MoE kernel choice (csrc/moe/config.h, get_best_config; split-K and PDL serve both
   // ops, the others nvfp4_moe); unset: automatic.
@@ -31,6 +48,7 @@ struct Switches {
   std::optional<bool> moe_splitk;    // DSV4_MOE_SPLITK: the split-K persistent GEMM grid
   std::optional<bool> moe_direct_x;  // DSV4_MOE_DIRECT_X: 0 keeps the gather kernel in bf16 decode
   std::optional<bool> moe_pdl;       // DSV4_MOE_PDL: programmatic dependent launches
+  std::optional<int> moe_block_n;    // DSV4_MOE_BLOCK_N: mxfp4_moe's token tile (8, 16 or 64)
   bool print_config;                 // DSV4_PRINT_CONFIG=1: each MoE call prints its config to stderr
   // Sparse MQA attention (csrc/attention/sparse_mqa.cu); unset: the library's rule.
   std::optional<bool> attn_priced_splits;  // DSV4_ATTN_PRICED_SPLITS: 0 = the earlier split-count rule
@@ -47,6 +65,7 @@ inline Switches read_switches() {
   s.moe_splitk = get("DSV4_MOE_SPLITK");
   s.moe_direct_x = get("DSV4_MOE_DIRECT_X");
   s.moe_pdl = get("DSV4_MOE_PDL");
+  s.moe_block_n = parse_int_choice("DSV4_MOE_BLOCK_N", std::getenv("DSV4_MOE_BLOCK_N"), {8, 16, 64});
   s.print_config = get("DSV4_PRINT_CONFIG").value_or(false);
   s.attn_priced_splits = get("DSV4_ATTN_PRICED_SPLITS");
   s.attn_pdl = get("DSV4_ATTN_PDL");

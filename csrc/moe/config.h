@@ -182,14 +182,14 @@ struct Mxfp4MoeShape {
 // What the kernel choice needs to know about one device (mxfp4_moe.cu's device_facts).
 struct Mxfp4DeviceFacts {
   int sms;
-  GemmOccupancy occ[2];  // token tiles 8, 16
+  GemmOccupancy occ[3];  // token tiles 8, 16, 64
 
-  const GemmOccupancy& occupancy(int block_n) const { return occ[block_n == 8 ? 0 : 1]; }
+  const GemmOccupancy& occupancy(int block_n) const { return occ[block_n == 8 ? 0 : block_n == 16 ? 1 : 2]; }
 };
 
 // What one call launches (mxfp4_moe.cu's launch reads nothing else to decide).
 struct Mxfp4MoeConfig {
-  int block_n;           // token tile: 8 or 16 (mma.sync)
+  int block_n;           // token tile: 8, 16 or 64
   int max_tiles;         // bound on the token tiles (grids, workspace)
   bool multi_cta_route;  // routing on many CTAs: count -> tables -> place
   bool splitk;           // split-K persistent grid (mxfp4_gemm_splitk_kernel)
@@ -199,14 +199,15 @@ struct Mxfp4MoeConfig {
 };
 
 // The kernel choice, the NVFP4 op's rules where they apply: the token tile of
-// pick_block_n capped at 16 (there is no W4A8 prefill kernel yet, so larger M run the
-// 16-token tile on the classic grid), split-K by splitk_by_items with this op's
-// occupancy, PDL on (every tile is a decode tile); DSV4_MOE_SPLITK and DSV4_MOE_PDL
-// override.
+// pick_block_n (8, 16, then 64 from 24 expected tokens per local expert; tiles of 32 and
+// 128 rows measured slower than 64 at every prefill size of the three models,
+// docs/perf-history/2026-12-04-mxfp4-w4a8-token-tiles.md; DSV4_MOE_BLOCK_N overrides),
+// split-K by splitk_by_items with this op's occupancy (decode tiles only), PDL on;
+// DSV4_MOE_SPLITK and DSV4_MOE_PDL override.
 inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceFacts& d, const env::Switches& o) {
   Mxfp4MoeConfig cfg{};
   const int64_t S = c.M * c.topk;
-  cfg.block_n = std::min(pick_block_n(c.M, c.topk, c.E_global), 16);
+  cfg.block_n = o.moe_block_n.value_or(pick_block_n(c.M, c.topk, c.E_global));
   const int64_t busy = std::min<int64_t>(c.E, S);
   cfg.max_tiles = int(std::max<int64_t>(1, (S + busy * (cfg.block_n - 1)) / cfg.block_n));
   cfg.multi_cta_route = S > kMultiCtaRouteSlots;

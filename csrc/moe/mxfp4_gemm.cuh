@@ -1,13 +1,14 @@
 // The kernels of the MXFP4 W4A8 MoE (dsv4::mxfp4_moe, launched by mxfp4_moe.cu), on the
 // NVFP4 decode skeleton (nvfp4_gemm.cuh): "swap AB" grouped GEMMs whose A operand is 64
 // weight rows per CTA, converted e2m1 -> e4m3 in registers, and whose B operand is the
-// token tile (block_n = 8 or 16 FP8 token rows in shared memory), multiplied with
+// token tile (block_n = 8, 16 or 64 FP8 token rows in shared memory), multiplied with
 // wgmma.m64nNk32.e4m3 with A from registers (native FP8: on sm_90a ptxas emulates an
 // e4m3 mma.sync through f16 MMAs, 12 conversions + 2 HMMA + 4 FADD per m16n8k32, which is
 // why the decode tiles here are not on mma.sync as the NVFP4 ones are); a ring of
 // 128-wide K chunks in shared memory (weights by two bulk copies per ring slot, token
-// rows and their scales by two more, from GEMM-ready tiles, from GEMM-ready tiles); a classic grid (mxfp4_gemm_kernel) or split-K on a
-// persistent grid (mxfp4_gemm_splitk_kernel) with a deterministic fixup; PDL.
+// rows and their scales by two more, from GEMM-ready tiles); a classic grid
+// (mxfp4_gemm_kernel) or split-K on a persistent grid (mxfp4_gemm_splitk_kernel) with a
+// deterministic fixup; PDL.
 //
 // Chain (mxfp4_moe.cu): routing (routing.cuh) -> mxfp4_quant_x_kernel -> GEMM1 -> GEMM2.
 //
@@ -310,7 +311,8 @@ __device__ __forceinline__ void gemm2_epilogue(const W4A8Params& p, const float 
   }
   __threadfence();
   __syncthreads();
-  __shared__ int s_token[16];  // token whose count this CTA completed, per tile row; -1 = none
+  static_assert(BN <= kThreads, "one thread per token tile row");
+  __shared__ int s_token[BN];  // token whose count this CTA completed, per tile row; -1 = none
   if (tid < BN) {
     const int slot = p.row_slot[row0 + tid];
     int m = -1;

@@ -151,6 +151,7 @@ const Mxfp4DeviceFacts& device_facts() {
     f.sms = at::cuda::getDeviceProperties(dev)->multiProcessorCount;
     f.occ[0] = gemm_setup<8>();
     f.occ[1] = gemm_setup<16>();
+    f.occ[2] = gemm_setup<64>();
     facts[dev] = f;
   });
   return facts[dev];
@@ -276,10 +277,11 @@ void mxfp4_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor
 
   moe::launch_routing(rp, cfg.multi_cta_route, stream);
   launch_kernel(w4a8::mxfp4_quant_x_kernel, dim3(unsigned(cfg.quant_ctas)), dim3(256), 0, stream, cfg.pdl, p);
-  if (cfg.block_n == 8)
-    launch_gemms<8>(cfg, p, stream);
-  else
-    launch_gemms<16>(cfg, p, stream);
+  switch (cfg.block_n) {
+    case 8: launch_gemms<8>(cfg, p, stream); break;
+    case 16: launch_gemms<16>(cfg, p, stream); break;
+    default: launch_gemms<64>(cfg, p, stream); break;
+  }
 }
 
 }  // namespace

@@ -146,7 +146,7 @@ constexpr int kScaleTile = kTileRows * 4;           // 256 bytes: one scale word
 struct W4A8Params {
   int M, topk, K, N;                // N: the padded intermediate size (multiple of 64)
   int G2;                           // ceil(N / 128): GEMM2's K chunks, h's FP8 groups
-  int block_n;                      // token tile (8 or 16)
+  int block_n;                      // token tile (8, 16 or 64)
   int max_tiles;
   int ue8m0, has_limit;
   float swiglu_limit;

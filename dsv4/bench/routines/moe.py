@@ -19,7 +19,8 @@ modes exist for the bf16 / nvfp4 kernels (MXFP4 W4A16 runs on them), not for W4A
 split-K persistent GEMM grid off/on; pdl -> DSV4_MOE_PDL: programmatic dependent launch
 off/on; dx -> DSV4_MOE_DIRECT_X: bf16 decode GEMM1 reading x itself instead of a gather
 kernel; ws -> DSV4_MOE_WS: 0 runs the one-warpgroup prefill GEMMs instead of the
-warp-specialized ones; README.md, "Environment variables"). The library reads them once per
+warp-specialized ones; bn -> DSV4_MOE_BLOCK_N: the MXFP4 W4A8 token tile, 8, 16 or 64;
+README.md, "Environment variables"). The library reads them once per
 process, so each variant runs in a child process of its own and the rows are merged.
 --profile prints per-kernel device times (torch.profiler) of the decode sizes.
 """
@@ -43,7 +44,9 @@ from ..models import MODELS
 from ..report import Table, print_tables, to_markdown
 
 SUMMARY = "routed-expert MoE (NVFP4, MXFP4) rates against a bf16 grouped-GEMM baseline and the same-run ceilings"
-SWITCHES = {"sk": "DSV4_MOE_SPLITK", "pdl": "DSV4_MOE_PDL", "dx": "DSV4_MOE_DIRECT_X", "ws": "DSV4_MOE_WS"}
+SWITCHES = {"sk": "DSV4_MOE_SPLITK", "pdl": "DSV4_MOE_PDL", "dx": "DSV4_MOE_DIRECT_X", "ws": "DSV4_MOE_WS",
+            "bn": "DSV4_MOE_BLOCK_N"}
+VALUES = {"bn": ("8", "16", "64")}  # the others: "0", "1"
 N_SETS = 4
 
 
@@ -63,8 +66,9 @@ def variant_env(v: str) -> dict[str, str]:
     env = {}
     for kv in filter(None, (p.strip() for p in v.split(","))):
         k, sep, val = (s.strip() for s in kv.partition("="))
-        if k not in SWITCHES or not sep or val not in ("0", "1"):
-            raise ValueError(f"dsv4: moe --variants item {kv!r} must be k=0 or k=1 with k one of {sorted(SWITCHES)}")
+        if k not in SWITCHES or not sep or val not in VALUES.get(k, ("0", "1")):
+            raise ValueError(f"dsv4: moe --variants item {kv!r} must be k=0 or k=1 with k one of "
+                             f"{sorted(set(SWITCHES) - set(VALUES))}, or bn={'|'.join(VALUES['bn'])}")
         env[SWITCHES[k]] = val
     return env
 
@@ -99,7 +103,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prefill", type=sizes, default=None,
                     help="prefill M, comma-separated (default 2048,8192,16384; --quick 8192); '' = none")
     ap.add_argument("--variants", default="", help="';'-separated sets of k=v switches, e.g. 'sk=0,pdl=0;sk=1,pdl=1' "
-                                                   f"(k one of {', '.join(SWITCHES)}; v 0 or 1)")
+                                                   f"(k one of {', '.join(SWITCHES)}; v 0 or 1, bn: a token tile)")
     ap.add_argument("--profile", action="store_true", help="per-kernel device times at decode sizes")
     ap.add_argument("--vs", choices=["vllm"], default=None,
                     help="side by side with vLLM 0.33.0's Humming W4A16 (NVFP4) and W4A8 (MXFP4) MoE instead: runs "
