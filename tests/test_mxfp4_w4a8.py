@@ -508,7 +508,8 @@ def test_gpu_binade_spread(name, M):
 @pytest.mark.parametrize("name,M", [("pro", 64), ("v41_tp8", 100)])
 def test_gpu_binade_spread_across_chunks(name, M):
     """The same rows with one scale per 128-chunk: the ~40 binades only between chunks, where
-    the promotion's fp32 sum carries them, so the usual tolerance holds."""
+    the promotion's fp32 sum carries them, so the usual tolerance holds here (2.4-3.8e-3;
+    another seed of the same case measured 5.6e-3, see _child_block_n)."""
     _check(name, M, seed=M + 21, spread="chunk_uniform")
 
 
@@ -564,13 +565,12 @@ def test_gpu_wide_token_tiles(name, M):
 
 def _child_block_n() -> None:
     """Every case at the one token tile this process was given (DSV4_MOE_BLOCK_N), from
-    one token (a tile of padding rows but one) to several tiles per expert. The one-token
-    case measured 5.6e-3 at every tile alike (the FP8 tensor-core sums of one token, not
-    averaged over others: module doc), so it gets 8e-3."""
-    _check("flash", 1, seed=72, tol=8e-3)
-    for name, M in (("flash", 17), ("pro", 64), ("v41_tp8", 300), ("v41", 1000)):
+    one token (a tile of padding rows but one) to several tiles per expert. The
+    chunk-uniform wide-range case measured 5.6e-3 at every tile and grid alike (8, 16, 64,
+    split-K or not): the rounding of its FP8 sums, not the tile, so it gets 8e-3."""
+    for name, M in (("flash", 1), ("flash", 17), ("pro", 64), ("v41_tp8", 300), ("v41", 1000)):
         _check(name, M, seed=M + 71, use_map=M % 2 == 1)
-    _check("pro", 64, seed=72, spread="chunk_uniform")
+    _check("pro", 64, seed=72, spread="chunk_uniform", tol=8e-3)
 
 
 @pytest.mark.gpu
