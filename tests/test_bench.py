@@ -142,6 +142,13 @@ def test_model_table_has_the_design_facts():
     assert [m.moe_name() for m in MODELS.values()] == ["V4-Flash local-32", "V4-Pro local-48",
                                                        "V4.1-Flash local-48"]
     assert (MODELS["flash"].prefill_topk, MODELS["pro"].prefill_topk) == (640, 1152)
+    # the MoE shapes: the models' EP8 ranks, and V4.1-Flash's TP8 rank (every expert, N / 8)
+    from dsv4.bench.models import MOE_MODELS
+    tp8 = MOE_MODELS["v41flash-tp8"]
+    assert {k: MOE_MODELS[k] for k in MODELS} == MODELS
+    assert (tp8.hidden, tp8.n_experts, tp8.moe_inter, tp8.local_experts(), tp8.local_experts(4)) == \
+        (5120, 384, 288, 384, 384)
+    assert tp8.moe_name() == "V4.1-Flash TP8 N=288"
 
 
 def test_one_room_for_head_dim_and_window():
@@ -437,6 +444,9 @@ def test_compare_dry_run_lists_the_w4a8_row_set(rich_extra, no_env, capsys):
     assert "MXFP4" not in out and "4 cases listed" in out
     assert compare(*argv, "--moe-format", "mxfp4-w4a8") == 0
     assert "NVFP4" not in capsys.readouterr().out
+    assert compare("--dry-run", "--only", "moe", "--moe-models", "v41flash-tp8", "--moe-m", "1",
+                   "--moe-format", "mxfp4-w4a8") == 0
+    assert "V4.1-Flash TP8 N=288 MXFP4 W4A8 M=1" in capsys.readouterr().out
 
 
 def test_compare_mxfp4_w4a16_is_measured_against_what_vllm_runs_for_mxfp4(rich_extra, no_env, capsys):

@@ -14,7 +14,7 @@ from typing import Optional
 
 from ..formats.kv_cache import HEAD_DIM, WINDOW
 
-__all__ = ["HEAD_DIM", "WINDOW", "SOFTMAX_SCALE", "KINDS", "RATIO", "BENCH_EP", "ModelShape", "MODELS",
+__all__ = ["HEAD_DIM", "WINDOW", "SOFTMAX_SCALE", "KINDS", "RATIO", "BENCH_EP", "ModelShape", "MODELS", "MOE_MODELS",
            "SCHEDULED", "tiny_shape"]
 
 SOFTMAX_SCALE = HEAD_DIM**-0.5
@@ -44,13 +44,17 @@ class ModelShape:
     experts_per_token: int = 6
     swiglu_limit: float = 10.0
     window: int = WINDOW
+    moe_tp: int = 1  # > 1: one tensor-parallel rank of the MoE (every expert, moe_inter its N slice)
 
     def local_experts(self, ep: int = BENCH_EP) -> int:
-        """Experts one rank of expert parallelism ``ep`` holds."""
-        return self.n_experts // ep
+        """Experts one rank of expert parallelism ``ep`` holds (a tensor-parallel rank: all)."""
+        return self.n_experts // (1 if self.moe_tp > 1 else ep)
 
     def moe_name(self, ep: int = BENCH_EP) -> str:
-        """'V4-Flash local-32': the MoE row label of one EP rank."""
+        """'V4-Flash local-32' (one EP rank) or 'V4.1-Flash TP8 N=288' (one TP rank): the MoE
+        row label."""
+        if self.moe_tp > 1:
+            return f"{self.name} TP{self.moe_tp} N={self.moe_inter}"
         return f"{self.name} local-{self.local_experts(ep)}"
 
     @property
@@ -77,6 +81,10 @@ MODELS = {
     "v41flash": ModelShape("v41flash", "V4.1-Flash", hidden=5120, n_layers=40, heads=64, index_topk=512,
                            n_experts=384, moe_inter=2304, layers=None),
 }
+# The MoE benchmarks' shapes: each model's EP8 rank, and V4.1-Flash at tensor parallel 8
+# (all 384 experts, 2304 / 8 = 288 columns per gate / up half, which dsv4 pads to 320).
+MOE_MODELS = {**MODELS, "v41flash-tp8": replace(MODELS["v41flash"], key="v41flash-tp8", moe_tp=8,
+                                                moe_inter=MODELS["v41flash"].moe_inter // 8)}
 # The models with a V4 layer schedule (SWA / CSA / HCA): the attention benchmarks' choices.
 SCHEDULED = tuple(k for k, m in MODELS.items() if m.layers is not None)
 

@@ -36,7 +36,7 @@ from ..argtypes import anchor_paths, context_list, int_list, name_list
 from ..cases import PREDECESSORS, DecodePools, QProjection, decode_case, dsv4_decode, prefill_case
 from ..experts import MOE_LABELS, dsv4_moe, moe_cases, moe_format_list, moe_routing, prepare, random_experts
 from ..incumbents import MOE_INCUMBENTS
-from ..models import HEAD_DIM, KINDS, MODELS, SCHEDULED, SOFTMAX_SCALE
+from ..models import HEAD_DIM, KINDS, MODELS, MOE_MODELS, SCHEDULED, SOFTMAX_SCALE
 from .compare_tables import fmt_case, line, markdown, render
 
 SUMMARY = "dsv4 side by side with the kernels vLLM 0.33.0 runs on Hopper (FlashMLA SM90, Humming)"
@@ -186,7 +186,7 @@ def moe_rows(anchors, models, Ms, iters: int, cases=(("nvfp4", "bf16"),)) -> lis
         fmt, act = case
         kind, inc_name = MOE_LABELS[case], MOE_INCUMBENTS[case]
         for mname in models:
-            m = MODELS[mname]
+            m = MOE_MODELS[mname]
             w = random_experts(fmt, m.local_experts(), m.moe_inter, m.hidden, dev)
             prepared = prepare(w, fmt, act)
             hum, why = None, moe_incumbent_missing(anchors, case)
@@ -247,8 +247,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--context", type=context_list, default=DEFAULT_CONTEXT,
                     help="decode context lengths, K = 1024 (default 4K,32K,128K; SWA runs the first only)")
     ap.add_argument("--tokens", type=int_list, default=DEFAULT_TOKENS, help="prefill tokens T (default 4096,16384)")
-    ap.add_argument("--moe-models", type=name_list(MODELS), default=list(MODELS),
-                    help="MoE models, the local experts of EP8 rank 0: flash, pro, v41flash (default all)")
+    ap.add_argument("--moe-models", type=name_list(MOE_MODELS), default=list(MOE_MODELS),
+                    help="MoE models: flash, pro, v41flash (the local experts of EP8 rank 0), v41flash-tp8 (one "
+                         "tensor-parallel rank of 8: all 384 experts, N = 288) (default all)")
     ap.add_argument("--moe-m", type=int_list, default=DEFAULT_MOE_M,
                     help="MoE tokens M (default 1,8,32,64,128,512,2048,8192,16384)")
     ap.add_argument("--moe-format", type=moe_format_list, default=DEFAULT_MOE_FORMATS,
@@ -291,7 +292,7 @@ def _listed(args) -> list[dict]:
         rows += [dict(op="prefill", model=MODELS[m].name, kind=f"topk {MODELS[m].prefill_topk}", batch=t,
                       dsv4_us=None) for m in args.models for t in args.tokens]
     if "moe" in args.only:
-        rows += [dict(op="moe", model=MODELS[m].moe_name(), kind=MOE_LABELS[c], batch=M, dsv4_us=None,
+        rows += [dict(op="moe", model=MOE_MODELS[m].moe_name(), kind=MOE_LABELS[c], batch=M, dsv4_us=None,
                       incumbent=MOE_INCUMBENTS[c])
                  for c in moe_cases(args.moe_format) for m in args.moe_models for M in args.moe_m]
     return rows

@@ -40,7 +40,7 @@ from .. import traffic
 from ..argtypes import name_list
 from ..experts import MOE_LABELS, MoeSetup, dsv4_moe, moe_bf16_baseline, moe_cases, moe_format_list, moe_routing
 from ..experts import quantized_experts
-from ..models import MODELS
+from ..models import MOE_MODELS
 from ..report import Table, print_tables, to_markdown
 
 SUMMARY = "routed-expert MoE (NVFP4, MXFP4) rates against a bf16 grouped-GEMM baseline and the same-run ceilings"
@@ -93,8 +93,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "mxfp4-w4a8, the formats with a vLLM incumbent)")
     ap.add_argument("--activation", default="bf16", choices=["bf16", "nvfp4", "both"],
                     help="the NVFP4 experts' activation modes: bf16 (W4A16, default), nvfp4 (W4A4) or both")
-    ap.add_argument("--models", type=name_list(MODELS), default=["flash", "pro"],
-                    help="models, comma-separated: flash, pro, v41flash (default flash,pro)")
+    ap.add_argument("--models", type=name_list(MOE_MODELS), default=["flash", "pro"],
+                    help="models, comma-separated: flash, pro, v41flash (EP8 rank 0), v41flash-tp8 (a TP8 rank) "
+                         "(default flash,pro)")
     ap.add_argument("--iters", type=int, default=30, help="timed calls per case (default 30)")
     ap.add_argument("--json", help="also write the rows and ceilings here")
     ap.add_argument("--markdown", default=None, help="also write the table as markdown here")
@@ -223,8 +224,8 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for name in args.models:
         for fmt in dict.fromkeys(f for f, _ in cases):
-            rows += _model_rows(args, MODELS[name], fmt, [a for f, a in cases if f == fmt], decode, prefill, variant,
-                                copy_tbps, gemm_tflops)
+            acts = [a for f, a in cases if f == fmt]
+            rows += _model_rows(args, MOE_MODELS[name], fmt, acts, decode, prefill, variant, copy_tbps, gemm_tflops)
             torch.cuda.empty_cache()  # the experts of one (model, format) are freed with its rows' frame
     if args.json:
         with open(args.json, "w") as f:
