@@ -370,9 +370,22 @@ def _layer_summary(model) -> dict:
     return kinds
 
 
+def _compilation(graphs: bool, no_compile: bool) -> dict | None:
+    """vLLM's default with graphs (torch.compile, piecewise + full CUDA graphs), few capture
+    sizes; ``no_compile``: CUDA graphs of the whole decode step without torch.compile (the
+    fallback if Inductor on torch 2.11 fails under vLLM 0.33.0's compiler passes).
+    ``enforce_eager`` turns both off (vllm/config/vllm.py)."""
+    if not graphs:
+        return None
+    cc = {"cudagraph_capture_sizes": [1, 2, 4]}
+    if no_compile:
+        cc.update(mode=0, cudagraph_mode="FULL_DECODE_ONLY")
+    return cc
+
+
 def cmd_one(args) -> int:
     cfg = next(c for c in configs() if c["name"] == args.config)
-    result = {"name": cfg["name"], "stage": "workarounds"}
+    result = {"name": cfg["name"], "stage": "workarounds", "compile": cfg["graphs"] and not args.no_compile}
 
     def emit():
         print("SMOKE_JSON " + json.dumps(result), flush=True)
@@ -388,7 +401,7 @@ def cmd_one(args) -> int:
                   max_model_len=2048, max_num_seqs=4, max_num_batched_tokens=2048, gpu_memory_utilization=0.25,
                   enforce_eager=not cfg["graphs"], attention_backend=cfg["backend"],
                   kernel_config={"enable_jit_warmup": False},
-                  compilation_config={"cudagraph_capture_sizes": [1, 2, 4]} if cfg["graphs"] else None)
+                  compilation_config=_compilation(cfg["graphs"], args.no_compile))
         result["startup_s"] = round(time.time() - t, 1)
         result["stage"] = "layers"
         try:
@@ -453,7 +466,8 @@ def cmd_run(args) -> int:
         env = child_env(c["env"])
         t = time.time()
         try:
-            p = subprocess.run([sys.executable, os.path.abspath(__file__), "one", "--config", c["name"]], env=env,
+            cmd = [sys.executable, os.path.abspath(__file__), "one", "--config", c["name"]]
+            p = subprocess.run(cmd + (["--no-compile"] if args.no_compile else []), env=env,
                                cwd=ROOT, capture_output=True, text=True, timeout=min(left - 10, args.per_config))
             out, err = p.stdout, p.stderr
         except subprocess.TimeoutExpired as e:
@@ -509,8 +523,10 @@ def main(argv=None) -> int:
     s.add_argument("--only", default="", help="comma-separated configuration names (default: all)")
     s.add_argument("--budget", type=float, default=500, help="seconds; no configuration starts past it")
     s.add_argument("--per-config", type=float, default=240, help="seconds one configuration may take")
+    s.add_argument("--no-compile", action="store_true", help="CUDA graphs without torch.compile")
     s = sub.add_parser("one", help="one configuration in this process (run starts these)")
     s.add_argument("--config", required=True)
+    s.add_argument("--no-compile", action="store_true")
     s = sub.add_parser("list", help="the configuration names")
     args = ap.parse_args(argv)
     if args.cmd == "list":

@@ -13,7 +13,7 @@ the cp312 manylinux wheels of :data:`EXTRA_WHEELS`):
   (``vllm/third_party/deep_gemm/include``, needed: DeepGEMM compiles its kernels with the
   machine's nvcc at first use) and ``vllm-0.33.0.dist-info`` (the plugin reads vLLM's
   version from it). About 8.5 MB.
-* ``libs.tar.xz`` split in parts: the compiled libraries of :data:`LIBS` (vLLM's own
+* ``libs.tar.xz`` in chunks: the compiled libraries of :data:`LIBS` (vLLM's own
   kernels, the MoE library, FlashMLA, DeepGEMM's host library, ...), about 111 MB
   compressed; built on torch's stable C ABI, they load on torch 2.11
   (every torch symbol they import is exported by torch 2.11.0's libraries).
@@ -138,10 +138,11 @@ def build(wheel_dir: str, out: str) -> dict:
                 continue
             tree.append((n, z.read(n), (info.external_attr >> 16) & 0o777))
     print(f"vtree: {len(tree)} files, {sum(len(d) for _, d, _ in tree) / 2**20:.1f} MiB; "
-          f"libs: {len(libs)} files, {sum(len(d) for _, d, _ in libs) / 2**20:.1f} MiB (compressing, a few minutes)")
+          f"libs: {len(libs)} files, {sum(len(d) for _, d, _ in libs) / 2**20:.1f} MiB")
     key = hashlib.sha256((vllm_whl + json.dumps(LIBS) + json.dumps(LEFT_OUT)).encode()).hexdigest()
     stamp = os.path.join(work, "built-from")
     if not (os.path.exists(stamp) and open(stamp).read() == key):  # xz -9 of 245 MB takes minutes
+        print("compressing (a few minutes)", flush=True)
         _xz_tar(tree, os.path.join(work, "vtree.tar.xz"))
         _xz_tar(libs, os.path.join(work, "libs.tar.xz"))
         with open(stamp, "w") as f:
@@ -206,7 +207,8 @@ def main(argv=None) -> int:
     for k in range(1, n + 1):
         last = k == n
         cmd = f"python3 scripts/gpu_serve_smoke.py stage {args.out}/p{k}"
-        cmd += (" && python3 scripts/gpu_serve_smoke.py run --out $OUT --budget 500" if last else
+        cmd += (" && python3 scripts/gpu_serve_smoke.py probe && python3 scripts/gpu_serve_smoke.py run --out $OUT"
+                " --budget 480" if last else
                 " && python3 scripts/gpu_serve_smoke.py probe --out $OUT")
         carry = [f"{args.out}/p{k}"] + ([so] if last else [])
         print(f"  {k}. command: {cmd}\n     carry: {json.dumps(carry)}")
