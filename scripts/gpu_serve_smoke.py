@@ -1,0 +1,539 @@
+"""vLLM 0.33.0's engine with the dsv4 plugin on the GPU machine (issue 35): stage, probe, run.
+
+The GPU machine has torch 2.11.0+cu130, Python 3.12, nvcc 13.0 and triton 3.6.0, but no
+vLLM and no package index, and a call carries at most 64 MiB. ``scripts/pack_vllm_for_device.py``
+(run here) makes the parts; this script, run there from the repo root, stages them in
+``/tmp/dsv4-serve`` (kept while the machine is warm) and runs the smoke.
+
+What is carried (``pack_vllm_for_device.py`` prints the exact calls):
+
+* the vllm==0.33.0 wheel's Python files, its dist-info and DeepGEMM's JIT headers
+  (``vtree.tar.xz``, ~8.5 MB);
+* vLLM's compiled libraries that DeepSeek V4 on Hopper uses (``libs.tar.xz`` in ~40 MB
+  chunks, ~111 MB in all): ``_C_stable_libtorch`` (vLLM's kernels), ``_moe_C_stable_libtorch``
+  (routing, Marlin MoE), ``_flashmla_C`` + ``_flashmla_extension_C`` (FlashMLA sparse, the
+  reference backend), ``_deepselect_C`` (indexer top-k), DeepGEMM's host library
+  (indexer logits, the o_proj ``fp8_einsum``, the mHC GEMM; it JIT-compiles with the
+  machine's nvcc), and three small helpers;
+* the cp312 wheels of what the engine imports and the image lacks (pydantic and its three
+  helpers, msgspec, pyzmq, cbor2, openai, oss-harmony, httpx2, pybase64, cachetools,
+  xgrammar, apache-tvm-ffi, fastapi, starlette, annotated-doc, partial-json-parser,
+  llguidance, humming-kernels, setproctitle: ~20 MB); transformers, tokenizers,
+  huggingface_hub, safetensors, numpy, triton are the image's own;
+* the dsv4 extension ``dsv4/_C.abi3.so`` (~13 MB, built by the lead with /work/dvenv),
+  with the last call.
+
+Three calls, back to back (``stage p1 && probe``, ``stage p2 && probe``,
+``stage p3 && run``); the probe of each call prints what is still missing, so a failed
+import costs no call of its own.
+
+Left out of vLLM, and why: FlashAttention 2/3 (480 MB; DeepSeek V4 attends through FlashMLA
+or dsv4); the Kimi delta-attention and QuTLASS libraries (other models); the Rust frontend
+``vllm-rs`` (``vllm serve`` only; the engine is the same); SM100 FMHA sources; TileLang
+(210 MB with TVM; vLLM's DeepSeek V4 CUDA model runs its mHC (hyper-connection) mixing
+through TileLang kernels: replaced below); FlashInfer and CUTLASS DSL (vLLM falls back to
+its Triton kernels without them on Hopper).
+
+Workarounds, in this script only (never in dsv4), applied in each engine's process before
+the model is built:
+
+1. mHC without TileLang: the names vLLM's V4 / V4.1 CUDA model modules call
+   (``mhc_pre_tilelang``, ``mhc_post_tilelang``, ``mhc_fused_post_pre_tilelang``,
+   ``mhc_pre_broadcast_tilelang``, ``hc_head_fused_kernel_tilelang``,
+   ``mhc_pre_delayed_tilelang``, ``mhc_fused_post_pre_delayed_tilelang``) are rebound to
+   vLLM's own torch references (``vllm/model_executor/kernels/mhc/torch.py``) plus the
+   fused RMSNorm the TileLang kernels apply; ``kernel_config.enable_jit_warmup=False``
+   (its warmups compile TileLang). Both attention backends and both MoE paths run the same
+   replacement, so the A/B comparisons are unaffected.
+2. torch 2.11 vs vLLM's pinned 2.14: none needed at import (every engine, worker and
+   DeepSeek V4 module imports on 2.11 with the carried wheels); any found at run time is
+   added to :func:`apply_workarounds` and listed here.
+
+The engine: ``vllm.LLM`` (the engine ``vllm serve`` runs), in-process engine core
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), dummy weights (``load_format="dummy"``, seeded),
+``skip_tokenizer_init``, prompts as token ids (lengths 7, 300 and 1500: decode and
+prefill, the 1500-token one past the indexer's top-k 512 on the ratio-1 and ratio-4
+layers), greedy, 8 new tokens, top-5 logprobs per step. Configurations: each example x
+{dsv4, vLLM's FlashMLA sparse backend (``FLASHMLA_SPARSE_DSV4`` / ``FLASHMLA_SPARSE_DSV41``)}
+x {CUDA graphs (default), ``enforce_eager``}, then dsv4 with ``DSV4_MOE=0`` (vLLM's MoE),
+each in its own process. Output: token ids per configuration, agreement between pairs
+(identical tokens, first-step logprob max |diff| over the tokens both top-5 sets hold), a
+summary table, ``$OUT/serve_smoke.json`` and ``$OUT/serve_logs.txt``.
+
+    python3 scripts/gpu_serve_smoke.py stage DIR      # copy DIR's parts to /tmp; unpack when complete
+    python3 scripts/gpu_serve_smoke.py probe --out $OUT
+    python3 scripts/gpu_serve_smoke.py run --out $OUT [--only NAME,...] [--budget 500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import lzma
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGE = "/tmp/dsv4-serve"
+SITE = os.path.join(STAGE, "site")
+EXAMPLES = {"v4": os.path.join(ROOT, "examples", "dsv4-tiny-nvfp4"),
+            "v41": os.path.join(ROOT, "examples", "dsv41-tiny-nvfp4")}
+FLASHMLA = {"v4": "FLASHMLA_SPARSE_DSV4", "v41": "FLASHMLA_SPARSE_DSV41"}
+PROMPT_LENS = (7, 300, 1500)
+MAX_TOKENS = 8
+LOGPROBS = 5
+PROBE_MODULES = (
+    "pydantic", "msgspec", "zmq", "vllm", "vllm.config", "vllm.entrypoints.llm", "vllm.v1.engine.core",
+    "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner",
+    "vllm.models.deepseek_v4.nvidia.model", "vllm.models.deepseek_v41.nvidia.vl_model",
+    "vllm.models.deepseek_v4.sparse_mla", "vllm.models.deepseek_v41.sparse_mla",
+    "vllm.model_executor.layers.quantization.modelopt", "vllm.model_executor.layers.quantization.fp8",
+    "vllm.model_executor.layers.quantization.mxfp4", "vllm.model_executor.model_loader.dummy_loader",
+    "vllm._C_stable_libtorch", "vllm._moe_C_stable_libtorch", "vllm._flashmla_C", "vllm._deepselect_C",
+    "vllm.third_party.deep_gemm", "humming", "dsv4._C", "dsv4_plugin.attention_v4", "dsv4_plugin.attention_v41",
+    "dsv4_plugin.moe",
+)
+
+
+def child_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([SITE, ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    cache = os.path.join(STAGE, "cache")
+    env.update({
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process: the patches below apply
+        "VLLM_CACHE_ROOT": os.path.join(cache, "vllm"),  # torch.compile artifacts, kept while warm
+        "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
+        "DG_JIT_CACHE_DIR": os.path.join(cache, "deep_gemm"),
+        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+    })
+    if not env.get("CUDA_HOME"):
+        nvcc = shutil.which("nvcc")
+        env["CUDA_HOME"] = os.path.dirname(os.path.dirname(nvcc)) if nvcc else "/usr/local/cuda"
+    env.update(extra or {})
+    return env
+
+
+# ----------------------------------------------------------------------------- stage
+
+
+def _sha(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for b in iter(lambda: f.read(1 << 20), b""):
+            h.update(b)
+    return h.hexdigest()
+
+
+def cmd_stage(args) -> int:
+    with open(os.path.join(args.dir, "parts.json")) as f:
+        man = json.load(f)
+    parts = os.path.join(STAGE, "parts")
+    os.makedirs(parts, exist_ok=True)
+    for name, meta in man["parts"].items():
+        src = os.path.join(args.dir, name)
+        if os.path.exists(src):
+            if _sha(src) != meta["sha256"]:
+                print(f"stage: {name} is corrupt (sha256 differs)")
+                return 1
+            shutil.copyfile(src, os.path.join(parts, name))
+    have = {n for n in man["parts"] if os.path.exists(os.path.join(parts, n))}
+    missing = sorted(set(man["parts"]) - have)
+    if missing:
+        calls = sorted({man["parts"][n]["call"] for n in missing})
+        print(f"stage: {len(have)}/{len(man['parts'])} parts in {parts}; still to carry: calls {calls} "
+              f"({', '.join(missing)})")
+    t = time.time()
+    py_ready, libs_ready = os.path.join(SITE, ".python-ready"), os.path.join(SITE, ".libs-ready")
+    if {"vtree.tar.xz", *man["wheels"]} <= have and not os.path.exists(py_ready):
+        shutil.rmtree(SITE, ignore_errors=True)
+        os.makedirs(SITE)
+        with tarfile.open(os.path.join(parts, "vtree.tar.xz"), "r:xz") as tar:
+            tar.extractall(SITE, filter="data")
+        for w in man["wheels"]:
+            with zipfile.ZipFile(os.path.join(parts, w)) as z:
+                for info in z.infolist():
+                    z.extract(info, SITE)
+                    mode = (info.external_attr >> 16) & 0o777
+                    if mode:
+                        os.chmod(os.path.join(SITE, info.filename), mode)
+        # dsv4 is not pip-installed there: a dist-info on the path makes vLLM's plugin loader
+        # find the entry point of pyproject.toml ([project.entry-points."vllm.general_plugins"]).
+        di = os.path.join(SITE, "dsv4-0.0.0+smoke.dist-info")
+        os.makedirs(di, exist_ok=True)
+        with open(os.path.join(di, "METADATA"), "w") as f:
+            f.write("Metadata-Version: 2.1\nName: dsv4\nVersion: 0.0.0+smoke\n")
+        with open(os.path.join(di, "entry_points.txt"), "w") as f:
+            f.write("[vllm.general_plugins]\ndsv4 = dsv4_plugin:register\n")
+        open(py_ready, "w").close()
+        print(f"stage: vLLM's Python files and the wheels unpacked into {SITE} ({time.time() - t:.0f} s)")
+    if set(man["lib_chunks"]) <= have and os.path.exists(py_ready) and not os.path.exists(libs_ready):
+        joined = os.path.join(STAGE, "libs.tar.xz")
+        with open(joined, "wb") as out:
+            for c in man["lib_chunks"]:
+                with open(os.path.join(parts, c), "rb") as f:
+                    shutil.copyfileobj(f, out)
+        with lzma.open(joined) as xz, tarfile.open(fileobj=xz, mode="r|") as tar:
+            tar.extractall(SITE, filter="data")
+        os.remove(joined)
+        open(libs_ready, "w").close()
+        print(f"stage: vLLM's libraries unpacked ({time.time() - t:.0f} s)")
+    print(f"stage: python {'ready' if os.path.exists(py_ready) else 'not ready'}, "
+          f"libraries {'ready' if os.path.exists(libs_ready) else 'not ready'}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- probe
+
+_PROBE_CHILD = r"""
+import importlib, json, sys, traceback
+res = {"ok": [], "fail": {}, "missing": []}
+for m in sys.argv[1].split(","):
+    try:
+        importlib.import_module(m); res["ok"].append(m)
+    except BaseException as e:
+        tb = traceback.extract_tb(e.__traceback__)
+        res["fail"][m] = f"{type(e).__name__}: {e} @ {tb[-1].filename}:{tb[-1].lineno}" if tb else repr(e)
+        if isinstance(e, ModuleNotFoundError) and e.name and e.name not in res["missing"]:
+            res["missing"].append(e.name)
+try:
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    res["plugin_registered"] = "DSV4" in AttentionBackendEnum.__members__
+except BaseException as e:
+    res["plugin_registered"] = f"{type(e).__name__}: {e}"
+print("PROBE_JSON " + json.dumps(res))
+"""
+
+
+def machine_facts() -> dict:
+    facts = {"python": sys.version.split()[0], "nvcc": shutil.which("nvcc"), "xz": shutil.which("xz"),
+             "staged": os.path.isdir(SITE)}
+    for mod in ("torch", "triton", "numpy", "transformers", "tokenizers", "huggingface_hub", "safetensors"):
+        try:
+            facts[mod] = __import__(mod).__version__
+        except Exception as e:
+            facts[mod] = f"absent ({type(e).__name__})"
+    try:
+        import torch
+        facts["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    except Exception as e:
+        facts["gpu"] = repr(e)
+    if facts["nvcc"]:
+        out = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+        facts["nvcc_version"] = out[-1] if out else "?"
+    return facts
+
+
+def cmd_probe(args) -> int:
+    facts = machine_facts()
+    print("machine:", json.dumps(facts))
+    res = {"facts": facts}
+    if facts["staged"]:
+        p = subprocess.run([sys.executable, "-c", _PROBE_CHILD, ",".join(PROBE_MODULES)], env=child_env(),
+                           capture_output=True, text=True, cwd=ROOT, timeout=300)
+        line = [x for x in p.stdout.splitlines() if x.startswith("PROBE_JSON ")]
+        res["imports"] = json.loads(line[-1][11:]) if line else {"error": p.stderr[-4000:]}
+        imp = res["imports"]
+        print(f"imports ok: {len(imp.get('ok', []))}/{len(PROBE_MODULES)}; missing modules: {imp.get('missing')}; "
+              f"plugin registered: {imp.get('plugin_registered')}")
+        for m, why in imp.get("fail", {}).items():
+            print(f"  FAIL {m}: {why}")
+        if "error" in imp:
+            print(imp["error"])
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "probe.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+# ----------------------------------------------------------------------------- workarounds
+
+
+def _rms(x, w, eps):
+    import torch
+
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * w.float()).to(torch.bfloat16)
+
+
+def apply_workarounds() -> list[str]:
+    """Patches for what is not carried (see the module docstring); returns what was patched."""
+    import torch
+    from vllm.model_executor.kernels.mhc.torch import mhc_post_torch, mhc_pre_delayed_torch, mhc_pre_torch
+
+    def pre(residual, fn, hc_scale, hc_base, rms_eps, pre_eps, sk_eps, post_mult, repeat, n_splits=1,
+            norm_weight=None, norm_eps=1e-6):
+        post, comb, x = mhc_pre_torch(residual, fn, hc_scale, hc_base, rms_eps, pre_eps, sk_eps, post_mult, repeat)
+        return post, comb, (x if norm_weight is None else _rms(x, norm_weight, norm_eps))
+
+    def pre_broadcast(x, fn, hc_scale, hc_base, rms_eps, pre_eps, sk_eps, post_mult, repeat, n_splits=1,
+                      norm_weight=None, norm_eps=1e-6, fn_broadcast=None):
+        hc = fn.shape[1] // x.shape[-1]
+        residual = x.unsqueeze(1).expand(-1, hc, -1).contiguous()
+        return (residual, *pre(residual, fn, hc_scale, hc_base, rms_eps, pre_eps, sk_eps, post_mult, repeat,
+                               norm_weight=norm_weight, norm_eps=norm_eps))
+
+    def post(x, residual, post_mix, comb_mix):
+        return mhc_post_torch(x, residual, post_mix, comb_mix)
+
+    def fused_post_pre(x, residual, post_mix, comb_mix, fn, hc_scale, hc_base, rms_eps, pre_eps, sk_eps,
+                       post_mult, repeat, n_splits=1, tile_n=1, norm_weight=None, norm_eps=1e-6):
+        r = post(x, residual, post_mix, comb_mix)
+        return (r, *pre(r, fn, hc_scale, hc_base, rms_eps, pre_eps, sk_eps, post_mult, repeat,
+                        norm_weight=norm_weight, norm_eps=norm_eps))
+
+    def hc_head(hs, fn, hc_scale, hc_base, rms_eps, hc_eps):
+        # out = sum_i (sigmoid(mix_i * scale + base_i) + eps) * residual_i, mixes from the
+        # RMS-normalised flattened streams (HCHeadOp's docstring, vllm/model_executor/layers/mhc.py)
+        t, hc, h = hs.shape
+        xf = hs.reshape(t, hc * h).float()
+        mixes = (xf @ fn.float().t()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + rms_eps)
+        gate = torch.sigmoid(mixes * hc_scale.float()[0] + hc_base.float()) + hc_eps
+        return (gate.unsqueeze(-1) * hs.float()).sum(1).to(torch.bfloat16)
+
+    def pre_delayed(residual, fn, hc_scale, hc_base, rms_eps, pre_eps, sk_eps, post_mult, repeat,
+                    pre_mix=None, x=None, norm_weight=None, norm_eps=1e-6):
+        p, c, li, pm = mhc_pre_delayed_torch(residual, fn, hc_scale, hc_base, rms_eps, pre_eps, sk_eps,
+                                             post_mult, repeat, pre_mix=pre_mix, x=x)
+        return p, c, (li if norm_weight is None else _rms(li, norm_weight, norm_eps)), pm
+
+    def fused_post_pre_delayed(x, residual, post_mix, comb_mix, fn, hc_scale, hc_base, rms_eps, pre_eps, sk_eps,
+                               post_mult, repeat, pre_mix=None, norm_weight=None, norm_eps=1e-6, capture_aux=False):
+        r = post(x, residual, post_mix, comb_mix)
+        aux = r.mean(dim=1) if capture_aux else r.new_empty(0, r.shape[-1])
+        return (r, *pre_delayed(r, fn, hc_scale, hc_base, rms_eps, pre_eps, sk_eps, post_mult, repeat,
+                                pre_mix=pre_mix, norm_weight=norm_weight, norm_eps=norm_eps), aux)
+
+    table = {
+        "vllm.models.deepseek_v4.nvidia.model": {
+            "mhc_pre_tilelang": pre, "mhc_post_tilelang": post, "mhc_fused_post_pre_tilelang": fused_post_pre,
+            "mhc_pre_broadcast_tilelang": pre_broadcast, "hc_head_fused_kernel_tilelang": hc_head},
+        "vllm.models.deepseek_v41.nvidia.model": {
+            "mhc_post_tilelang": post, "mhc_pre_delayed_tilelang": pre_delayed},
+        "vllm.models.deepseek_v41.nvidia.ops.mhc": {
+            "mhc_post_tilelang": post, "mhc_fused_post_pre_delayed_tilelang": fused_post_pre_delayed},
+    }
+    done = []
+    import importlib
+
+    for mod_name, names in table.items():
+        mod = importlib.import_module(mod_name)
+        for n, f in names.items():
+            if not hasattr(mod, n):
+                raise RuntimeError(f"smoke: {mod_name} has no {n}: vLLM differs from 0.33.0")
+            setattr(mod, n, f)
+            done.append(f"{mod_name.removeprefix('vllm.models.')}.{n}")
+    return done
+
+
+# ----------------------------------------------------------------------------- one configuration
+
+
+def configs() -> list[dict]:
+    out = []
+    for model in ("v4", "v41"):
+        for graphs in (False, True):
+            for backend in ("dsv4", FLASHMLA[model]):
+                out.append({"name": f"{model}-{'dsv4' if backend == 'dsv4' else 'flashmla'}-"
+                                    f"{'graphs' if graphs else 'eager'}",
+                            "model": model, "backend": backend, "graphs": graphs, "env": {}})
+        out.append({"name": f"{model}-dsv4-eager-vllmmoe", "model": model, "backend": "dsv4", "graphs": False,
+                    "env": {"DSV4_MOE": "0"}})
+    # eager first (fewer moving parts), then CUDA graphs, vLLM's MoE last; V4 before V4.1
+    return sorted(out, key=lambda c: ("DSV4_MOE" in c["env"], c["graphs"], c["model"] != "v4", c["backend"] != "dsv4"))
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[0] + [rng.randrange(2, 129000) for _ in range(n - 1)] for n in PROMPT_LENS]
+
+
+def _layer_summary(model) -> dict:
+    kinds: dict = {}
+    for m in model.modules():
+        name = type(m).__name__
+        if "Attention" in name or "MoE" in name or "Experts" in name:
+            kinds[name] = kinds.get(name, 0) + 1
+        qm = getattr(m, "quant_method", None)
+        if qm is not None and "MoE" in type(qm).__name__:
+            kinds["quant:" + type(qm).__name__] = kinds.get("quant:" + type(qm).__name__, 0) + 1
+    return kinds
+
+
+def _compilation(graphs: bool, no_compile: bool) -> dict | None:
+    """vLLM's default with graphs (torch.compile, piecewise + full CUDA graphs), few capture
+    sizes; ``no_compile``: CUDA graphs of the whole decode step without torch.compile (the
+    fallback if Inductor on torch 2.11 fails under vLLM 0.33.0's compiler passes).
+    ``enforce_eager`` turns both off (vllm/config/vllm.py)."""
+    if not graphs:
+        return None
+    cc = {"cudagraph_capture_sizes": [1, 2, 4]}
+    if no_compile:
+        cc.update(mode=0, cudagraph_mode="FULL_DECODE_ONLY")
+    return cc
+
+
+def cmd_one(args) -> int:
+    cfg = next(c for c in configs() if c["name"] == args.config)
+    result = {"name": cfg["name"], "stage": "workarounds", "compile": cfg["graphs"] and not args.no_compile}
+
+    def emit():
+        print("SMOKE_JSON " + json.dumps(result), flush=True)
+
+    try:
+        result["patched"] = apply_workarounds()
+        result["stage"] = "engine"
+        t = time.time()
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = LLM(model=EXAMPLES[cfg["model"]], load_format="dummy", skip_tokenizer_init=True, seed=0,
+                  max_model_len=2048, max_num_seqs=4, max_num_batched_tokens=2048, gpu_memory_utilization=0.25,
+                  enforce_eager=not cfg["graphs"], attention_backend=cfg["backend"],
+                  kernel_config={"enable_jit_warmup": False},
+                  compilation_config=_compilation(cfg["graphs"], args.no_compile))
+        result["startup_s"] = round(time.time() - t, 1)
+        result["stage"] = "layers"
+        try:
+            result["layers"] = llm.apply_model(_layer_summary)[0]
+        except Exception as e:
+            result["layers"] = f"{type(e).__name__}: {e}"
+        result["stage"] = "generate"
+        t = time.time()
+        sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=LOGPROBS, detokenize=False,
+                            ignore_eos=True)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts()], sp, use_tqdm=False)
+        result["generate_s"] = round(time.time() - t, 2)
+        result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+        result["first_logprobs"] = [{str(k): v.logprob for k, v in (o.outputs[0].logprobs or [{}])[0].items()}
+                                    for o in outs]
+        result["stage"] = "done"
+    except BaseException as e:
+        import traceback
+
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()[-6000:]
+        if isinstance(e, ModuleNotFoundError):
+            result["missing_module"] = e.name
+    emit()
+    return 0 if result["stage"] == "done" else 1
+
+
+# ----------------------------------------------------------------------------- driver and comparison
+
+
+def agreement(a: dict, b: dict) -> dict:
+    same = total = 0
+    first_div = []
+    for ta, tb in zip(a["tokens"], b["tokens"]):
+        n = min(len(ta), len(tb))
+        total += max(len(ta), len(tb))
+        same += sum(x == y for x, y in zip(ta[:n], tb[:n]))
+        first_div.append(next((i for i in range(n) if ta[i] != tb[i]), None))
+    diffs = []
+    for la, lb in zip(a["first_logprobs"], b["first_logprobs"]):
+        common = set(la) & set(lb)
+        diffs += [abs(la[k] - lb[k]) for k in common]
+    return {"same_tokens": round(same / max(total, 1), 3), "first_divergence": first_div,
+            "first_step_logprob_maxdiff": round(max(diffs), 4) if diffs else None}
+
+
+PAIRS = (("dsv4-eager", "flashmla-eager"), ("dsv4-graphs", "flashmla-graphs"), ("dsv4-graphs", "dsv4-eager"),
+         ("flashmla-graphs", "flashmla-eager"), ("dsv4-eager-vllmmoe", "dsv4-eager"),
+         ("dsv4-eager-vllmmoe", "flashmla-eager"))
+
+
+def cmd_run(args) -> int:
+    start = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    chosen = [c for c in configs() if not args.only or c["name"] in args.only.split(",")]
+    results, logs = {}, []
+    for c in chosen:
+        left = args.budget - (time.time() - start)
+        if left < 60:
+            results[c["name"]] = {"name": c["name"], "stage": "skipped", "error": "time budget spent"}
+            continue
+        env = child_env(c["env"])
+        t = time.time()
+        try:
+            cmd = [sys.executable, os.path.abspath(__file__), "one", "--config", c["name"]]
+            p = subprocess.run(cmd + (["--no-compile"] if args.no_compile else []), env=env,
+                               cwd=ROOT, capture_output=True, text=True, timeout=min(left - 10, args.per_config))
+            out, err = p.stdout, p.stderr
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            err = (e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")) + "\n[timed out]"
+        line = [x for x in out.splitlines() if x.startswith("SMOKE_JSON ")]
+        r = json.loads(line[-1][11:]) if line else {"name": c["name"], "stage": "crashed",
+                                                     "error": (err.strip().splitlines() or ["?"])[-1]}
+        r["wall_s"] = round(time.time() - t, 1)
+        results[c["name"]] = r
+        status = "ok" if r.get("stage") == "done" else f"FAILED at {r.get('stage')}: {r.get('error')}"
+        print(f"[{time.time() - start:5.0f} s] {c['name']}: {status}", flush=True)
+        if r.get("tokens"):
+            print(f"    tokens {r['tokens']}", flush=True)
+        logs.append(f"===== {c['name']} ({status})\n" + "\n".join(err.splitlines()[-120:]) +
+                    ("\n" + r.get("traceback", "")))
+        with open(os.path.join(args.out, "serve_smoke.json"), "w") as f:  # partial results survive a kill
+            json.dump({"results": results}, f, indent=1)
+    comps = {}
+    for model in ("v4", "v41"):
+        for x, y in PAIRS:
+            a, b = results.get(f"{model}-{x}"), results.get(f"{model}-{y}")
+            if a and b and a.get("stage") == b.get("stage") == "done":
+                comps[f"{model}: {x} vs {y}"] = agreement(a, b)
+    with open(os.path.join(args.out, "serve_smoke.json"), "w") as f:
+        json.dump({"results": results, "comparisons": comps}, f, indent=1)
+    with open(os.path.join(args.out, "serve_logs.txt"), "w") as f:
+        f.write("\n".join(logs))
+    print("\nlayers per configuration (module class: count):")
+    for n, r in results.items():
+        if r.get("layers"):
+            print(f"  {n}: {r['layers']}")
+    print("\ncomparison                                  same tokens  first divergence  first-step logprob max|diff|")
+    for k, v in comps.items():
+        print(f"  {k:<42} {v['same_tokens']:>10}  {str(v['first_divergence']):>16}  {v['first_step_logprob_maxdiff']}")
+    print("\nconfiguration                 status      startup s  generate s")
+    for n, r in results.items():
+        st = "ok" if r.get("stage") == "done" else f"FAIL@{r.get('stage')}"
+        print(f"  {n:<27} {st:<11} {r.get('startup_s', '-'):>9}  {r.get('generate_s', '-'):>10}"
+              + ("" if st == "ok" else f"  {str(r.get('error'))[:200]}"))
+    return 0 if all(r.get("stage") == "done" for r in results.values()) else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("stage", help="copy a call's parts to /tmp; unpack once all are there")
+    s.add_argument("dir")
+    s = sub.add_parser("probe", help="machine facts and the import closure, with what is missing")
+    s.add_argument("--out", default=None)
+    s = sub.add_parser("run", help="every configuration, each in its own process; comparisons; table")
+    s.add_argument("--out", required=True)
+    s.add_argument("--only", default="", help="comma-separated configuration names (default: all)")
+    s.add_argument("--budget", type=float, default=500, help="seconds; no configuration starts past it")
+    s.add_argument("--per-config", type=float, default=240, help="seconds one configuration may take")
+    s.add_argument("--no-compile", action="store_true", help="CUDA graphs without torch.compile")
+    s = sub.add_parser("one", help="one configuration in this process (run starts these)")
+    s.add_argument("--config", required=True)
+    s.add_argument("--no-compile", action="store_true")
+    s = sub.add_parser("list", help="the configuration names")
+    args = ap.parse_args(argv)
+    if args.cmd == "list":
+        print("\n".join(c["name"] for c in configs()))
+        return 0
+    return {"stage": cmd_stage, "probe": cmd_probe, "run": cmd_run, "one": cmd_one}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
