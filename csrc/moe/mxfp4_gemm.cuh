@@ -120,7 +120,7 @@ __device__ __forceinline__ int act_word(int r, int pos) { return (((pos >> 4) ^ 
 // Token tkn's group grp of x (warp-wide, 4 elements per lane) -> lane's word of 4 e4m3
 // (elements 4 lane .. 4 lane + 3) and the group's scale, by vLLM's rule.
 __device__ __forceinline__ void quantize_group(const W4A8Params& p, int tkn, int grp, int lane, uint32_t& q, float& s) {
-  const uint2 raw = *reinterpret_cast<const uint2*>(p.x + size_t(tkn) * p.K + grp * kChunk + lane * 4);
+  const uint2 raw = __ldg(reinterpret_cast<const uint2*>(p.x + size_t(tkn) * p.K + grp * kChunk + lane * 4));
   const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
   const float2 f0 = __bfloat1622float2(h2[0]), f1 = __bfloat1622float2(h2[1]);
   const float v[4] = {f0.x, f0.y, f1.x, f1.y};
@@ -141,36 +141,49 @@ __device__ __forceinline__ void quantize_group(const W4A8Params& p, int tkn, int
   }
 }
 
-// GEMM1's input: one warp per (token, 128-group) quantizes it (its first group before the
-// routing grid is done: launched right after the routing kernel with PDL, the two
-// overlap) and writes it to the token tile rows of the token's local slots (xg, xgs);
-// then zero padding rows, and reset the counters of the GEMMs' epilogues.
+// GEMM1's input: a warp quantizes a unit of gpw consecutive 128-groups of one token (its
+// first group before the routing grid is done: launched right after the routing kernel
+// with PDL, the two overlap) and writes each to the token tile rows of the token's local
+// slots (xg, xgs); then zero padding rows, and reset the counters of the GEMMs' epilogues.
+// gpw follows from the grid (config.h: one warp per group up to 64 warps per SM): 1 while
+// every group has a warp of its own, up to 8 at prefill sizes, where a unit's token
+// division and its slots' lookups would otherwise be paid per group (the kernel is
+// instruction-bound there: 146 us at V4.1-Flash M = 8192 with one group per warp,
+// docs/perf-history/2026-12-04-mxfp4-w4a8-token-tiles.md). A group's arithmetic does not
+// depend on the unit, so the output is the same bit for bit.
 __global__ void __launch_bounds__(256) mxfp4_quant_x_kernel(const W4A8Params p) {
   pdl_launch_dependents();
   const int G1 = p.K / kChunk, BN = p.block_n;
+  const int lg_bn = __ffs(BN) - 1;  // block_n is a power of two (8, 16, 64)
   const int lane = threadIdx.x & 31;
   const int nwarps = int(gridDim.x * blockDim.x) >> 5;
   const int warp0 = int(blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int gpw = min(8, max(1, int(int64_t(p.M) * G1 / (4 * int64_t(nwarps)))));
+  const int upt = (G1 + gpw - 1) / gpw;  // units per token
+  const int units = p.M * upt;
+  const size_t chunk_stride = size_t(BN) * kChunk;  // bytes from one 128-group of a tile row to the next
   uint32_t q = 0;
   float s = 0.0f;
-  if (warp0 < p.M * G1) quantize_group(p, warp0 / G1, warp0 % G1, lane, q, s);
+  if (warp0 < units) quantize_group(p, warp0 / upt, (warp0 % upt) * gpw, lane, q, s);
   pdl_wait();  // the routing tables are complete
-  for (int gw = warp0; gw < p.M * G1; gw += nwarps) {
-    const int tkn = gw / G1, grp = gw - tkn * G1;
-    if (gw != warp0) quantize_group(p, tkn, grp, lane, q, s);
-    for (int j = 0; j < p.topk; ++j) {
-      const int pos = __ldg(p.slot_pos + tkn * p.topk + j);
-      if (pos < 0) continue;
-      const int tile = pos / BN, r = pos - tile * BN;
-      const size_t row = act_row(tile, grp, G1, BN, r);
-      *reinterpret_cast<uint32_t*>(p.xg + row + act_word(r, chunk_word_pos(lane))) = q;
-      if (lane == 0) p.xgs[row / kChunk] = s;
+  for (int u = warp0; u < units; u += nwarps) {
+    const int tkn = u / upt, g0 = (u - tkn * upt) * gpw, g1 = min(G1, g0 + gpw);
+    for (int grp = g0; grp < g1; ++grp) {
+      if (u != warp0 || grp != g0) quantize_group(p, tkn, grp, lane, q, s);
+      for (int j = 0; j < p.topk; ++j) {
+        const int pos = __ldg(p.slot_pos + tkn * p.topk + j);
+        if (pos < 0) continue;
+        const int tile = pos >> lg_bn, r = pos & (BN - 1);
+        const size_t row = act_row(tile, 0, G1, BN, r) + size_t(grp) * chunk_stride;
+        *reinterpret_cast<uint32_t*>(p.xg + row + act_word(r, chunk_word_pos(lane))) = q;
+        if (lane == 0) p.xgs[row / kChunk] = s;
+      }
     }
   }
   const int rows = __ldg(p.num_tiles) * BN;
   for (int r = warp0; r < rows; r += nwarps) {  // padding rows: zero (finite) tokens
     if (__ldg(p.row_slot + r) >= 0) continue;
-    const int tile = r / BN, rr = r - tile * BN;
+    const int tile = r >> lg_bn, rr = r & (BN - 1);
     for (int i = lane; i < G1 * 8; i += 32) {
       const size_t row = act_row(tile, i >> 3, G1, BN, rr);
       reinterpret_cast<uint4*>(p.xg + row)[i & 7] = make_uint4(0, 0, 0, 0);
