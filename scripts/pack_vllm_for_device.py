@@ -39,6 +39,10 @@ import sys
 import tarfile
 import zipfile
 
+# The staging checks each part against this hash on the GPU machine: one definition for both sides.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_serve_smoke import _sha  # noqa: E402
+
 VLLM = "vllm==0.33.0"
 # The wheels vLLM's engine, config and DeepSeek V4 model modules import that the GPU
 # machine's image lacks (its package list: .library/device/KINDS.md "Python packages
@@ -87,14 +91,6 @@ def _wheel_for(wheel_dir: str, req: str) -> str | None:
         if w.lower().startswith(stem) and w.endswith(".whl") and ("cp312" in w or "abi3" in w or "py3-none" in w):
             return w
     return None
-
-
-def _sha(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for b in iter(lambda: f.read(1 << 20), b""):
-            h.update(b)
-    return h.hexdigest()
 
 
 def _xz_tar(members, out_path: str) -> None:

@@ -538,6 +538,17 @@ def test_gpu_empty_and_all_remote():
     assert _rel_l2(got, ref) <= 5e-3
 
 
+def _run_child(env_vars: dict, call: str) -> subprocess.CompletedProcess:
+    """test_mxfp4_w4a8.<call> in a fresh interpreter (the overrides are read once per
+    process) with exactly ``env_vars`` of the DSV4_* variables set; it must succeed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_")}
+    env.update(env_vars)
+    code = "import sys; sys.path.insert(0, %r); import test_mxfp4_w4a8 as t; t.%s" % (os.path.dirname(__file__), call)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
 def _child_forced(env_value: str) -> None:
     """In a child process (the overrides are read once per process): both grids forced."""
     for name, M in (("flash", 8), ("pro", 64), ("v41_tp8", 100)):
@@ -547,12 +558,7 @@ def _child_forced(env_value: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("splitk", ["0", "1"])
 def test_gpu_forced_grids(splitk):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_")}
-    env["DSV4_MOE_SPLITK"] = splitk
-    code = ("import sys; sys.path.insert(0, %r); import test_mxfp4_w4a8 as t; t._child_forced(%r)"
-            % (os.path.dirname(__file__), splitk))
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    _run_child({"DSV4_MOE_SPLITK": splitk}, f"_child_forced({splitk!r})")
 
 
 @pytest.mark.gpu
@@ -576,12 +582,7 @@ def _child_block_n() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_n,splitk", [("8", ""), ("16", ""), ("64", ""), ("8", "0"), ("64", "1")])
 def test_gpu_forced_token_tiles(block_n, splitk):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_")}
-    env.update(DSV4_MOE_BLOCK_N=block_n, DSV4_MOE_SPLITK=splitk, DSV4_PRINT_CONFIG="1")
-    code = "import sys; sys.path.insert(0, %r); import test_mxfp4_w4a8 as t; t._child_block_n()" % os.path.dirname(
-        __file__)
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = _run_child(dict(DSV4_MOE_BLOCK_N=block_n, DSV4_MOE_SPLITK=splitk, DSV4_PRINT_CONFIG="1"), "_child_block_n()")
     printed = re.findall(r"^dsv4 config mxfp4_moe: .* block_n=(\d+) .* splitk=(\d)", r.stderr, re.M)
     assert printed and all(bn == block_n for bn, _ in printed), printed  # the override in effect on every call
     if splitk:  # forced either way

@@ -38,13 +38,16 @@ struct GemmOccupancy {
   int classic1;      // resident classic GEMM1 CTAs per SM
 };
 
+// Index of a token tile (8, 16, 64) in the per-tile occupancy tables of both ops' device facts.
+inline int tile_index(int block_n) { return block_n == 8 ? 0 : block_n == 16 ? 1 : 2; }
+
 // What the kernel choice needs to know about one device.
 struct DeviceFacts {
   int sms;
   GemmOccupancy occ[3];  // token tiles 8, 16, 64
   int ws_grid2;          // CTAs of the 2-CTA prefill grid (0: no 2-CTA cluster fits)
 
-  const GemmOccupancy& occupancy(int block_n) const { return occ[block_n == 8 ? 0 : block_n == 16 ? 1 : 2]; }
+  const GemmOccupancy& occupancy(int block_n) const { return occ[tile_index(block_n)]; }
 };
 
 // What one call launches (nvfp4_moe.cu's launch reads nothing else to decide).
@@ -184,7 +187,7 @@ struct Mxfp4DeviceFacts {
   int sms;
   GemmOccupancy occ[3];  // token tiles 8, 16, 64
 
-  const GemmOccupancy& occupancy(int block_n) const { return occ[block_n == 8 ? 0 : block_n == 16 ? 1 : 2]; }
+  const GemmOccupancy& occupancy(int block_n) const { return occ[tile_index(block_n)]; }
 };
 
 // What one call launches (mxfp4_moe.cu's launch reads nothing else to decide).
