@@ -2,7 +2,7 @@
 // argument, pick the split count from shapes only (CUDA-graph safe, sparse_mqa_splits.h),
 // launch. Development switches (csrc/common/env.h, README "Environment variables"):
 // DSV4_ATTN_PRICED_SPLITS, DSV4_ATTN_PDL, DSV4_ATTN_SPECIALIZE, DSV4_ATTN_MAIN_PDL,
-// DSV4_ATTN_COOP_ROUND.
+// DSV4_ATTN_COOP_ROUND, DSV4_ATTN_ROUND1_PREFETCH, DSV4_ATTN_FIRST_PV_INIT.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -230,6 +230,10 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   // fp8 caches: round 0 of each CTA's first item gathered by all warpgroups at once
   // (sparse_mqa_first_round.cuh). DSV4_ATTN_COOP_ROUND=0: by the producer alone.
   const bool coop = env::switches().attn_coop_round.value_or(true);
+  // Uniform run-time switches (no kernel instances of their own): round 1's rows into L2 during
+  // the cooperative round; O set by each item's first PV instead of cleared in registers.
+  p.round1_prefetch = env::switches().attn_round1_prefetch.value_or(true);
+  p.first_pv_init = env::switches().attn_first_pv_init.value_or(true);
   if (kind == CacheKind::kFp8 && coop) {
     one ? launch_main<true, 1, true>(p, grid, stream, pdl) : launch_main<true, 2, true>(p, grid, stream, pdl);
   } else if (kind == CacheKind::kFp8) {

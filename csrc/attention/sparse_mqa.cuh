@@ -207,15 +207,16 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     issue_s_half(second, false);
     wgmma_commit();
   };
-  // O[:, my half] += P V, P [64 x 64 keys] from registers, V = one half of a buffer.
-  auto pv_regs = [&](uint32_t kv) {
+  // O[:, my half] += P V, P [64 x 64 keys] from registers, V = one half of a buffer;
+  // scale_d = 0: O = P V (the item's first PV sets O, see `fresh` below).
+  auto pv_regs = [&](uint32_t kv, int scale_d) {
     fence_regs(o);
     fence_regs(pa);
     wgmma_fence();
     uint64_t dv = wgmma_desc_sw128(kv + 4 * g * 8192, 8192, 1024);
     asm volatile("" : "+l"(dv));
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) WgmmaRS<256, true>::mma(o, &pa[4 * kk], dv + ((kk * 2048) >> 4), 1);
+    for (int kk = 0; kk < 4; ++kk) WgmmaRS<256, true>::mma(o, &pa[4 * kk], dv + ((kk * 2048) >> 4), kk ? 1 : scale_d);
     wgmma_commit();
   };
   // Same with P from smem (the other consumer's tile).
@@ -274,7 +275,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
       o[4 * j + 3] *= f1;
     }
   };
-  auto softmax = [&](float mn0, float mn1) {
+  // fresh: the item's round 0 with O set by its first PV: O holds nothing of this item, so
+  // no rescale (the factors are 0 there anyway: the running max is still -inf).
+  auto softmax = [&](float mn0, float mn1, bool fresh) {
     const float ms0 = mn0 == -INFINITY ? 0.f : mn0;
     const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
     const float a0 = ex2_approx_ftz(m0 - ms0), a1 = ex2_approx_ftz(m1 - ms1);
@@ -292,7 +295,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     }
     l0 = l0 * a0 + sum0;
     l1 = l1 * a1 + sum1;
-    rescale_o(a0, a1);
+    if (!fresh) rescale_o(a0, a1);
   };
   auto pack_p = [&](float c0, float c1) {
 #pragma unroll
@@ -330,8 +333,18 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
       sink0 = p.sink[h0];
       sink1 = p.sink[h1];
     }
+    // O starts at zero: set by the item's first PV (scale-d = 0: O = P V, which is what 0 + P V
+    // gives, zeros' signs aside), so the consumers' path to their first MMA carries no 64
+    // register-pair clears (1 KB of cold code on a small batch's critical path,
+    // docs/perf-history/2026-12-04-attention-code-diet.md); cleared here only for an item with
+    // no round (an empty token's output is 0) or under DSV4_ATTN_FIRST_PV_INIT=0. The register
+    // fence keeps the branch: without it the compiler merged the two paths by 128 selects,
+    // executed on every item.
+    if (rounds == 0 || !p.first_pv_init) {
 #pragma unroll
-    for (int k = 0; k < 128; ++k) o[k] = 0.f;
+      for (int k = 0; k < 128; ++k) o[k] = 0.f;
+      fence_regs(o);
+    }
     m0 = m1 = -INFINITY;
     l0 = l1 = 0.f;
     cp_async_wait_all();
@@ -357,9 +370,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
         // Own reference: the running max unless this tile exceeds it by more than the slack
         // (consumer 1 then moves the round's max at least as far, so c0, c1 below are <= 1).
         const float t0 = mx0 > m0 + kMaxSlack ? mn0 : m0, t1 = mx1 > m1 + kMaxSlack ? mn1 : m1;
-        softmax(t0, t1);
+        const bool fresh = r == 0 && p.first_pv_init;
+        softmax(t0, t1, fresh);
         pack_p(1.f, 1.f);
-        pv_regs(kv_mine);  // O_left += P_0 V_0,left
+        pv_regs(kv_mine, fresh ? 0 : 1);  // O_left (+)= P_0 V_0,left
         wgmma_wait<0>();
         fence_regs(o);
         mbar_arrive(&freed[0]);
@@ -430,9 +444,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
           smax_bw[64 * ph + r0 + 8] = t1;
         }
         named_bar_arrive(kBarMax1, 256);
-        softmax(t0, t1);
+        const bool fresh = r == 0 && p.first_pv_init;
+        softmax(t0, t1, fresh);
         pack_p(1.f, 1.f);
-        pv_regs(kv_mine);  // O_right += P_1 V_1,right
+        pv_regs(kv_mine, fresh ? 0 : 1);  // O_right (+)= P_1 V_1,right
         store_p();
         named_bar_arrive(kBarP1, 256);
         named_bar_sync(kBarP0, 256);

@@ -36,6 +36,14 @@ namespace attention {
 // half by 1 and 2; each of the 8 warps gives 16 of the half's 128 expected arrivals, after
 // its lanes' writes (fence.proxy.async by each writer, then __syncwarp).
 // after_loads() runs once every row load of the thread is issued (the consumers' Q copies).
+// Round 1 (p.round1_prefetch, items of two or more rounds): lane l also resolves row l of
+// round 1 (tile t0 + 2 + l / 16, its index loaded beside round 0's) and, once round 0's loads
+// are issued, sends that row into L2: warpgroup k the lines at bytes 256 k and
+// min(256 k + 128, 575) of the row (the six 128-byte lines a 576-byte row at a 64-byte
+// boundary can touch), warpgroup 1 also its scale bytes' line. The producer starts at round 1
+// (sparse_mqa.cuh) and would otherwise fetch it from DRAM, half after half (one half's loads
+// in flight per thread at 88 registers), its index and scale loads first: its own L2
+// prefetch runs one round ahead of the round it fills, so it never covers its first round.
 template <int kNumSrc, typename AfterLoads>
 __device__ __forceinline__ void first_round_fp8(const SparseMqaParams& p, const TokenTiles& tt, int b, int i,
                                                 uint8_t* smem, AfterLoads&& after_loads) {
@@ -50,7 +58,13 @@ __device__ __forceinline__ void first_round_fp8(const SparseMqaParams& p, const 
   // rows (the same addresses: no barrier between the warpgroups before their loads).
   const int tile = tt.t0 + (lane >> 4);
   const int row = 32 * ((lane >> 3) & 1) + 8 * w + (lane & 7);
-  const int slot = index_slot<kNumSrc>(p, tt, tile, tile_index<kNumSrc>(p, tt, b, i, tile, row));
+  const int raw = tile_index<kNumSrc>(p, tt, b, i, tile, row);
+  // Round 1's raw index of the same row, loaded before round 0's is used, so that it flies with
+  // it (uniform: an item of one round, e.g. every SWA item, skips it).
+  const bool pf = p.round1_prefetch && tt.t1 > tt.t0 + 2;
+  const int tile1 = tile + 2;
+  const int raw1 = pf ? tile_index<kNumSrc>(p, tt, b, i, tile1, row) : -1;
+  const int slot = index_slot<kNumSrc>(p, tt, tile, raw);
   const PagedSource src = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile));
   int64_t data_off, scale_off;
   row_offsets<true>(src, slot, data_off, scale_off);
@@ -94,6 +108,17 @@ __device__ __forceinline__ void first_round_fp8(const SparseMqaParams& p, const 
     sc[ps] = ldg_nc_v2(sp);
   }
   after_loads();
+  if (pf) {
+    const int slot1 = index_slot<kNumSrc>(p, tt, tile1, raw1);
+    if (slot1 >= 0) {
+      const PagedSource s1 = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile1));
+      int64_t d1, so1;
+      row_offsets<true>(s1, slot1, d1, so1);
+      prefetch_l2(s1.base + d1 + 256 * k);
+      prefetch_l2(s1.base + d1 + min(256 * k + 128, 575));
+      if (k == 1) prefetch_l2(s1.base + so1);
+    }
+  }
 
   // One pass per iteration (a rolled loop: the code a cold instruction cache fetches is one
   // pass, not four), its registers picked by selects from the loop-invariant v. Not by
