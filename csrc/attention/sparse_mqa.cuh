@@ -75,11 +75,15 @@ __device__ __forceinline__ void load_q_tile(const SparseMqaParams& p, const Work
 }
 
 // kNumSrc: 1 for calls with one source (SWA layers, prefill), 2 for any call
-// (sparse_mqa_schedule.cuh, token_tiles). kCoop (fp8 only): round 0 of the CTA's first
-// item is gathered by all warpgroups (sparse_mqa_first_round.cuh, DSV4_ATTN_COOP_ROUND).
-template <bool kFp8, int kNumSrc, bool kCoop>
+// (sparse_mqa_schedule.cuh, token_tiles). kCoopWgs (fp8 only): round 0 of the CTA's first
+// item is gathered cooperatively (sparse_mqa_first_round.cuh, DSV4_ATTN_COOP_ROUND) by all
+// three warpgroups (3) or by the two consumer warpgroups while the producer starts on round 1
+// (2, DSV4_ATTN_PRODUCER_AHEAD); 0: the producer fills every round.
+template <bool kFp8, int kNumSrc, int kCoopWgs>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __grid_constant__ SparseMqaParams p) {
-  static_assert(kFp8 || !kCoop, "the cooperative first round gathers fp8_ds_mla rows");
+  static_assert(kCoopWgs == 0 || kCoopWgs == 2 || kCoopWgs == 3, "no, two or three warpgroups");
+  static_assert(kFp8 || kCoopWgs == 0, "the cooperative first round gathers fp8_ds_mla rows");
+  constexpr bool kCoop = kCoopWgs > 0;
   extern __shared__ uint8_t smem_raw[];
   // By pointer arithmetic (align_smem_1024), so that the compiler sees shared memory: the
   // maxima, sums, masks and P tiles go by LDS / STS, not by generic LD / ST through the
@@ -113,17 +117,22 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   // recomputes it where the epilogue needs it.
   pdl_wait();
   const int wg = threadIdx.x >> 7;
-  if (kCoop) {
-    // The first item's round 0 by every thread; the consumer threads issue its Q's copies
-    // right after their row loads (both fly together, and the row loads, the longer chain,
-    // do not wait for Q's code). The role loops decode the item again (per item, see above).
+  // (wg broadcast from lane 0: a branch the compiler sees as warp-uniform; on wg itself it moved
+  // the consumers' item decode out of the uniform datapath, and knowing that every consumer
+  // thread ran the block, carried its decoded item into their loop: both spilled at 208.)
+  const int wg_coop = __shfl_sync(0xffffffffu, wg, 0);
+  if (kCoopWgs == 3 || (kCoopWgs == 2 && wg_coop > 0)) {
+    // The first item's round 0 by every thread (kCoopWgs = 2: every consumer thread); the
+    // consumer threads issue its Q's copies right after their row loads (both fly together,
+    // and the row loads, the longer chain, do not wait for Q's code). The role loops decode
+    // the item again (per item, see above).
     const WorkItem wi = work_item(p, blockIdx.x);
     const TokenTiles tt = token_tiles<kNumSrc>(p, wi.b, wi.split);
     const auto q_copies = [&] {
       if (wg > 0) load_q_tile(p, wi, smem);
     };
     if (tt.t1 > tt.t0) {
-      first_round_fp8<kNumSrc>(p, tt, wi.b, wi.i, smem, q_copies);
+      first_round_fp8<kNumSrc, kCoopWgs == 2 ? 2 : 3>(p, tt, wi.b, wi.i, smem, q_copies);
     } else {
       q_copies();
     }
