@@ -953,9 +953,9 @@ def child_switch_cases() -> None:
 @pytest.mark.parametrize("env", [{"DSV4_ATTN_PRICED_SPLITS": "0"}, {"DSV4_ATTN_PDL": "0"},
                                  {"DSV4_ATTN_SPECIALIZE": "0"}, {"DSV4_ATTN_MAIN_PDL": "0"},
                                  {"DSV4_ATTN_COOP_ROUND": "0"}, {"DSV4_ATTN_PRODUCER_AHEAD": "0"},
-                                 {"DSV4_ATTN_ROUND1_PREFETCH": "0"}, {"DSV4_ATTN_FIRST_PV_INIT": "0"}],
+                                 {"DSV4_ATTN_COOP_PREFETCH": "0"}, {"DSV4_ATTN_FIRST_PV_INIT": "0"}],
                          ids=["splits0", "pdl0", "specialize0", "main_pdl0", "coop0", "producer_ahead0",
-                              "round1_prefetch0", "first_pv_init0"])
+                              "coop_prefetch0", "first_pv_init0"])
 def test_development_switches_keep_results(env):
     proc = _child(env, "child_switch_cases()")
     assert proc.returncode == 0 and "switch cases passed" in proc.stdout, \
@@ -1040,7 +1040,7 @@ def test_cooperative_first_round_is_bitwise_the_producers(tmp_path):
 # The code diet (docs/perf-history/2026-12-04-attention-code-diet.md): O set by each work item's
 # first PV MMA (scale-d = 0) instead of cleared in registers, round 1's rows sent to L2 by the
 # cooperative round, and that round gathered by the consumers alone (the producer ahead on round
-# 1) must give bitwise the outputs of DSV4_ATTN_FIRST_PV_INIT=0 / DSV4_ATTN_ROUND1_PREFETCH=0 /
+# 1) must give bitwise the outputs of DSV4_ATTN_FIRST_PV_INIT=0 / DSV4_ATTN_COOP_PREFETCH=0 /
 # DSV4_ATTN_PRODUCER_AHEAD=0. Cases: the cooperative round's (one and several rounds, split and
 # unsplit, 64 and 128 heads, empty tokens, more items than SMs: a CTA's later items start with
 # the earlier item's O in the registers), a bf16 decode with several items per CTA and a
@@ -1078,7 +1078,7 @@ def child_diet_compare(path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("env", [{"DSV4_ATTN_FIRST_PV_INIT": "0", "DSV4_ATTN_ROUND1_PREFETCH": "0",
+@pytest.mark.parametrize("env", [{"DSV4_ATTN_FIRST_PV_INIT": "0", "DSV4_ATTN_COOP_PREFETCH": "0",
                                   "DSV4_ATTN_PRODUCER_AHEAD": "0"},
                                  {"DSV4_ATTN_FIRST_PV_INIT": "0", "DSV4_ATTN_COOP_ROUND": "0"}],
                          ids=["diet0", "diet0_coop0"])

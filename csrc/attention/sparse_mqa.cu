@@ -2,7 +2,7 @@
 // argument, pick the split count from shapes only (CUDA-graph safe, sparse_mqa_splits.h),
 // launch. Development switches (csrc/common/env.h, README "Environment variables"):
 // DSV4_ATTN_PRICED_SPLITS, DSV4_ATTN_PDL, DSV4_ATTN_SPECIALIZE, DSV4_ATTN_MAIN_PDL,
-// DSV4_ATTN_COOP_ROUND, DSV4_ATTN_PRODUCER_AHEAD, DSV4_ATTN_ROUND1_PREFETCH,
+// DSV4_ATTN_COOP_ROUND, DSV4_ATTN_PRODUCER_AHEAD, DSV4_ATTN_COOP_PREFETCH,
 // DSV4_ATTN_FIRST_PV_INIT.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -233,7 +233,7 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   const bool coop = env::switches().attn_coop_round.value_or(true);
   // Uniform run-time switches (no kernel instances of their own): round 1's rows into L2 during
   // the cooperative round; O set by each item's first PV instead of cleared in registers.
-  p.round1_prefetch = env::switches().attn_round1_prefetch.value_or(true);
+  p.coop_prefetch = env::switches().attn_coop_prefetch.value_or(true);
   p.first_pv_init = env::switches().attn_first_pv_init.value_or(true);
   // Items of two or more rounds (the longest split's pairs > 1): the cooperative round by the
   // consumers alone, the producer starting on round 1 at once (its cold path, index, scale and

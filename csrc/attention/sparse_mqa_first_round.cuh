@@ -43,7 +43,7 @@ namespace attention {
 // blocks 4-6 and the rope (m = 3, 4: the right half); 16 or 20 row loads per thread, and each
 // of a warpgroup's 4 warps gives 32 of its half's 128 arrivals.
 // after_loads() runs once every row load of the thread is issued (the consumers' Q copies).
-// Round 1 (p.round1_prefetch, items of two or more rounds): lane l also resolves row l of
+// Round 1 (p.coop_prefetch, items of two or more rounds): lane l also resolves row l of
 // round 1 (tile t0 + 2 + l / 16, its index loaded beside round 0's) and, once round 0's loads
 // are issued, sends that row into L2: warpgroup k the lines at bytes 256 k and
 // min(256 k + 128, 575) of the row (the six 128-byte lines a 576-byte row at a 64-byte
@@ -70,7 +70,7 @@ __device__ __forceinline__ void first_round_fp8(const SparseMqaParams& p, const 
   const int raw = tile_index<kNumSrc>(p, tt, b, i, tile, row);
   // Round 1's raw index of the same row, loaded before round 0's is used, so that it flies with
   // it (uniform: an item of one round, e.g. every SWA item, skips it).
-  const bool pf = p.round1_prefetch && tt.t1 > tt.t0 + 2;
+  const bool pf = p.coop_prefetch && tt.t1 > tt.t0 + 2;
   const int tile1 = tile + 2;
   const int raw1 = pf ? tile_index<kNumSrc>(p, tt, b, i, tile1, row) : -1;
   const int slot = index_slot<kNumSrc>(p, tt, tile, raw);

@@ -52,7 +52,7 @@ struct SparseMqaParams {
   FastDivmod sq_div;        // by s_q          decode runs before a CTA's first load, divisions cost)
   // Development switches read by the kernel as uniform values (no extra kernel instances;
   // csrc/common/env.h, README "Environment variables"):
-  bool round1_prefetch;     // the cooperative round also sends round 1's rows into L2 (DSV4_ATTN_ROUND1_PREFETCH)
+  bool coop_prefetch;     // the cooperative round also sends round 1's rows into L2 (DSV4_ATTN_COOP_PREFETCH)
   bool first_pv_init;       // O set by each item's first PV (scale-d = 0), not cleared (DSV4_ATTN_FIRST_PV_INIT)
 };
 
