@@ -6,6 +6,8 @@
 // x 16 bytes per thread, one round trip), dequantize their parts into the two KV buffers,
 // publish the key masks and arrive on the same ready barriers the producer uses; the
 // producer then starts at round 1 (docs/perf-history/2026-12-04-attention-first-round.md).
+// For items of two or more rounds the 256 consumer threads do it alone and the producer
+// starts on round 1 right away (docs/perf-history/2026-12-04-attention-code-diet.md).
 #pragma once
 
 #include <cstdint>
@@ -100,7 +102,8 @@ __device__ __forceinline__ void first_round_fp8(const SparseMqaParams& p, const 
     }
   }
 
-  // All 12 row loads and the 4 rows' scale words before any dequant: one round trip. (Each
+  // All row loads (12; kWgs = 2: 16 or 20) and the 4 rows' scale words before any dequant: one
+  // round trip. (Each
   // lane loads its rows' scales itself: shuffled from the resolving lane, they would make
   // the loads after the shuffle wait for the scale load.)
   uint4 v[4][kChunks];
