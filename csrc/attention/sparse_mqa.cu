@@ -239,8 +239,9 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   // consumers alone, the producer starting on round 1 at once (its cold path, index, scale and
   // row loads overlap round 0); one-round items (SWA, small splits) keep all three warpgroups
   // on round 0. DSV4_ATTN_PRODUCER_AHEAD=0: all three always.
-  const int64_t split_pairs = p.pairs_per_split > 0 ? p.pairs_per_split
-                                                    : ((max_tiles + 1) / 2 + p.num_splits - 1) / p.num_splits;
+  const int64_t all_pairs = (max_tiles + 1) / 2;
+  const int64_t split_pairs = p.pairs_per_split > 0 ? std::min<int64_t>(p.pairs_per_split, all_pairs)
+                                                    : (all_pairs + p.num_splits - 1) / p.num_splits;
   const bool ahead = split_pairs > 1 && env::switches().attn_producer_ahead.value_or(true);
   if (kind == CacheKind::kFp8 && coop && ahead) {
     one ? launch_main<true, 1, 2>(p, grid, stream, pdl) : launch_main<true, 2, 2>(p, grid, stream, pdl);
