@@ -7,7 +7,11 @@ disassembles OBJ with `cuobjdump -sass` (nvdisasm must be on PATH or NVDISASM_PA
 walks the control-flow graph from each role's entry to its first target instruction:
 
 * producer: from after `USETMAXREG.DEALLOC` to its first `SYNCS.ARRIVE` (or cp.async arrive);
-* consumer: from after `USETMAXREG.TRY_ALLOC` to its first `HGMMA`.
+* consumer: from after `USETMAXREG.TRY_ALLOC` to its first `HGMMA`;
+* entry: from the kernel's first instruction to its first KV row load (`LDG.E.NA.128`) and
+  to its first dequantized store (`STS.128`): the cooperative first round's path
+  (csrc/attention/sparse_mqa_first_round.cuh), run by every warp before the role split (in
+  instances without it, the producer's path through the role split).
 
 Two bounds of the code a cold warp fetches before its first useful event (no GPU needed):
 
@@ -18,7 +22,8 @@ Two bounds of the code a cold warp fetches before its first useful event (no GPU
   first pass through every loop), with the 128-byte lines they occupy; an upper bound of
   the code a first pass can touch.
 
-Used in docs/perf-history/2026-12-04-attention-fixed-cost.md (issue 34, plan step 2).
+Used in docs/perf-history/2026-12-04-attention-fixed-cost.md and
+2026-12-04-attention-code-diet.md (issue 34, plan step 2).
 """
 
 from __future__ import annotations
@@ -114,6 +119,8 @@ def main(argv=None) -> int:
         return 1
     arrive = lambda t: "SYNCS.ARRIVE" in t or "ARRIVES." in t  # noqa: E731
     hgmma = lambda t: "HGMMA" in t  # noqa: E731
+    row_load = lambda t: "LDG.E.NA.128" in t  # noqa: E731
+    sts128 = lambda t: "STS.128" in t  # noqa: E731
     print("| kernel | role | to | shortest B | first pass B (128-B lines) | first target at |")
     print("|---|---|---|---:|---:|---|")
     for name, ins in parse(proc.stdout).items():
@@ -122,7 +129,9 @@ def main(argv=None) -> int:
         succ = successors(ins)
         dec = next((i + 1 for i, (_, t) in enumerate(ins) if "USETMAXREG.DEALLOC" in t), None)
         inc = next((i + 1 for i, (_, t) in enumerate(ins) if "USETMAXREG.TRY_ALLOC" in t), None)
-        for role, start, what, target in (("producer", dec, "SYNCS.ARRIVE", arrive), ("consumer", inc, "HGMMA", hgmma)):
+        roles = (("producer", dec, "SYNCS.ARRIVE", arrive), ("consumer", inc, "HGMMA", hgmma),
+                 ("entry", 0, "LDG.E.NA.128", row_load), ("entry", 0, "STS.128", sts128))
+        for role, start, what, target in roles:
             if start is None:
                 continue
             r = cold_path(ins, succ, start, target)

@@ -952,8 +952,10 @@ def child_switch_cases() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("env", [{"DSV4_ATTN_PRICED_SPLITS": "0"}, {"DSV4_ATTN_PDL": "0"},
                                  {"DSV4_ATTN_SPECIALIZE": "0"}, {"DSV4_ATTN_MAIN_PDL": "0"},
-                                 {"DSV4_ATTN_COOP_ROUND": "0"}],
-                         ids=["splits0", "pdl0", "specialize0", "main_pdl0", "coop0"])
+                                 {"DSV4_ATTN_COOP_ROUND": "0"}, {"DSV4_ATTN_PRODUCER_AHEAD": "0"},
+                                 {"DSV4_ATTN_COOP_PREFETCH": "0"}, {"DSV4_ATTN_FIRST_PV_INIT": "0"}],
+                         ids=["splits0", "pdl0", "specialize0", "main_pdl0", "coop0", "producer_ahead0",
+                              "coop_prefetch0", "first_pv_init0"])
 def test_development_switches_keep_results(env):
     proc = _child(env, "child_switch_cases()")
     assert proc.returncode == 0 and "switch cases passed" in proc.stdout, \
@@ -1033,3 +1035,56 @@ def test_cooperative_first_round_is_bitwise_the_producers(tmp_path):
     assert proc.returncode == 0 and "coop cases saved" in proc.stdout, proc.stderr[-6000:]
     proc = _child({"DSV4_ATTN_COOP_ROUND": "0"}, f"child_coop_compare({path!r})")
     assert proc.returncode == 0 and "coop cases equal" in proc.stdout, proc.stderr[-6000:]
+
+
+# The code diet (docs/perf-history/2026-12-04-attention-code-diet.md): O set by each work item's
+# first PV MMA (scale-d = 0) instead of cleared in registers, round 1's rows sent to L2 by the
+# cooperative round, and that round gathered by the consumers alone (the producer ahead on round
+# 1) must give bitwise the outputs of DSV4_ATTN_FIRST_PV_INIT=0 / DSV4_ATTN_COOP_PREFETCH=0 /
+# DSV4_ATTN_PRODUCER_AHEAD=0. Cases: the cooperative round's (one and several rounds, split and
+# unsplit, 64 and 128 heads, empty tokens, more items than SMs: a CTA's later items start with
+# the earlier item's O in the registers), a bf16 decode with several items per CTA and a
+# prefill with several tokens per CTA (the producer-only instances).
+def diet_outputs():
+    dev = "cuda"
+    outs = coop_outputs()
+    g = _gen(34)
+    cache, _ = make_cache("bf16", 40, 16, dev, 35)
+    q = (torch.randn(300, 1, 64, 512, generator=g) * 3).bfloat16().to(dev)
+    idx = make_indices(300, 1, 200, 40 * 16, g).to(dev)
+    lens = make_lengths(300, 200, g, True).to(dev)
+    o, lse = sparse_mqa_decode(q, cache, idx, lens, make_sink("finite", 64, g).to(dev), SCALE)
+    outs.append((o.cpu(), lse.cpu()))
+    t, n = 400, 900
+    q = (torch.randn(t, 128, 512, generator=g) * 3).bfloat16().to(dev)
+    kv = (torch.randn(n, 512, generator=g) * 2).bfloat16().to(dev)
+    idx = make_indices(t, 1, 192, n, g)[:, 0].to(dev)
+    o, lse = sparse_mqa_prefill(q, kv.view(n, 1, 512), idx.unsqueeze(1), make_lengths(t, 192, g, True).to(dev),
+                                make_sink("finite", 128, g).to(dev), SCALE)
+    outs.append((o.cpu(), lse.cpu()))
+    return outs
+
+
+def child_diet_save(path):
+    torch.save(diet_outputs(), path)
+    print("diet cases saved")
+
+
+def child_diet_compare(path):
+    for k, ((o1, l1), (o2, l2)) in enumerate(zip(torch.load(path), diet_outputs())):
+        assert torch.equal(o1.view(torch.int16), o2.view(torch.int16)), f"out differs: case {k}"
+        assert torch.equal(l1, l2), f"lse differs: case {k}"
+    print("diet cases equal")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("env", [{"DSV4_ATTN_FIRST_PV_INIT": "0", "DSV4_ATTN_COOP_PREFETCH": "0",
+                                  "DSV4_ATTN_PRODUCER_AHEAD": "0"},
+                                 {"DSV4_ATTN_FIRST_PV_INIT": "0", "DSV4_ATTN_COOP_ROUND": "0"}],
+                         ids=["diet0", "diet0_coop0"])
+def test_code_diet_is_bitwise_the_register_clears(tmp_path, env):
+    path = str(tmp_path / "diet.pt")
+    proc = _child({}, f"child_diet_save({path!r})")
+    assert proc.returncode == 0 and "diet cases saved" in proc.stdout, proc.stderr[-6000:]
+    proc = _child(env, f"child_diet_compare({path!r})")
+    assert proc.returncode == 0 and "diet cases equal" in proc.stdout, proc.stderr[-6000:]

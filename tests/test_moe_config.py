@@ -34,7 +34,8 @@ ROOT = TESTS.parent
 OVERRIDES = ("DSV4_MOE_WS", "DSV4_MOE_SPLITK", "DSV4_MOE_DIRECT_X", "DSV4_MOE_PDL")
 CHOICES = {"DSV4_MOE_BLOCK_N": "`8`, `16`, `64`"}  # name -> README's values cell
 ATTN_OVERRIDES = ("DSV4_ATTN_PRICED_SPLITS", "DSV4_ATTN_PDL", "DSV4_ATTN_SPECIALIZE", "DSV4_ATTN_MAIN_PDL",
-                  "DSV4_ATTN_COOP_ROUND")  # csrc/attention (tests/test_attention.py)
+                  "DSV4_ATTN_COOP_ROUND", "DSV4_ATTN_PRODUCER_AHEAD", "DSV4_ATTN_COOP_PREFETCH",
+                  "DSV4_ATTN_FIRST_PV_INIT")  # csrc/attention (tests/test_attention.py)
 VARIABLES = OVERRIDES + tuple(CHOICES) + ("DSV4_PRINT_CONFIG",) + ATTN_OVERRIDES
 
 

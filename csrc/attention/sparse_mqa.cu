@@ -2,7 +2,8 @@
 // argument, pick the split count from shapes only (CUDA-graph safe, sparse_mqa_splits.h),
 // launch. Development switches (csrc/common/env.h, README "Environment variables"):
 // DSV4_ATTN_PRICED_SPLITS, DSV4_ATTN_PDL, DSV4_ATTN_SPECIALIZE, DSV4_ATTN_MAIN_PDL,
-// DSV4_ATTN_COOP_ROUND.
+// DSV4_ATTN_COOP_ROUND, DSV4_ATTN_PRODUCER_AHEAD, DSV4_ATTN_COOP_PREFETCH,
+// DSV4_ATTN_FIRST_PV_INIT.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -131,9 +132,9 @@ void check_qo(const at::Tensor& t, const char* name, const char* shape) {
 // or after a copy) the attribute changes nothing; a predecessor that never signals
 // (launch_dependents) lets it launch when its last CTA exits, and the wait still holds it
 // until that grid has completed and its writes are visible.
-template <bool kFp8, int kNumSrc, bool kCoop = false>
+template <bool kFp8, int kNumSrc, int kCoopWgs = 0>
 void launch_main(const SparseMqaParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
-  constexpr auto kernel = attention::sparse_mqa_fwd_kernel<kFp8, kNumSrc, kCoop>;
+  constexpr auto kernel = attention::sparse_mqa_fwd_kernel<kFp8, kNumSrc, kCoopWgs>;
   ensure_max_dynamic_smem<kernel>(attention::kSmemBytes);
   launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(attention::kThreads), attention::kSmemBytes, stream,
                 pdl, p);
@@ -230,8 +231,22 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   // fp8 caches: round 0 of each CTA's first item gathered by all warpgroups at once
   // (sparse_mqa_first_round.cuh). DSV4_ATTN_COOP_ROUND=0: by the producer alone.
   const bool coop = env::switches().attn_coop_round.value_or(true);
-  if (kind == CacheKind::kFp8 && coop) {
-    one ? launch_main<true, 1, true>(p, grid, stream, pdl) : launch_main<true, 2, true>(p, grid, stream, pdl);
+  // Uniform run-time switches (no kernel instances of their own): round 1's rows into L2 during
+  // the cooperative round; O set by each item's first PV instead of cleared in registers.
+  p.coop_prefetch = env::switches().attn_coop_prefetch.value_or(true);
+  p.first_pv_init = env::switches().attn_first_pv_init.value_or(true);
+  // Items of two or more rounds (the longest split's pairs > 1): the cooperative round by the
+  // consumers alone, the producer starting on round 1 at once (its cold path, index, scale and
+  // row loads overlap round 0); one-round items (SWA, small splits) keep all three warpgroups
+  // on round 0. DSV4_ATTN_PRODUCER_AHEAD=0: all three always.
+  const int64_t all_pairs = (max_tiles + 1) / 2;
+  const int64_t split_pairs = p.pairs_per_split > 0 ? std::min<int64_t>(p.pairs_per_split, all_pairs)
+                                                    : (all_pairs + p.num_splits - 1) / p.num_splits;
+  const bool ahead = split_pairs > 1 && env::switches().attn_producer_ahead.value_or(true);
+  if (kind == CacheKind::kFp8 && coop && ahead) {
+    one ? launch_main<true, 1, 2>(p, grid, stream, pdl) : launch_main<true, 2, 2>(p, grid, stream, pdl);
+  } else if (kind == CacheKind::kFp8 && coop) {
+    one ? launch_main<true, 1, 3>(p, grid, stream, pdl) : launch_main<true, 2, 3>(p, grid, stream, pdl);
   } else if (kind == CacheKind::kFp8) {
     one ? launch_main<true, 1>(p, grid, stream, pdl) : launch_main<true, 2>(p, grid, stream, pdl);
   } else {

@@ -75,11 +75,15 @@ __device__ __forceinline__ void load_q_tile(const SparseMqaParams& p, const Work
 }
 
 // kNumSrc: 1 for calls with one source (SWA layers, prefill), 2 for any call
-// (sparse_mqa_schedule.cuh, token_tiles). kCoop (fp8 only): round 0 of the CTA's first
-// item is gathered by all warpgroups (sparse_mqa_first_round.cuh, DSV4_ATTN_COOP_ROUND).
-template <bool kFp8, int kNumSrc, bool kCoop>
+// (sparse_mqa_schedule.cuh, token_tiles). kCoopWgs (fp8 only): round 0 of the CTA's first
+// item is gathered cooperatively (sparse_mqa_first_round.cuh, DSV4_ATTN_COOP_ROUND) by all
+// three warpgroups (3) or by the two consumer warpgroups while the producer starts on round 1
+// (2, DSV4_ATTN_PRODUCER_AHEAD); 0: the producer fills every round.
+template <bool kFp8, int kNumSrc, int kCoopWgs>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __grid_constant__ SparseMqaParams p) {
-  static_assert(kFp8 || !kCoop, "the cooperative first round gathers fp8_ds_mla rows");
+  static_assert(kCoopWgs == 0 || kCoopWgs == 2 || kCoopWgs == 3, "no, two or three warpgroups");
+  static_assert(kFp8 || kCoopWgs == 0, "the cooperative first round gathers fp8_ds_mla rows");
+  constexpr bool kCoop = kCoopWgs > 0;
   extern __shared__ uint8_t smem_raw[];
   // By pointer arithmetic (align_smem_1024), so that the compiler sees shared memory: the
   // maxima, sums, masks and P tiles go by LDS / STS, not by generic LD / ST through the
@@ -113,17 +117,22 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   // recomputes it where the epilogue needs it.
   pdl_wait();
   const int wg = threadIdx.x >> 7;
-  if (kCoop) {
-    // The first item's round 0 by every thread; the consumer threads issue its Q's copies
-    // right after their row loads (both fly together, and the row loads, the longer chain,
-    // do not wait for Q's code). The role loops decode the item again (per item, see above).
+  // (wg broadcast from lane 0: a branch the compiler sees as warp-uniform; on wg itself it moved
+  // the consumers' item decode out of the uniform datapath, and knowing that every consumer
+  // thread ran the block, carried its decoded item into their loop: both spilled at 208.)
+  const int wg_coop = __shfl_sync(0xffffffffu, wg, 0);
+  if (kCoopWgs == 3 || (kCoopWgs == 2 && wg_coop > 0)) {
+    // The first item's round 0 by every thread (kCoopWgs = 2: every consumer thread); the
+    // consumer threads issue its Q's copies right after their row loads (both fly together,
+    // and the row loads, the longer chain, do not wait for Q's code). The role loops decode
+    // the item again (per item, see above).
     const WorkItem wi = work_item(p, blockIdx.x);
     const TokenTiles tt = token_tiles<kNumSrc>(p, wi.b, wi.split);
     const auto q_copies = [&] {
       if (wg > 0) load_q_tile(p, wi, smem);
     };
     if (tt.t1 > tt.t0) {
-      first_round_fp8<kNumSrc>(p, tt, wi.b, wi.i, smem, q_copies);
+      first_round_fp8<kNumSrc, kCoopWgs == 2 ? 2 : 3>(p, tt, wi.b, wi.i, smem, q_copies);
     } else {
       q_copies();
     }
@@ -207,15 +216,16 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     issue_s_half(second, false);
     wgmma_commit();
   };
-  // O[:, my half] += P V, P [64 x 64 keys] from registers, V = one half of a buffer.
-  auto pv_regs = [&](uint32_t kv) {
+  // O[:, my half] += P V, P [64 x 64 keys] from registers, V = one half of a buffer;
+  // scale_d = 0: O = P V (the item's first PV sets O, see `fresh` below).
+  auto pv_regs = [&](uint32_t kv, int scale_d) {
     fence_regs(o);
     fence_regs(pa);
     wgmma_fence();
     uint64_t dv = wgmma_desc_sw128(kv + 4 * g * 8192, 8192, 1024);
     asm volatile("" : "+l"(dv));
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) WgmmaRS<256, true>::mma(o, &pa[4 * kk], dv + ((kk * 2048) >> 4), 1);
+    for (int kk = 0; kk < 4; ++kk) WgmmaRS<256, true>::mma(o, &pa[4 * kk], dv + ((kk * 2048) >> 4), kk ? 1 : scale_d);
     wgmma_commit();
   };
   // Same with P from smem (the other consumer's tile).
@@ -274,7 +284,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
       o[4 * j + 3] *= f1;
     }
   };
-  auto softmax = [&](float mn0, float mn1) {
+  // fresh: the item's round 0 with O set by its first PV: O holds nothing of this item, so
+  // no rescale (the factors are 0 there anyway: the running max is still -inf).
+  auto softmax = [&](float mn0, float mn1, bool fresh) {
     const float ms0 = mn0 == -INFINITY ? 0.f : mn0;
     const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
     const float a0 = ex2_approx_ftz(m0 - ms0), a1 = ex2_approx_ftz(m1 - ms1);
@@ -292,7 +304,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     }
     l0 = l0 * a0 + sum0;
     l1 = l1 * a1 + sum1;
-    rescale_o(a0, a1);
+    if (!fresh) rescale_o(a0, a1);
   };
   auto pack_p = [&](float c0, float c1) {
 #pragma unroll
@@ -330,8 +342,18 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
       sink0 = p.sink[h0];
       sink1 = p.sink[h1];
     }
+    // O starts at zero: set by the item's first PV (scale-d = 0: O = P V, which is what 0 + P V
+    // gives, zeros' signs aside), so the consumers' path to their first MMA carries no 64
+    // register-pair clears (1 KB of cold code on a small batch's critical path,
+    // docs/perf-history/2026-12-04-attention-code-diet.md); cleared here only for an item with
+    // no round (an empty token's output is 0) or under DSV4_ATTN_FIRST_PV_INIT=0. The register
+    // fence keeps the branch: without it the compiler merged the two paths by 128 selects,
+    // executed on every item.
+    if (rounds == 0 || !p.first_pv_init) {
 #pragma unroll
-    for (int k = 0; k < 128; ++k) o[k] = 0.f;
+      for (int k = 0; k < 128; ++k) o[k] = 0.f;
+      fence_regs(o);
+    }
     m0 = m1 = -INFINITY;
     l0 = l1 = 0.f;
     cp_async_wait_all();
@@ -357,9 +379,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
         // Own reference: the running max unless this tile exceeds it by more than the slack
         // (consumer 1 then moves the round's max at least as far, so c0, c1 below are <= 1).
         const float t0 = mx0 > m0 + kMaxSlack ? mn0 : m0, t1 = mx1 > m1 + kMaxSlack ? mn1 : m1;
-        softmax(t0, t1);
+        const bool fresh = r == 0 && p.first_pv_init;
+        softmax(t0, t1, fresh);
         pack_p(1.f, 1.f);
-        pv_regs(kv_mine);  // O_left += P_0 V_0,left
+        pv_regs(kv_mine, fresh ? 0 : 1);  // O_left (+)= P_0 V_0,left
         wgmma_wait<0>();
         fence_regs(o);
         mbar_arrive(&freed[0]);
@@ -430,9 +453,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
           smax_bw[64 * ph + r0 + 8] = t1;
         }
         named_bar_arrive(kBarMax1, 256);
-        softmax(t0, t1);
+        const bool fresh = r == 0 && p.first_pv_init;
+        softmax(t0, t1, fresh);
         pack_p(1.f, 1.f);
-        pv_regs(kv_mine);  // O_right += P_1 V_1,right
+        pv_regs(kv_mine, fresh ? 0 : 1);  // O_right (+)= P_1 V_1,right
         store_p();
         named_bar_arrive(kBarP1, 256);
         named_bar_sync(kBarP0, 256);

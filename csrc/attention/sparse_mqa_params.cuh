@@ -50,6 +50,10 @@ struct SparseMqaParams {
   int pairs_per_split;      // > 0: batch-invariant splits of this many tile pairs; 0: num_splits equal parts
   FastDivmod splits_div;    // by num_splits  (set by the launcher with num_splits: the work-item
   FastDivmod sq_div;        // by s_q          decode runs before a CTA's first load, divisions cost)
+  // Development switches read by the kernel as uniform values (no extra kernel instances;
+  // csrc/common/env.h, README "Environment variables"):
+  bool coop_prefetch;     // the cooperative round also sends round 1's rows into L2 (DSV4_ATTN_COOP_PREFETCH)
+  bool first_pv_init;       // O set by each item's first PV (scale-d = 0), not cleared (DSV4_ATTN_FIRST_PV_INIT)
 };
 
 }  // namespace attention

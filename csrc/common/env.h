@@ -56,6 +56,9 @@ struct Switches {
   std::optional<bool> attn_specialize;     // DSV4_ATTN_SPECIALIZE: 0 = the general kernel instance for all
   std::optional<bool> attn_main_pdl;       // DSV4_ATTN_MAIN_PDL: 0 = the main kernel launched without PDL
   std::optional<bool> attn_coop_round;    // DSV4_ATTN_COOP_ROUND: 0 = the producer alone fills round 0
+  std::optional<bool> attn_producer_ahead;   // DSV4_ATTN_PRODUCER_AHEAD: 0 = the producer in the cooperative round always
+  std::optional<bool> attn_coop_prefetch;  // DSV4_ATTN_COOP_PREFETCH: 0 = round 1's rows not sent to L2 early
+  std::optional<bool> attn_first_pv_init;    // DSV4_ATTN_FIRST_PV_INIT: 0 = O cleared in registers per item
 };
 
 inline Switches read_switches() {
@@ -72,6 +75,9 @@ inline Switches read_switches() {
   s.attn_specialize = get("DSV4_ATTN_SPECIALIZE");
   s.attn_main_pdl = get("DSV4_ATTN_MAIN_PDL");
   s.attn_coop_round = get("DSV4_ATTN_COOP_ROUND");
+  s.attn_producer_ahead = get("DSV4_ATTN_PRODUCER_AHEAD");
+  s.attn_coop_prefetch = get("DSV4_ATTN_COOP_PREFETCH");
+  s.attn_first_pv_init = get("DSV4_ATTN_FIRST_PV_INIT");
   return s;
 }
 
