@@ -15,10 +15,10 @@ What is carried (``pack_vllm_for_device.py`` prints the exact calls):
   reference backend), ``_deepselect_C`` (indexer top-k), DeepGEMM's host library
   (indexer logits, the o_proj ``fp8_einsum``, the mHC GEMM; it JIT-compiles with the
   machine's nvcc), and three small helpers;
-* the cp312 wheels of what the engine imports and the image lacks (pydantic and its three
-  helpers, msgspec, pyzmq, cbor2, openai, oss-harmony, httpx2, pybase64, cachetools,
-  xgrammar, apache-tvm-ffi, fastapi, starlette, annotated-doc, partial-json-parser,
-  llguidance, humming-kernels, setproctitle: ~20 MB); transformers, tokenizers,
+* the cp312 wheels of what the engine may import and the image lacks (51, ~24 MB: the
+  closure of vLLM's requirements less the image's packages and less what the offline
+  engine never imports, listed in ``pack_vllm_for_device.py``); ``stage`` unpacks only
+  those whose distribution the image does not already have; transformers, tokenizers,
   huggingface_hub, safetensors, numpy, triton are the image's own;
 * the dsv4 extension ``dsv4/_C.abi3.so`` (~13 MB, built by the lead with /work/dvenv),
   with the last call.
@@ -130,6 +130,18 @@ def _sha(path: str) -> str:
     return h.hexdigest()
 
 
+def _installed(wheel: str) -> bool:
+    """Whether the machine's Python already has the wheel's distribution (any version): its
+    own stays, so that the carried one never shadows what the image's packages were built with."""
+    import importlib.metadata as md
+
+    try:
+        md.distribution(wheel.split("-")[0])
+        return True
+    except md.PackageNotFoundError:
+        return False
+
+
 def cmd_stage(args) -> int:
     with open(os.path.join(args.dir, "parts.json")) as f:
         man = json.load(f)
@@ -155,7 +167,11 @@ def cmd_stage(args) -> int:
         os.makedirs(SITE)
         with tarfile.open(os.path.join(parts, "vtree.tar.xz"), "r:xz") as tar:
             tar.extractall(SITE, filter="data")
+        skipped = []
         for w in man["wheels"]:
+            if _installed(w):
+                skipped.append(w.split("-")[0])
+                continue
             with zipfile.ZipFile(os.path.join(parts, w)) as z:
                 for info in z.infolist():
                     z.extract(info, SITE)
@@ -171,7 +187,8 @@ def cmd_stage(args) -> int:
         with open(os.path.join(di, "entry_points.txt"), "w") as f:
             f.write("[vllm.general_plugins]\ndsv4 = dsv4_plugin:register\n")
         open(py_ready, "w").close()
-        print(f"stage: vLLM's Python files and the wheels unpacked into {SITE} ({time.time() - t:.0f} s)")
+        print(f"stage: vLLM's Python files and the wheels unpacked into {SITE} ({time.time() - t:.0f} s); "
+              f"the image already has {skipped or 'none of them'}")
     if set(man["lib_chunks"]) <= have and os.path.exists(py_ready) and not os.path.exists(libs_ready):
         joined = os.path.join(STAGE, "libs.tar.xz")
         with open(joined, "wb") as out:
@@ -486,6 +503,9 @@ def cmd_run(args) -> int:
                     ("\n" + r.get("traceback", "")))
         with open(os.path.join(args.out, "serve_smoke.json"), "w") as f:  # partial results survive a kill
             json.dump({"results": results}, f, indent=1)
+        if r.get("missing_module"):  # every configuration would stop at the same import
+            print(f"stopping: module {r['missing_module']} is not staged", flush=True)
+            break
     comps = {}
     for model in ("v4", "v41"):
         for x, y in PAIRS:

@@ -45,16 +45,28 @@ from gpu_serve_smoke import _sha  # noqa: E402
 
 VLLM = "vllm==0.33.0"
 # The wheels vLLM's engine, config and DeepSeek V4 model modules import that the GPU
-# machine's image lacks (its package list: .library/device/KINDS.md "Python packages
-# already there"), at the versions vllm 0.33.0 was tested with here (/work/vvenv). Found by
-# importing the engine, the GPU worker and model runner, the V4 / V4.1 CUDA model
-# modules, the quantization methods and the plugin with only the machine's packages.
+# machine's image lacks, at the versions vllm 0.33.0 was tested with here (/work/vvenv):
+# the closure of vllm 0.33.0's requirements (markers for CPython 3.12 on Linux) less the
+# image's packages (.library/device/KINDS.md "Python packages already there") and less
+# what the offline engine on Hopper never imports and is large: FlashInfer, the CUTLASS
+# DSL, TileLang, z3, tokenspeed, cuda-tile / cuda-python (the image has cuda-bindings),
+# NCCL's Python bindings (one GPU), cuDNN's frontend, video codecs, quack, fastsafetensors,
+# instanttensor, OpenTelemetry, MCP, anthropic, supervisor, mistral-common (the tokenizer
+# is not initialised). An import by name alone found too few: openai's sniffio was
+# missing on the machine (``stage`` skips a wheel whose distribution the image has).
 EXTRA_WHEELS = (
-    "pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0", "typing-inspection==0.4.5",
-    "msgspec==0.23.0", "pyzmq==27.3.0", "cbor2==6.3.0", "oss-harmony==0.0.11", "openai==3.60.0",
-    "httpx2==2.16.2", "pybase64==1.5.1", "cachetools==8.0.2", "xgrammar==0.2.8", "apache-tvm-ffi==0.1.11",
-    "fastapi==0.136.3", "starlette==1.10.0", "annotated-doc==0.0.7", "partial-json-parser==0.2.1.1.post7",
-    "llguidance==1.7.6", "humming-kernels==0.1.19", "setproctitle==1.3.8",
+    "annotated-types==0.8.0", "apache-tvm-ffi==0.1.11", "astor==0.8.1", "blake3==1.0.11", "cachetools==8.0.2",
+    "cbor2==6.3.0", "compressed-tensors==0.17.0", "depyf==0.20.0", "dill==0.4.1", "docstring-parser==0.18.0",
+    "fastapi==0.136.3", "httpcore2==2.16.2", "httpx2==2.16.2", "humming-kernels==0.1.19", "ijson==3.6.0",
+    "interegular==0.3.3", "jiter==0.19.0", "jmespath==1.1.0", "jsonschema==4.26.0",
+    "jsonschema-specifications==2025.9.1", "lark==1.2.2", "llguidance==1.7.6", "lm-format-enforcer==0.11.3",
+    "loguru==0.7.3", "msgspec==0.23.0", "nvtx==0.2.15", "openai==3.60.0", "orjson==3.13.0", "oss-harmony==0.0.11",
+    "outlines-core==0.2.14", "partial-json-parser==0.2.1.1.post7", "prometheus-fastapi-instrumentator==8.1.0",
+    "pybase64==1.5.1", "pydantic==2.14.4", "pydantic-core==2.50.5", "pydantic-extra-types==2.11.1",
+    "pyjwt==2.15.1", "python-json-logger==4.2.0", "python-multipart==0.0.34", "pyzmq==27.3.0",
+    "referencing==0.37.0", "rpds-py==2026.9.1", "setproctitle==1.3.8", "sniffio==1.3.1", "sse-starlette==3.7.1",
+    "starlette==1.10.0", "truststore==0.10.5", "typing-inspection==0.4.5", "uvicorn==0.55.0",
+    "watchfiles==1.3.0", "xgrammar==0.2.8",
 )
 LIBS = (
     "vllm/_C_stable_libtorch.abi3.so",        # vLLM's kernels (quant, norms, cache ops, FP8 GEMMs)
@@ -88,7 +100,7 @@ def _wheel_for(wheel_dir: str, req: str) -> str | None:
     name, ver = req.split("==")
     stem = name.replace("-", "_").lower() + "-" + ver + "-"
     for w in sorted(os.listdir(wheel_dir)):
-        if w.lower().startswith(stem) and w.endswith(".whl") and ("cp312" in w or "abi3" in w or "py3-none" in w):
+        if w.lower().startswith(stem) and w.endswith(".whl") and ("cp312" in w or "abi3" in w or w.endswith("-none-any.whl")):
             return w
     return None
 
