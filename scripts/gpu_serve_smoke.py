@@ -45,7 +45,12 @@ the model is built:
    fused RMSNorm the TileLang kernels apply; ``kernel_config.enable_jit_warmup=False``
    (its warmups compile TileLang). Both attention backends and both MoE paths run the same
    replacement, so the A/B comparisons are unaffected.
-2. torch 2.11 vs vLLM's pinned 2.14: none needed at import (every engine, worker and
+2. ``vllm.vllm_flash_attn`` without FlashAttention's libraries: its package ``__init__``
+   raises ImportError without them, and vLLM imports it on every CUDA path (the attention
+   layers, the model loader, the fused-MoE package), so the package is registered without
+   that check (:func:`flash_attn_without_kernels`); DeepSeek V4 attends through FlashMLA or
+   dsv4, and a call into FlashAttention would fail with vLLM's own error, in the log.
+3. torch 2.11 vs vLLM's pinned 2.14: none needed at import (every engine, worker and
    DeepSeek V4 module imports on 2.11 with the carried wheels); any found at run time is
    added to :func:`apply_workarounds` and listed here.
 
@@ -208,8 +213,14 @@ def cmd_stage(args) -> int:
 # ----------------------------------------------------------------------------- probe
 
 _PROBE_CHILD = r"""
-import importlib, json, sys, traceback
+import importlib, json, os, sys, traceback
 res = {"ok": [], "fail": {}, "missing": []}
+sys.path.insert(0, os.path.join(os.getcwd(), "scripts"))
+try:
+    import gpu_serve_smoke
+    gpu_serve_smoke.flash_attn_without_kernels()  # as every configuration's process does
+except BaseException as e:
+    res["fail"]["flash_attn_without_kernels"] = f"{type(e).__name__}: {e}"
 for m in sys.argv[1].split(","):
     try:
         importlib.import_module(m); res["ok"].append(m)
@@ -281,8 +292,39 @@ def _rms(x, w, eps):
     return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * w.float()).to(torch.bfloat16)
 
 
+def flash_attn_without_kernels() -> None:
+    """Registers ``vllm.vllm_flash_attn`` without its package ``__init__``'s check, which raises
+    ImportError when neither FlashAttention library is there (left out: 480 MB). vLLM imports
+    the package wherever it runs on CUDA (``fa_utils`` via the attention layers, the model
+    loader, the fused-MoE package); its interface module loads without the libraries
+    (``FA2_AVAILABLE = FA3_AVAILABLE = False``), so a call into FlashAttention, if any, fails
+    there and shows in the run's log."""
+    import importlib
+    import importlib.machinery
+    import types
+
+    name = "vllm.vllm_flash_attn"
+    if name in sys.modules:
+        return
+    import vllm
+
+    d = os.path.join(os.path.dirname(vllm.__file__), "vllm_flash_attn")
+    m = types.ModuleType(name)
+    m.__path__, m.__package__ = [d], name
+    m.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    m.__spec__.submodule_search_locations = [d]
+    sys.modules[name] = m
+    vllm.vllm_flash_attn = m
+    fi = importlib.import_module(name + ".flash_attn_interface")
+    for n in ("FA2_AVAILABLE", "FA3_AVAILABLE", "compile_flash_attn_varlen_func_from_specs",
+              "fa_version_unsupported_reason", "flash_attn_varlen_func", "get_scheduler_metadata",
+              "is_fa_version_supported"):
+        setattr(m, n, getattr(fi, n))
+
+
 def apply_workarounds() -> list[str]:
     """Patches for what is not carried (see the module docstring); returns what was patched."""
+    flash_attn_without_kernels()
     import torch
     from vllm.model_executor.kernels.mhc.torch import mhc_post_torch, mhc_pre_delayed_torch, mhc_pre_torch
 
@@ -338,7 +380,7 @@ def apply_workarounds() -> list[str]:
         "vllm.models.deepseek_v41.nvidia.ops.mhc": {
             "mhc_post_tilelang": post, "mhc_fused_post_pre_delayed_tilelang": fused_post_pre_delayed},
     }
-    done = []
+    done = ["vllm_flash_attn: package registered without its FA2/FA3 check"]
     import importlib
 
     for mod_name, names in table.items():
@@ -503,8 +545,8 @@ def cmd_run(args) -> int:
                     ("\n" + r.get("traceback", "")))
         with open(os.path.join(args.out, "serve_smoke.json"), "w") as f:  # partial results survive a kill
             json.dump({"results": results}, f, indent=1)
-        if r.get("missing_module"):  # every configuration would stop at the same import
-            print(f"stopping: module {r['missing_module']} is not staged", flush=True)
+        if r.get("missing_module") or r.get("stage") == "workarounds":  # every configuration would stop there
+            print("stopping: every configuration imports the same modules first", flush=True)
             break
     comps = {}
     for model in ("v4", "v41"):
