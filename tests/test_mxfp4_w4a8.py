@@ -589,6 +589,33 @@ def test_gpu_forced_token_tiles(block_n, splitk):
         assert all(sk == splitk for _, sk in printed), printed
 
 
+# 64-token tiles on the classic grid, ragged last tiles, with and without an expert map
+ROWS_CASES = (("v41_tp8", 300, False), ("v41_tp8", 2000, True), ("flash", 700, False), ("pro", 999, True))
+
+
+def _child_gemm2_rows(path: str) -> None:
+    """ROWS_CASES at the GEMM2 weight tiles per CTA this process was given
+    (DSV4_MOE_GEMM2_ROWS), each against the reference; the outputs saved to ``path``."""
+    torch.save([_check(name, M, seed=M + 81, use_map=um).cpu() for name, M, um in ROWS_CASES], path)
+
+
+@pytest.mark.gpu
+def test_gpu_gemm2_rows_bitwise(tmp_path):
+    """mxfp4_gemm2_rows_kernel (R 64-row weight tiles per GEMM2 CTA, one count and one
+    combine per R tiles) computes each tile's sums and y as the classic kernel (R = 1)
+    does and combines in slot order, so the outputs are bitwise equal for every R."""
+    outs = {}
+    for rows in ("1", "2", "4", "8"):
+        path = tmp_path / f"rows{rows}.pt"
+        env = dict(DSV4_MOE_BLOCK_N="64", DSV4_MOE_SPLITK="0", DSV4_MOE_GEMM2_ROWS=rows, DSV4_PRINT_CONFIG="1")
+        r = _run_child(env, f"_child_gemm2_rows({str(path)!r})")
+        printed = re.findall(r"^dsv4 config mxfp4_moe: .* gemm2_rows=(\d+)", r.stderr, re.M)
+        assert printed and set(printed) == {rows}, printed  # the override in effect on every call
+        outs[rows] = torch.load(path)
+    for rows in ("2", "4", "8"):
+        assert all(torch.equal(a, b) for a, b in zip(outs["1"], outs[rows])), rows
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["flash", "v41_tp8"])
 def test_gpu_cuda_graph_replay(name):

@@ -199,14 +199,28 @@ struct Mxfp4MoeConfig {
   int gemm1_ctas, gemm2_ctas, sk_ctas;  // split-K: the two grids and their bound (else 0)
   bool pdl;              // programmatic dependent launches
   int quant_ctas;        // mxfp4_quant_x_kernel's grid
+  int gemm2_rows;        // 64-row weight tiles per GEMM2 CTA (mxfp4_gemm2_rows_kernel when > 1)
 };
+
+// GEMM2 weight tiles per CTA on the classic grid at 64-token tiles: the fewest of 1, 2, 4, 8
+// that give a CTA at least kGemm2RowChunks K chunks (a classic CTA's fixed cost is ~8 us
+// against ~1 us per chunk: docs/perf-history/2026-12-04-mxfp4-w4a8-gemm2-rows.md) and
+// divide the K / 64 row tiles. G2 = 3 (V4.1-Flash at tensor parallel 8) -> 4; the
+// expert-parallel shapes (G2 = 16-24) -> 1.
+constexpr int kGemm2RowChunks = 12;
+inline int pick_gemm2_rows(int64_t G2, int64_t row_tiles) {
+  int r = 1;
+  while (r < 8 && r * G2 < kGemm2RowChunks && row_tiles % (2 * r) == 0) r *= 2;
+  return r;
+}
 
 // The kernel choice, the NVFP4 op's rules where they apply: the token tile of
 // pick_block_n (8, 16, then 64 from 24 expected tokens per local expert; tiles of 32 and
 // 128 rows measured slower than 64 at every prefill size of the three models,
 // docs/perf-history/2026-12-04-mxfp4-w4a8-token-tiles.md; DSV4_MOE_BLOCK_N overrides),
-// split-K by splitk_by_items with this op's occupancy (decode tiles only), PDL on;
-// DSV4_MOE_SPLITK and DSV4_MOE_PDL override.
+// split-K by splitk_by_items with this op's occupancy (decode tiles only), PDL on; at
+// 64-token tiles on the classic grid, GEMM2 CTAs of pick_gemm2_rows weight tiles;
+// DSV4_MOE_SPLITK, DSV4_MOE_PDL and DSV4_MOE_GEMM2_ROWS (there only) override.
 inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceFacts& d, const env::Switches& o) {
   Mxfp4MoeConfig cfg{};
   const int64_t S = c.M * c.topk;
@@ -228,6 +242,13 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
   cfg.pdl = o.moe_pdl.value_or(true);
   const int64_t groups = c.M * (c.K / 128);  // one warp each, 8 per CTA
   cfg.quant_ctas = int(std::max<int64_t>(1, std::min<int64_t>((groups + 7) / 8, int64_t(d.sms) * 8)));
+  cfg.gemm2_rows = 1;
+  if (!cfg.splitk && cfg.block_n == 64) {
+    const int64_t row_tiles = c.K / 64;
+    cfg.gemm2_rows = o.moe_gemm2_rows.value_or(pick_gemm2_rows((c.N + 127) / 128, row_tiles));
+    TORCH_CHECK(row_tiles % cfg.gemm2_rows == 0, "dsv4: DSV4_MOE_GEMM2_ROWS=", cfg.gemm2_rows,
+                " must divide mxfp4_moe's K / 64 = ", row_tiles, " GEMM2 weight tiles");
+  }
   return cfg;
 }
 
@@ -237,7 +258,7 @@ inline void print_config(const Mxfp4MoeShape& c, const Mxfp4DeviceFacts& d, cons
       "dsv4 config mxfp4_moe: M=", c.M, " K=", c.K, " N=", c.N, " E=", c.E, " E_global=", c.E_global,
       " topk=", c.topk, " activation=fp8 sms=", d.sms, " classic1=", d.occupancy(cfg.block_n).classic1,
       " -> block_n=", cfg.block_n, " max_tiles=", cfg.max_tiles, " multi_cta_route=", int(cfg.multi_cta_route),
-      " splitk=", int(cfg.splitk), " sk_ctas=", cfg.sk_ctas, " pdl=", int(cfg.pdl), " quant_ctas=", cfg.quant_ctas,
+      " splitk=", int(cfg.splitk), " sk_ctas=", cfg.sk_ctas, " pdl=", int(cfg.pdl), " quant_ctas=", cfg.quant_ctas, " gemm2_rows=", cfg.gemm2_rows,
       " workspace_bytes=", workspace_bytes);
   std::fprintf(stderr, "%s\n", line.c_str());
   std::fflush(stderr);

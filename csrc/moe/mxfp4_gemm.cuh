@@ -298,13 +298,11 @@ __device__ __forceinline__ void gemm1_epilogue(const W4A8Params& p, const float 
   if (tid == 0) atomicAdd(p.group_ready + tile, 1);
 }
 
-// GEMM2 epilogue of item (tile, rt): y (bf16) of the output columns 64rt .. 64rt + 63 for
-// the tile's rows; for each of them whose token now has all its local slots' y of these
-// columns, out = sum_j topk_weights[m, j] * y[slot_pos[m, j]] in slot order (fp32, one
-// bf16 rounding), by the CTA that completed the token's count.
+// GEMM2 epilogue of item (tile, rt), first half: y (bf16) of the output columns
+// 64rt .. 64rt + 63 for the tile's rows (staged through shared memory: 16-byte stores).
 template <int BN>
-__device__ __forceinline__ void gemm2_epilogue(const W4A8Params& p, const float (&acc)[BN / 2], __nv_bfloat16* stg,
-                                               int tile, int rt, int tid) {
+__device__ __forceinline__ void gemm2_store_y(const W4A8Params& p, const float (&acc)[BN / 2], __nv_bfloat16* stg,
+                                              int tile, int rt, int tid) {
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int c = 0; c < BN / 8; ++c) {
@@ -316,14 +314,25 @@ __device__ __forceinline__ void gemm2_epilogue(const W4A8Params& p, const float 
     }
   }
   __syncthreads();
-  const int K = p.K, row0 = tile * BN, RT2 = K / kTileRows;
+  const int K = p.K, row0 = tile * BN;
   for (int idx = tid; idx < BN * 8; idx += kThreads) {
     const int tok = idx >> 3, ch = idx & 7;
     const uint4 o = *reinterpret_cast<const uint4*>(stg + stage2_index(tok, ch * 8));
     __stcg(reinterpret_cast<uint4*>(p.y + size_t(row0 + tok) * K + rt * kTileRows + ch * 8), o);
   }
+}
+
+// GEMM2 epilogue, second half, once this CTA stored its y of the R row tiles rt0 .. rt0 + R - 1
+// (output columns 64rt0 .. 64(rt0 + R) - 1): for each tile row whose token now has all its
+// local slots' y of these columns, out = sum_j topk_weights[m, j] * y[slot_pos[m, j]] in slot
+// order (fp32, one bf16 rounding), by the CTA that completed the token's count. One count per
+// token and group of R row tiles: combine_left[m, rt0] (every CTA of a call covers the same
+// groups, so the other R - 1 counters of a group stay unused).
+template <int BN, int R>
+__device__ __forceinline__ void gemm2_combine(const W4A8Params& p, int tile, int rt0, int tid) {
   __threadfence();
   __syncthreads();
+  const int K = p.K, row0 = tile * BN, RT2 = K / kTileRows;
   static_assert(BN <= kThreads, "one thread per token tile row");
   __shared__ int s_token[BN];  // token whose count this CTA completed, per tile row; -1 = none
   if (tid < BN) {
@@ -331,14 +340,14 @@ __device__ __forceinline__ void gemm2_epilogue(const W4A8Params& p, const float 
     int m = -1;
     if (slot >= 0) {
       const int tkn = slot / p.topk;
-      if (atomicSub(p.combine_left + tkn * RT2 + rt, 1) == 1) m = tkn;
+      if (atomicSub(p.combine_left + tkn * RT2 + rt0, 1) == 1) m = tkn;
     }
     s_token[tid] = m;
   }
   __syncthreads();
   __threadfence();
-  for (int idx = tid; idx < BN * 8; idx += kThreads) {
-    const int m = s_token[idx >> 3], ch = idx & 7;
+  for (int idx = tid; idx < BN * 8 * R; idx += kThreads) {
+    const int m = s_token[idx / (8 * R)], col = rt0 * kTileRows + (idx % (8 * R)) * 8;
     if (m < 0) continue;
     float sum[8];
 #pragma unroll
@@ -347,7 +356,7 @@ __device__ __forceinline__ void gemm2_epilogue(const W4A8Params& p, const float 
       const int pos = __ldg(p.slot_pos + m * p.topk + jj);
       if (pos < 0) continue;
       const float w = __ldg(p.topk_weights + m * p.topk + jj);
-      const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.y + size_t(pos) * K + rt * kTileRows + ch * 8));
+      const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.y + size_t(pos) * K + col));
       const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -356,7 +365,7 @@ __device__ __forceinline__ void gemm2_epilogue(const W4A8Params& p, const float 
         sum[2 * i + 1] = fmaf(w, f.y, sum[2 * i + 1]);
       }
     }
-    *reinterpret_cast<uint4*>(p.out + size_t(m) * K + rt * kTileRows + ch * 8) = pack_bf16x8(sum);
+    *reinterpret_cast<uint4*>(p.out + size_t(m) * K + col) = pack_bf16x8(sum);
   }
 }
 
@@ -378,7 +387,7 @@ __device__ __forceinline__ void gemm2_wait_h(const W4A8Params& p, int tile) {
 // prepared layout, token rows and their scales in the tiled activation layout), so a
 // slot comes in by four bulk copies counted on its mbarrier; no thread copies, and
 // nothing written through the generic proxy is read by the wgmmas.
-template <int BN, int CHUNKS, bool kGemm1, typename BeforeTokens>
+template <int BN, int CHUNKS, bool kGemm1, bool kCombine = true, typename BeforeTokens>
 __device__ __forceinline__ void gemm_segment(const W4A8Params& p, uint8_t* smem, uint64_t* full, const uint8_t* lut,
                                              int& ring, uint32_t& phase, int tile, int rt, int kb, int ke, int item,
                                              int splits, int chunk, int tid, BeforeTokens before_tokens) {
@@ -559,8 +568,10 @@ __device__ __forceinline__ void gemm_segment(const W4A8Params& p, uint8_t* smem,
 
   if constexpr (kGemm1)
     gemm1_epilogue<BN>(p, acc, reinterpret_cast<float*>(smem), tile, rt, tid);
-  else
-    gemm2_epilogue<BN>(p, acc, reinterpret_cast<__nv_bfloat16*>(smem), tile, rt, tid);
+  else {
+    gemm2_store_y<BN>(p, acc, reinterpret_cast<__nv_bfloat16*>(smem), tile, rt, tid);
+    if constexpr (kCombine) gemm2_combine<BN, 1>(p, tile, rt, tid);
+  }
 }
 
 // The ring's mbarriers and the shift tables (all threads), then one barrier.
@@ -603,6 +614,43 @@ __global__ void __launch_bounds__(kThreads) mxfp4_gemm_kernel(const W4A8Params p
                                    [&] {
                                      if constexpr (!kGemm1) gemm2_wait_h(p, tile);
                                    });
+}
+
+// GEMM2 on a classic grid whose CTA covers R consecutive 64-row weight tiles of one token
+// tile (x = group of R row tiles, y = token tile), for GEMM2s of few K chunks (V4.1-Flash
+// at tensor parallel 8: G2 = 3). A classic CTA pays ~8 us of fixed cost (its launch, the
+// shift tables, the wait for h, the ring fill, the fence, the count and the combine's
+// dependent loads) against ~1 us per chunk
+// (docs/perf-history/2026-12-04-mxfp4-w4a8-gemm2-rows.md), so at 3 chunks most of GEMM2
+// was fixed cost. Here the tables, the wait for h, the fence, the count and the combine
+// are paid once per R tiles; the ring runs on across the tiles (the token rows come in
+// again per tile, from L2), and the tiles' y are combined together. Each tile's sums and
+// y are the classic kernel's, so the outputs are bitwise the same for every R.
+template <int BN, int CHUNKS, int R>
+__global__ void __launch_bounds__(kThreads) mxfp4_gemm2_rows_kernel(const W4A8Params p) {
+  gemm_grid_dependencies<false>();
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = align_smem_1024(smem_raw);
+  __shared__ uint64_t full[Smem<BN, CHUNKS>::kSlots];
+  __shared__ __align__(16) uint8_t lut[kLutBytes];
+  const int tile = blockIdx.y;
+  if (tile >= __ldcg(p.num_tiles)) return;
+  init_cta(full, lut);
+  int ring = 0;
+  uint32_t phase = 0;
+  const int rt0 = blockIdx.x * R;
+#pragma unroll 1
+  for (int r = 0; r < R; ++r) {
+    gemm_segment<BN, CHUNKS, false, false>(p, smem, full, lut, ring, phase, tile, rt0 + r, 0, p.G2, 0, 1, 0,
+                                           threadIdx.x, [&] {
+                                             if (r == 0) gemm2_wait_h(p, tile);
+                                           });
+    if (r + 1 < R) {  // the y staging smem is the next tile's ring, refilled by bulk copies
+      fence_proxy_async_smem();
+      __syncthreads();
+    }
+  }
+  gemm2_combine<BN, R>(p, tile, rt0, threadIdx.x);
 }
 
 // Split-K on a persistent grid (as nvfp4_gemm.cuh's moe_gemm_splitk_kernel): items

@@ -130,6 +130,11 @@ GemmOccupancy gemm_setup() {
   auto c2 = w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, false>;
   for (auto k : {k1, k2}) C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, SK::kBytes));
   for (auto k : {c1, c2}) C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
+  if constexpr (BN == 64) {
+    for (auto k : {w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 2>, w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 4>,
+                   w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 8>})
+      C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
+  }
   GemmOccupancy o{};
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o.gemm1, k1, moe::kThreads, SK::kBytes));
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o.gemm2, k2, moe::kThreads, SK::kBytes));
@@ -207,6 +212,16 @@ void launch_gemms(const Mxfp4MoeConfig& cfg, const w4a8::W4A8Params& p, cudaStre
   using S = w4a8::Smem<BN, kClassicChunks>;
   launch_kernel(w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, true>, dim3(unsigned(p.N / 32), unsigned(cfg.max_tiles)),
                 block, S::kBytes, stream, cfg.pdl, p);
+  if constexpr (BN == 64) {  // config.h: GEMM2 rows only at 64-token tiles on the classic grid
+    if (cfg.gemm2_rows > 1) {
+      const dim3 grid(unsigned(p.K / 64 / cfg.gemm2_rows), unsigned(cfg.max_tiles));
+      auto k = cfg.gemm2_rows == 2   ? w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 2>
+               : cfg.gemm2_rows == 4 ? w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 4>
+                                     : w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 8>;
+      launch_kernel(k, grid, block, S::kBytes, stream, cfg.pdl, p);
+      return;
+    }
+  }
   launch_kernel(w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, false>, dim3(unsigned(p.K / 64), unsigned(cfg.max_tiles)),
                 block, S::kBytes, stream, cfg.pdl, p);
 }

@@ -20,6 +20,7 @@ split-K persistent GEMM grid off/on; pdl -> DSV4_MOE_PDL: programmatic dependent
 off/on; dx -> DSV4_MOE_DIRECT_X: bf16 decode GEMM1 reading x itself instead of a gather
 kernel; ws -> DSV4_MOE_WS: 0 runs the one-warpgroup prefill GEMMs instead of the
 warp-specialized ones; bn -> DSV4_MOE_BLOCK_N: the MXFP4 W4A8 token tile, 8, 16 or 64;
+rows -> DSV4_MOE_GEMM2_ROWS: the MXFP4 W4A8 GEMM2 weight tiles per CTA, 1, 2, 4 or 8;
 README.md, "Environment variables"). The library reads them once per
 process, so each variant runs in a child process of its own and the rows are merged.
 --profile prints per-kernel device times (torch.profiler) of the decode sizes.
@@ -45,8 +46,8 @@ from ..report import Table, print_tables, to_markdown
 
 SUMMARY = "routed-expert MoE (NVFP4, MXFP4) rates against a bf16 grouped-GEMM baseline and the same-run ceilings"
 SWITCHES = {"sk": "DSV4_MOE_SPLITK", "pdl": "DSV4_MOE_PDL", "dx": "DSV4_MOE_DIRECT_X", "ws": "DSV4_MOE_WS",
-            "bn": "DSV4_MOE_BLOCK_N"}
-VALUES = {"bn": ("8", "16", "64")}  # the others: "0", "1"
+            "bn": "DSV4_MOE_BLOCK_N", "rows": "DSV4_MOE_GEMM2_ROWS"}
+VALUES = {"bn": ("8", "16", "64"), "rows": ("1", "2", "4", "8")}  # the others: "0", "1"
 N_SETS = 4
 
 
@@ -68,7 +69,8 @@ def variant_env(v: str) -> dict[str, str]:
         k, sep, val = (s.strip() for s in kv.partition("="))
         if k not in SWITCHES or not sep or val not in VALUES.get(k, ("0", "1")):
             raise ValueError(f"dsv4: moe --variants item {kv!r} must be k=0 or k=1 with k one of "
-                             f"{sorted(set(SWITCHES) - set(VALUES))}, or bn={'|'.join(VALUES['bn'])}")
+                             f"{sorted(set(SWITCHES) - set(VALUES))}, or "
+                             + ", ".join(f"{c}={'|'.join(VALUES[c])}" for c in VALUES))
         env[SWITCHES[k]] = val
     return env
 
