@@ -108,7 +108,8 @@ PROBE_MODULES = (
 
 def child_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([SITE, ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    paths = [SITE, ROOT, os.path.join(ROOT, "scripts")]  # scripts: this module, the smoke's vLLM plugin
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     cache = os.path.join(STAGE, "cache")
     env.update({
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process: the patches below apply
@@ -184,13 +185,15 @@ def cmd_stage(args) -> int:
                     if mode:
                         os.chmod(os.path.join(SITE, info.filename), mode)
         # dsv4 is not pip-installed there: a dist-info on the path makes vLLM's plugin loader
-        # find the entry point of pyproject.toml ([project.entry-points."vllm.general_plugins"]).
+        # find the entry point of pyproject.toml ([project.entry-points."vllm.general_plugins"]),
+        # and the smoke's own (vllm_plugin), which every vLLM process loads, including the
+        # model registry's inspection subprocess that no patch of ours reaches otherwise.
         di = os.path.join(SITE, "dsv4-0.0.0+smoke.dist-info")
         os.makedirs(di, exist_ok=True)
         with open(os.path.join(di, "METADATA"), "w") as f:
             f.write("Metadata-Version: 2.1\nName: dsv4\nVersion: 0.0.0+smoke\n")
         with open(os.path.join(di, "entry_points.txt"), "w") as f:
-            f.write("[vllm.general_plugins]\ndsv4 = dsv4_plugin:register\n")
+            f.write("[vllm.general_plugins]\ndsv4 = dsv4_plugin:register\ndsv4_smoke = gpu_serve_smoke:vllm_plugin\n")
         open(py_ready, "w").close()
         print(f"stage: vLLM's Python files and the wheels unpacked into {SITE} ({time.time() - t:.0f} s); "
               f"the image already has {skipped or 'none of them'}")
@@ -320,6 +323,14 @@ def flash_attn_without_kernels() -> None:
               "fa_version_unsupported_reason", "flash_attn_varlen_func", "get_scheduler_metadata",
               "is_fa_version_supported"):
         setattr(m, n, getattr(fi, n))
+
+
+def vllm_plugin() -> None:
+    """The smoke's vLLM general plugin (entry point staged beside dsv4's): vLLM loads general
+    plugins in every process it starts, before it imports a model, and its model registry
+    inspects a model's class in a fresh subprocess (``registry._run_in_subprocess``), where
+    the ``vllm.vllm_flash_attn`` import would otherwise fail."""
+    flash_attn_without_kernels()
 
 
 def apply_workarounds() -> list[str]:
@@ -541,8 +552,9 @@ def cmd_run(args) -> int:
         print(f"[{time.time() - start:5.0f} s] {c['name']}: {status}", flush=True)
         if r.get("tokens"):
             print(f"    tokens {r['tokens']}", flush=True)
-        logs.append(f"===== {c['name']} ({status})\n" + "\n".join(err.splitlines()[-120:]) +
-                    ("\n" + r.get("traceback", "")))
+        out_log = [x for x in out.splitlines() if not x.startswith("SMOKE_JSON ")]  # vLLM logs to stdout
+        logs.append(f"===== {c['name']} ({status})\n--- stdout\n" + "\n".join(out_log[-150:]) +
+                    "\n--- stderr\n" + "\n".join(err.splitlines()[-120:]) + ("\n" + r.get("traceback", "")))
         with open(os.path.join(args.out, "serve_smoke.json"), "w") as f:  # partial results survive a kill
             json.dump({"results": results}, f, indent=1)
         if r.get("missing_module") or r.get("stage") == "workarounds":  # every configuration would stop there

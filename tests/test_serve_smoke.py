@@ -34,6 +34,7 @@ def parts(tmp_path, monkeypatch):
     """Three calls' folders as pack_vllm_for_device.py lays them out, on tiny stand-in files."""
     monkeypatch.setattr(smoke, "STAGE", str(tmp_path / "stage"))
     monkeypatch.setattr(smoke, "SITE", str(tmp_path / "stage" / "site"))
+    monkeypatch.setattr(smoke, "_installed", lambda wheel: False)  # as on the GPU machine's image
     build = tmp_path / "build"
     build.mkdir()
     _tar_xz(build / "vtree.tar.xz", {"vllm/__init__.py": b"X = 1\n", "vllm-0.33.0.dist-info/METADATA": b"m\n"})
@@ -74,7 +75,7 @@ def test_stage_unpacks_python_after_call_1_and_libraries_after_the_last(parts, c
     assert open(os.path.join(site, "vllm", "__init__.py")).read() == "X = 1\n"
     assert os.path.exists(os.path.join(site, "msgspec", "__init__.py"))
     eps = open(os.path.join(site, "dsv4-0.0.0+smoke.dist-info", "entry_points.txt")).read()
-    assert "[vllm.general_plugins]\ndsv4 = dsv4_plugin:register" in eps
+    assert "[vllm.general_plugins]\ndsv4 = dsv4_plugin:register\ndsv4_smoke = gpu_serve_smoke:vllm_plugin" in eps
     assert _stage(dirs[1]) == 0 and not os.path.exists(os.path.join(site, "vllm", "_C_stable_libtorch.abi3.so"))
     assert _stage(dirs[2]) == 0
     assert "python ready, libraries ready" in capsys.readouterr().out
@@ -108,3 +109,21 @@ def test_agreement():
     b = {"tokens": [[1, 2, 9], [4, 5, 6]], "first_logprobs": [{"1": -0.12, "8": -2.0}, {"4": -0.45}]}
     assert smoke.agreement(a, b) == {"same_tokens": 0.833, "first_divergence": [2, None],
                                      "first_step_logprob_maxdiff": 0.05}
+
+
+def test_stage_keeps_the_image_s_own_distributions(parts, capsys, monkeypatch):
+    """A wheel whose distribution the machine's Python already has is not unpacked: the
+    carried copy would shadow the one the image's packages were built with."""
+    dirs, _ = parts
+    monkeypatch.setattr(smoke, "_installed", lambda wheel: wheel.startswith("msgspec-"))
+    assert _stage(dirs[0]) == 0
+    assert "the image already has ['msgspec']" in capsys.readouterr().out
+    assert not os.path.exists(os.path.join(smoke.SITE, "msgspec"))
+
+
+def test_every_vllm_process_gets_the_smoke_plugin():
+    """The registry's inspection subprocess imports the model without the engine's patches:
+    the staged entry point and the children's path must reach gpu_serve_smoke.vllm_plugin."""
+    env = smoke.child_env()
+    assert os.path.join(smoke.ROOT, "scripts") in env["PYTHONPATH"].split(os.pathsep)
+    assert callable(smoke.vllm_plugin)
