@@ -61,7 +61,8 @@ prefill, the 1500-token one past the indexer's top-k 512 on the ratio-1 and rati
 layers), greedy, 8 new tokens, top-5 logprobs per step. Configurations: each example x
 {dsv4, vLLM's FlashMLA sparse backend (``FLASHMLA_SPARSE_DSV4`` / ``FLASHMLA_SPARSE_DSV41``)}
 x {CUDA graphs (default), ``enforce_eager``}, then dsv4 with ``DSV4_MOE=0`` (vLLM's MoE),
-each in its own process. Output: token ids per configuration, agreement between pairs
+then the V4 example with MXFP4 experts (:func:`example_dir`) through dsv4's W4A8
+(``DSV4_MOE_MXFP4=1``) and through vLLM's (``0``), each in its own process. Output: token ids per configuration, agreement between pairs
 (identical tokens, first-step logprob max |diff| over the tokens both top-5 sets hold), a
 summary table, ``$OUT/serve_smoke.json`` and ``$OUT/serve_logs.txt``.
 
@@ -88,7 +89,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGE = "/tmp/dsv4-serve"
 SITE = os.path.join(STAGE, "site")
 EXAMPLES = {"v4": os.path.join(ROOT, "examples", "dsv4-tiny-nvfp4"),
-            "v41": os.path.join(ROOT, "examples", "dsv41-tiny-nvfp4")}
+            "v41": os.path.join(ROOT, "examples", "dsv41-tiny-nvfp4"),
+            "v4mx": os.path.join(STAGE, "examples", "dsv4-tiny-mxfp4")}  # made by example_dir
 FLASHMLA = {"v4": "FLASHMLA_SPARSE_DSV4", "v41": "FLASHMLA_SPARSE_DSV41"}
 PROMPT_LENS = (7, 300, 1500)
 MAX_TOKENS = 8
@@ -407,6 +409,22 @@ def apply_workarounds() -> list[str]:
 # ----------------------------------------------------------------------------- one configuration
 
 
+def example_dir(model: str) -> str:
+    """The model folder of a configuration. ``v4mx``, the MXFP4 variant of the V4 example
+    (DeepSeek's native checkpoints: ``expert_dtype: fp4`` without ``moe_quant_algo``, so vLLM
+    builds its Mxfp4MoEMethod), is written from the NVFP4 example's config at first use."""
+    path = EXAMPLES[model]
+    if model == "v4mx" and not os.path.exists(os.path.join(path, "config.json")):
+        with open(os.path.join(EXAMPLES["v4"], "config.json")) as f:
+            raw = json.load(f)
+        raw["quantization_config"].pop("moe_quant_algo")
+        assert raw["expert_dtype"] == "fp4"
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(raw, f, indent=1)
+    return path
+
+
 def configs() -> list[dict]:
     out = []
     for model in ("v4", "v41"):
@@ -417,8 +435,14 @@ def configs() -> list[dict]:
                             "model": model, "backend": backend, "graphs": graphs, "env": {}})
         out.append({"name": f"{model}-dsv4-eager-vllmmoe", "model": model, "backend": "dsv4", "graphs": False,
                     "env": {"DSV4_MOE": "0"}})
-    # eager first (fewer moving parts), then CUDA graphs, vLLM's MoE last; V4 before V4.1
-    return sorted(out, key=lambda c: ("DSV4_MOE" in c["env"], c["graphs"], c["model"] != "v4", c["backend"] != "dsv4"))
+    # MXFP4 experts: dsv4's W4A8 (opt-in, DSV4_MOE_MXFP4=1) against vLLM's own (the default)
+    out.append({"name": "v4mx-dsv4-eager-dsv4moe", "model": "v4mx", "backend": "dsv4", "graphs": False,
+                "env": {"DSV4_MOE_MXFP4": "1"}})
+    out.append({"name": "v4mx-dsv4-eager-vllmmoe", "model": "v4mx", "backend": "dsv4", "graphs": False,
+                "env": {"DSV4_MOE_MXFP4": "0"}})
+    # eager first (fewer moving parts), then CUDA graphs, vLLM's MoE last, MXFP4 after it; V4 before V4.1
+    return sorted(out, key=lambda c: (c["model"] == "v4mx", "DSV4_MOE" in c["env"], c["graphs"], c["model"] != "v4",
+                                      c["backend"] != "dsv4", c["name"]))
 
 
 def prompts(seed: int = 0) -> list[list[int]]:
@@ -467,7 +491,7 @@ def cmd_one(args) -> int:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = LLM(model=EXAMPLES[cfg["model"]], load_format="dummy", skip_tokenizer_init=True, seed=0,
+        llm = LLM(model=example_dir(cfg["model"]), load_format="dummy", skip_tokenizer_init=True, seed=0,
                   max_model_len=2048, max_num_seqs=4, max_num_batched_tokens=2048, gpu_memory_utilization=0.25,
                   enforce_eager=not cfg["graphs"], attention_backend=cfg["backend"],
                   kernel_config={"enable_jit_warmup": False},
@@ -520,7 +544,7 @@ def agreement(a: dict, b: dict) -> dict:
 
 PAIRS = (("dsv4-eager", "flashmla-eager"), ("dsv4-graphs", "flashmla-graphs"), ("dsv4-graphs", "dsv4-eager"),
          ("flashmla-graphs", "flashmla-eager"), ("dsv4-eager-vllmmoe", "dsv4-eager"),
-         ("dsv4-eager-vllmmoe", "flashmla-eager"))
+         ("dsv4-eager-vllmmoe", "flashmla-eager"), ("dsv4-eager-dsv4moe", "dsv4-eager-vllmmoe"))
 
 
 def cmd_run(args) -> int:
@@ -561,7 +585,7 @@ def cmd_run(args) -> int:
             print("stopping: every configuration imports the same modules first", flush=True)
             break
     comps = {}
-    for model in ("v4", "v41"):
+    for model in ("v4", "v41", "v4mx"):
         for x, y in PAIRS:
             a, b = results.get(f"{model}-{x}"), results.get(f"{model}-{y}")
             if a and b and a.get("stage") == b.get("stage") == "done":

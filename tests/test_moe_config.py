@@ -307,10 +307,10 @@ def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=Non
     sk = bn <= 16 and touched * (2 * N // 64) < occ[2] * device[0] if splitk is None else splitk
     g1, g2 = (occ[0] * device[0], occ[1] * device[0]) if sk else (0, 0)
     r = 1
-    if bn == 64 and not sk:  # GEMM2 CTAs of the fewest 1, 2, 4, 8 weight tiles giving >= 12 K chunks
-        G2, row_tiles = -(-N // 128), K // 64
-        while rows is None and r < 8 and r * G2 < 12 and row_tiles % (2 * r) == 0:
-            r *= 2
+    if bn == 64 and not sk:  # GEMM2 CTAs of 8 weight tiles at <= 4 K chunks, else 4, dividing K / 64
+        r = 8 if -(-N // 128) <= 4 else 4
+        while (K // 64) % r:
+            r //= 2
         r = rows or r
     return [bn, max(1, (S + min(E, S) * (bn - 1)) // bn), int(S > 8192), int(sk), g1, g2, max(g1, g2),
             1 if pdl is None else int(pdl), max(1, min((M * (K // 128) + 7) // 8, device[0] * 8)), r]
@@ -339,17 +339,17 @@ def test_mxfp4_config():
         config([65535 * 16 + 1, 128, 64, 1, 1, 1], MX_DEVICE, [0, -1, 16, -1])
     # the persistent grid has no such bound
     assert config([65535 * 16 + 1, 128, 64, 1, 1, 1], MX_DEVICE, [1, -1, 16, -1])[3] == 1
-    # GEMM2 weight tiles per CTA: only on the classic grid at 64-token tiles; 4 where G2 = 3
-    # (N = 320 at tensor parallel 8), 1 at the expert-parallel shapes (G2 = 16-24)
+    # GEMM2 weight tiles per CTA: only on the classic grid at 64-token tiles; 8 where G2 = 3
+    # (N = 320 at tensor parallel 8), 4 at the expert-parallel shapes (G2 = 16-24)
     tp8, ep8 = [8192, 5120, 320, 384, 384, 6], [8192, 5120, 2304, 48, 384, 6]
-    assert config(tp8, MX_DEVICE, [-1, -1, -1, -1])[9] == 4 and config(ep8, MX_DEVICE, [-1, -1, -1, -1])[9] == 1
-    assert config([8192, 4096, 256, 384, 384, 6], MX_DEVICE, [-1, -1, -1, -1])[9] == 8  # G2 = 2
+    assert config(tp8, MX_DEVICE, [-1, -1, -1, -1])[9] == 8 and config(ep8, MX_DEVICE, [-1, -1, -1, -1])[9] == 4
+    assert config([2048, 7168, 3072, 48, 384, 6], MX_DEVICE, [-1, -1, -1, -1])[9] == 4  # V4-Pro: K / 64 = 112
     for rows in (1, 2, 4, 8):
         for shape in (tp8, ep8):
             assert config(shape, MX_DEVICE, [-1, -1, -1, rows]) == _mxfp4_expected(*shape, rows=rows)
         assert config(tp8, MX_DEVICE, [-1, -1, 16, rows])[9] == 1  # not at 16-token tiles
         assert config(tp8, MX_DEVICE, [1, -1, 64, rows])[9] == 1  # nor on the split-K grid
-    assert config([8192, 384, 320, 384, 384, 6], MX_DEVICE, [-1, -1, -1, -1])[9] == 2  # K / 64 = 6: not 4
+    assert config([8192, 384, 320, 384, 384, 6], MX_DEVICE, [-1, -1, -1, -1])[9] == 2  # K / 64 = 6: not 8, 4
     with pytest.raises(RuntimeError, match="dsv4: DSV4_MOE_GEMM2_ROWS=4 must divide mxfp4_moe's K / 64 = 6 GEMM2"):
         config([8192, 384, 320, 384, 384, 6], MX_DEVICE, [-1, -1, -1, 4])
     with pytest.raises(RuntimeError, match="the block_n override is 8, 16, 64 or -1, got 48"):

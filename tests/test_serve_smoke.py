@@ -94,9 +94,10 @@ def test_stage_refuses_a_corrupt_part(parts, capsys):
 
 def test_configurations_eager_first_vllm_moe_last():
     names = [c["name"] for c in smoke.configs()]
-    assert len(names) == len(set(names)) == 10
+    assert len(names) == len(set(names)) == 12
     assert names[:2] == ["v4-dsv4-eager", "v4-flashmla-eager"]
-    assert names[-2:] == ["v4-dsv4-eager-vllmmoe", "v41-dsv4-eager-vllmmoe"]
+    assert names[-4:] == ["v4-dsv4-eager-vllmmoe", "v41-dsv4-eager-vllmmoe", "v4mx-dsv4-eager-dsv4moe",
+                          "v4mx-dsv4-eager-vllmmoe"]
     backends = {c["backend"] for c in smoke.configs()}
     assert backends == {"dsv4", "FLASHMLA_SPARSE_DSV4", "FLASHMLA_SPARSE_DSV41"}
     for c in smoke.configs():
@@ -127,3 +128,16 @@ def test_every_vllm_process_gets_the_smoke_plugin():
     env = smoke.child_env()
     assert os.path.join(smoke.ROOT, "scripts") in env["PYTHONPATH"].split(os.pathsep)
     assert callable(smoke.vllm_plugin)
+
+
+def test_mxfp4_example_is_the_v4_example_without_moe_quant_algo(tmp_path, monkeypatch):
+    """DeepSeek's native checkpoints: expert_dtype fp4 and no moe_quant_algo (vLLM then
+    builds its Mxfp4MoEMethod; tests/plugin/test_mxfp4_plugin.py), all else the V4 example."""
+    monkeypatch.setitem(smoke.EXAMPLES, "v4mx", str(tmp_path / "mx"))
+    path = smoke.example_dir("v4mx")
+    mx = json.load(open(os.path.join(path, "config.json")))
+    v4 = json.load(open(os.path.join(smoke.EXAMPLES["v4"], "config.json")))
+    assert "moe_quant_algo" in v4["quantization_config"] and mx["expert_dtype"] == "fp4"
+    v4["quantization_config"].pop("moe_quant_algo")
+    assert mx == v4
+    assert smoke.example_dir("v4") == smoke.EXAMPLES["v4"]

@@ -202,15 +202,15 @@ struct Mxfp4MoeConfig {
   int gemm2_rows;        // 64-row weight tiles per GEMM2 CTA (mxfp4_gemm2_rows_kernel when > 1)
 };
 
-// GEMM2 weight tiles per CTA on the classic grid at 64-token tiles: the fewest of 1, 2, 4, 8
-// that give a CTA at least kGemm2RowChunks K chunks (a classic CTA's fixed cost is ~8 us
-// against ~1 us per chunk: docs/perf-history/2026-12-04-mxfp4-w4a8-gemm2-rows.md) and
-// divide the K / 64 row tiles. G2 = 3 (V4.1-Flash at tensor parallel 8) -> 4; the
-// expert-parallel shapes (G2 = 16-24) -> 1.
-constexpr int kGemm2RowChunks = 12;
+// GEMM2 weight tiles per CTA on the classic grid at 64-token tiles (a classic CTA's fixed
+// cost is ~8 us against ~1 us per K chunk), as measured on the H200 at M = 2048-16384
+// (docs/perf-history/2026-12-04-mxfp4-w4a8-gemm2-rows.md): 8 where GEMM2 has at most 4 K
+// chunks (V4.1-Flash at tensor parallel 8, G2 = 3: the op 1.27-1.38x faster than with 1),
+// 4 otherwise (the expert-parallel shapes, G2 = 16-24: 1.04-1.13x; 8 loses there at
+// M = 2048, too few CTAs for the SMs); halved until it divides the K / 64 weight tiles.
 inline int pick_gemm2_rows(int64_t G2, int64_t row_tiles) {
-  int r = 1;
-  while (r < 8 && r * G2 < kGemm2RowChunks && row_tiles % (2 * r) == 0) r *= 2;
+  int r = G2 <= 4 ? 8 : 4;
+  while (row_tiles % r != 0) r /= 2;
   return r;
 }
 
