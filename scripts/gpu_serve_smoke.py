@@ -63,8 +63,8 @@ layers), greedy, 8 new tokens, top-5 logprobs per step. Configurations: each exa
 x {CUDA graphs (default), ``enforce_eager``}, then dsv4 with ``DSV4_MOE=0`` (vLLM's MoE),
 then the V4 example with MXFP4 experts (:func:`example_dir`) through dsv4's W4A8
 (``DSV4_MOE_MXFP4=1``) and through vLLM's (``0``), each in its own process. Output: token
-ids per configuration, agreement between pairs (identical tokens, first-step logprob max |diff| over the tokens both top-5 sets hold), a
-summary table, ``$OUT/serve_smoke.json`` and ``$OUT/serve_logs.txt``.
+ids per configuration, agreement between pairs (identical tokens, first-step logprob max
+|diff| over the tokens both top-5 sets hold), a summary table, ``$OUT/serve_smoke.json`` and ``$OUT/serve_logs.txt``.
 
     python3 scripts/gpu_serve_smoke.py stage DIR      # copy DIR's parts to /tmp; unpack when complete
     python3 scripts/gpu_serve_smoke.py probe --out $OUT
