@@ -150,6 +150,22 @@ def _installed(wheel: str) -> bool:
         return False
 
 
+def _anchor_manifest(version: str) -> None:
+    """Makes the staged tree a folder of the benchmarks' anchors (dsv4.bench.anchors: its
+    MANIFEST.json naming vLLM's version), so that the MoE side-by-side finds vLLM's kernel
+    library there (``DSV4_ANCHORS=.anchors:/tmp/dsv4-serve/site``) without staging it again."""
+    sys.path.insert(0, ROOT)
+    from dsv4.bench.anchors import VLLM_VERSION, write_manifest
+
+    if version != VLLM_VERSION:
+        print(f"stage: the parts are vLLM {version}, the benchmarks expect {VLLM_VERSION}: no anchor manifest")
+        return
+    libs = []
+    for d, _, files in os.walk(os.path.join(SITE, "vllm")):
+        libs += [os.path.relpath(os.path.join(d, f), SITE) for f in files if f.endswith(".so")]
+    write_manifest(SITE, {"vllm": version}, [(n, os.path.getsize(os.path.join(SITE, n))) for n in sorted(libs)])
+
+
 def cmd_stage(args) -> int:
     with open(os.path.join(args.dir, "parts.json")) as f:
         man = json.load(f)
@@ -208,8 +224,10 @@ def cmd_stage(args) -> int:
         with lzma.open(joined) as xz, tarfile.open(fileobj=xz, mode="r|") as tar:
             tar.extractall(SITE, filter="data")
         os.remove(joined)
+        _anchor_manifest(man["vllm"])
         open(libs_ready, "w").close()
-        print(f"stage: vLLM's libraries unpacked ({time.time() - t:.0f} s)")
+        print(f"stage: vLLM's libraries unpacked ({time.time() - t:.0f} s); {SITE} is also a benchmark "
+              f"anchor folder (DSV4_ANCHORS)")
     print(f"stage: python {'ready' if os.path.exists(py_ready) else 'not ready'}, "
           f"libraries {'ready' if os.path.exists(libs_ready) else 'not ready'}")
     return 0
