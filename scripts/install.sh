@@ -67,8 +67,9 @@ step "dsv4 editable with its test extras (a CUDA build takes minutes; MAX_JOBS=$
 mkdir -p build
 LOG=build/install.log
 set +e
+: > "$LOG"  # before tail follows it: the background pip opens it only once it is forked
 # pip -v passes setup.py's output through: show its dsv4 lines and ninja's progress
-"${PIP[@]}" -v --no-build-isolation -e ".[test]" > "$LOG" 2>&1 &
+"${PIP[@]}" -v --no-build-isolation -e ".[test]" >> "$LOG" 2>&1 &
 pip_pid=$!
 tail -n +1 -f --pid=$pip_pid "$LOG" \
   | grep --line-buffered -E '^ *(dsv4: |\[[0-9]+/[0-9]+\] )' \

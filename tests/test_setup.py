@@ -160,3 +160,14 @@ def test_install_sh_torch_is_the_one_vllm_pins():
     except importlib.metadata.PackageNotFoundError:
         return  # the CPU suite's venv; .ci/run checks the real install
     assert [r for r in reqs if r.replace(" ", "").startswith("torch==")] == [f"torch=={pin}"]
+
+
+def test_install_sh_creates_the_log_before_following_it():
+    """install.sh shows the build's progress by following build/install.log while pip runs
+    in the background; pip's redirection opens the file only once the background job is
+    forked, so the file must exist before `tail -f` starts (else "tail: cannot open", and
+    no progress is shown)."""
+    with open(os.path.join(ROOT, "scripts", "install.sh"), encoding="utf-8") as f:
+        text = f.read()
+    create, follow = text.find(': > "$LOG"'), text.find('tail -n +1 -f')
+    assert 0 <= create < text.find('-e ".[test]" >> "$LOG"') < follow, "build/install.log created, appended, followed"
