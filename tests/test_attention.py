@@ -1016,25 +1016,34 @@ def coop_outputs():
     return outs
 
 
-def child_coop_save(path):
-    torch.save(coop_outputs(), path)
-    print("coop cases saved")
+def child_save(outputs, path):
+    """In a child process: the (out, lse) pairs of test_attention.<outputs>() saved to path."""
+    torch.save(globals()[outputs](), path)
+    print(f"{outputs} saved")
 
 
-def child_coop_compare(path):
-    for case, (o1, l1), (o2, l2) in zip(COOP_CASES, torch.load(path), coop_outputs()):
+def child_compare(outputs, path):
+    """In a child process: test_attention.<outputs>() bitwise against the pairs saved to path
+    (the first ones are COOP_CASES', named in a failure)."""
+    for k, ((o1, l1), (o2, l2)) in enumerate(zip(torch.load(path), globals()[outputs]())):
+        case = COOP_CASES[k] if k < len(COOP_CASES) else f"case {k}"
         assert torch.equal(o1.view(torch.int16), o2.view(torch.int16)), f"out differs: {case}"
         assert torch.equal(l1, l2), f"lse differs: {case}"
-    print("coop cases equal")
+    print(f"{outputs} equal")
+
+
+def _bitwise_across_processes(tmp_path, outputs, env_save, env_compare):
+    """<outputs>() under the switches env_save, then again under env_compare, bitwise equal."""
+    path = str(tmp_path / f"{outputs}.pt")
+    proc = _child(env_save, f"child_save({outputs!r}, {path!r})")
+    assert proc.returncode == 0 and f"{outputs} saved" in proc.stdout, proc.stderr[-6000:]
+    proc = _child(env_compare, f"child_compare({outputs!r}, {path!r})")
+    assert proc.returncode == 0 and f"{outputs} equal" in proc.stdout, proc.stderr[-6000:]
 
 
 @pytest.mark.gpu
 def test_cooperative_first_round_is_bitwise_the_producers(tmp_path):
-    path = str(tmp_path / "coop.pt")
-    proc = _child({"DSV4_ATTN_COOP_ROUND": "1"}, f"child_coop_save({path!r})")
-    assert proc.returncode == 0 and "coop cases saved" in proc.stdout, proc.stderr[-6000:]
-    proc = _child({"DSV4_ATTN_COOP_ROUND": "0"}, f"child_coop_compare({path!r})")
-    assert proc.returncode == 0 and "coop cases equal" in proc.stdout, proc.stderr[-6000:]
+    _bitwise_across_processes(tmp_path, "coop_outputs", {"DSV4_ATTN_COOP_ROUND": "1"}, {"DSV4_ATTN_COOP_ROUND": "0"})
 
 
 # The code diet (docs/perf-history/2026-12-04-attention-code-diet.md): O set by each work item's
@@ -1065,26 +1074,10 @@ def diet_outputs():
     return outs
 
 
-def child_diet_save(path):
-    torch.save(diet_outputs(), path)
-    print("diet cases saved")
-
-
-def child_diet_compare(path):
-    for k, ((o1, l1), (o2, l2)) in enumerate(zip(torch.load(path), diet_outputs())):
-        assert torch.equal(o1.view(torch.int16), o2.view(torch.int16)), f"out differs: case {k}"
-        assert torch.equal(l1, l2), f"lse differs: case {k}"
-    print("diet cases equal")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("env", [{"DSV4_ATTN_FIRST_PV_INIT": "0", "DSV4_ATTN_COOP_PREFETCH": "0",
                                   "DSV4_ATTN_PRODUCER_AHEAD": "0"},
                                  {"DSV4_ATTN_FIRST_PV_INIT": "0", "DSV4_ATTN_COOP_ROUND": "0"}],
                          ids=["diet0", "diet0_coop0"])
 def test_code_diet_is_bitwise_the_register_clears(tmp_path, env):
-    path = str(tmp_path / "diet.pt")
-    proc = _child({}, f"child_diet_save({path!r})")
-    assert proc.returncode == 0 and "diet cases saved" in proc.stdout, proc.stderr[-6000:]
-    proc = _child(env, f"child_diet_compare({path!r})")
-    assert proc.returncode == 0 and "diet cases equal" in proc.stdout, proc.stderr[-6000:]
+    _bitwise_across_processes(tmp_path, "diet_outputs", {}, env)
