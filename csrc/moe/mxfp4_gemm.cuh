@@ -381,8 +381,9 @@ __device__ __forceinline__ void gemm2_wait_h(const W4A8Params& p, int tile) {
 }
 
 // K chunks [kb, ke) of item (tile, rt) (chunk `chunk` of `splits`, item index `item`),
-// then its epilogue (GEMM2 without kCombine: the y stores only, the caller combines); split-K fixup as nvfp4_gemm.cuh's gemm_segment (the CTA that
-// completes the item's count adds the partials in chunk order). lut: the shift tables.
+// then its epilogue (GEMM2 without kCombine: the y stores only, the caller combines);
+// split-K fixup as nvfp4_gemm.cuh's gemm_segment (the CTA that completes the item's count
+// adds the partials in chunk order). lut: the shift tables.
 // Every operand of a ring slot is one contiguous run (weight codes and scales in the
 // prepared layout, token rows and their scales in the tiled activation layout), so a
 // slot comes in by four bulk copies counted on its mbarrier; no thread copies, and
