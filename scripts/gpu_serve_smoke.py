@@ -50,7 +50,11 @@ the model is built:
    layers, the model loader, the fused-MoE package), so the package is registered without
    that check (:func:`flash_attn_without_kernels`); DeepSeek V4 attends through FlashMLA or
    dsv4, and a call into FlashAttention would fail with vLLM's own error, in the log.
-3. torch 2.11 vs vLLM's pinned 2.14: none needed at import (every engine, worker and
+3. FlashInfer's sampler off (``VLLM_USE_FLASHINFER_SAMPLER=0``, :func:`child_env`): FlashInfer
+   is not carried, and vLLM's GPU sampler imports its backend when the model runner is built
+   (``vllm/v1/sample/ops/topk_topp_sampler.py``); the smoke samples greedily, which vLLM's
+   own PyTorch sampler does, the same for every configuration.
+4. torch 2.11 vs vLLM's pinned 2.14: none needed at import (every engine, worker and
    DeepSeek V4 module imports on 2.11 with the carried wheels); any found at run time is
    added to :func:`apply_workarounds` and listed here.
 
@@ -119,6 +123,7 @@ def child_env(extra: dict | None = None) -> dict:
         "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
         "DG_JIT_CACHE_DIR": os.path.join(cache, "deep_gemm"),
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+        "VLLM_USE_FLASHINFER_SAMPLER": "0",  # FlashInfer is not carried: workaround 3 of the module docstring
     })
     if not env.get("CUDA_HOME"):
         nvcc = shutil.which("nvcc")
@@ -202,16 +207,18 @@ def cmd_stage(args) -> int:
                     mode = (info.external_attr >> 16) & 0o777
                     if mode:
                         os.chmod(os.path.join(SITE, info.filename), mode)
-        # dsv4 is not pip-installed there: a dist-info on the path makes vLLM's plugin loader
-        # find the entry point of pyproject.toml ([project.entry-points."vllm.general_plugins"]),
-        # and the smoke's own (vllm_plugin), which every vLLM process loads, including the
-        # model registry's inspection subprocess that no patch of ours reaches otherwise.
+        # dsv4 is not pip-installed there: a dist-info on the path gives vLLM's plugin loader
+        # one general plugin, the smoke's vllm_plugin, which every vLLM process loads (the
+        # model registry's inspection subprocess too, which no patch of ours reaches
+        # otherwise). It applies the flash-attn workaround and then calls dsv4's entry point
+        # of pyproject.toml (dsv4_plugin:register): as two entry points, dsv4's ran first and
+        # its model import failed in that subprocess (vLLM loads them in discovery order).
         di = os.path.join(SITE, "dsv4-0.0.0+smoke.dist-info")
         os.makedirs(di, exist_ok=True)
         with open(os.path.join(di, "METADATA"), "w") as f:
             f.write("Metadata-Version: 2.1\nName: dsv4\nVersion: 0.0.0+smoke\n")
         with open(os.path.join(di, "entry_points.txt"), "w") as f:
-            f.write("[vllm.general_plugins]\ndsv4 = dsv4_plugin:register\ndsv4_smoke = gpu_serve_smoke:vllm_plugin\n")
+            f.write("[vllm.general_plugins]\ndsv4 = gpu_serve_smoke:vllm_plugin\n")
         open(py_ready, "w").close()
         print(f"stage: vLLM's Python files and the wheels unpacked into {SITE} ({time.time() - t:.0f} s); "
               f"the image already has {skipped or 'none of them'}")
@@ -346,11 +353,15 @@ def flash_attn_without_kernels() -> None:
 
 
 def vllm_plugin() -> None:
-    """The smoke's vLLM general plugin (entry point staged beside dsv4's): vLLM loads general
-    plugins in every process it starts, before it imports a model, and its model registry
-    inspects a model's class in a fresh subprocess (``registry._run_in_subprocess``), where
-    the ``vllm.vllm_flash_attn`` import would otherwise fail."""
+    """The staged vLLM general plugin: the flash-attn workaround, then dsv4's own entry point
+    (``dsv4_plugin:register``, pyproject.toml). vLLM loads general plugins in every process
+    it starts, before it imports a model, and its model registry inspects a model's class in
+    a fresh subprocess (``registry._run_in_subprocess``), where dsv4's registration imports
+    the model and the ``vllm.vllm_flash_attn`` import would otherwise fail."""
     flash_attn_without_kernels()
+    import dsv4_plugin
+
+    dsv4_plugin.register()
 
 
 def apply_workarounds() -> list[str]:

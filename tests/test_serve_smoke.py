@@ -75,7 +75,7 @@ def test_stage_unpacks_python_after_call_1_and_libraries_after_the_last(parts, c
     assert open(os.path.join(site, "vllm", "__init__.py")).read() == "X = 1\n"
     assert os.path.exists(os.path.join(site, "msgspec", "__init__.py"))
     eps = open(os.path.join(site, "dsv4-0.0.0+smoke.dist-info", "entry_points.txt")).read()
-    assert "[vllm.general_plugins]\ndsv4 = dsv4_plugin:register\ndsv4_smoke = gpu_serve_smoke:vllm_plugin" in eps
+    assert "[vllm.general_plugins]\ndsv4 = gpu_serve_smoke:vllm_plugin\n" == eps
     assert _stage(dirs[1]) == 0 and not os.path.exists(os.path.join(site, "vllm", "_C_stable_libtorch.abi3.so"))
     assert _stage(dirs[2]) == 0
     assert "python ready, libraries ready" in capsys.readouterr().out
@@ -133,6 +133,20 @@ def test_every_vllm_process_gets_the_smoke_plugin():
     env = smoke.child_env()
     assert os.path.join(smoke.ROOT, "scripts") in env["PYTHONPATH"].split(os.pathsep)
     assert callable(smoke.vllm_plugin)
+    assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"  # FlashInfer is not carried
+
+
+def test_smoke_plugin_patches_before_dsv4_registers(monkeypatch):
+    """On the H200, two staged entry points (dsv4's, then the smoke's) ran in that order and
+    dsv4's model import failed in the registry subprocess on ``vllm.vllm_flash_attn``: the one
+    staged plugin applies the workaround first, then calls dsv4's registration."""
+    import types
+
+    calls = []
+    monkeypatch.setattr(smoke, "flash_attn_without_kernels", lambda: calls.append("flash_attn"))
+    monkeypatch.setitem(sys.modules, "dsv4_plugin", types.SimpleNamespace(register=lambda: calls.append("dsv4")))
+    smoke.vllm_plugin()
+    assert calls == ["flash_attn", "dsv4"]
 
 
 def test_mxfp4_example_is_the_v4_example_without_moe_quant_algo(tmp_path, monkeypatch):
