@@ -62,9 +62,9 @@ layers), greedy, 8 new tokens, top-5 logprobs per step. Configurations: each exa
 {dsv4, vLLM's FlashMLA sparse backend (``FLASHMLA_SPARSE_DSV4`` / ``FLASHMLA_SPARSE_DSV41``)}
 x {CUDA graphs (default), ``enforce_eager``}, then dsv4 with ``DSV4_MOE=0`` (vLLM's MoE),
 then the V4 example with MXFP4 experts (:func:`example_dir`) through dsv4's W4A8
-(``DSV4_MOE_MXFP4=1``) and through vLLM's (``0``), each in its own process. Output: token ids per configuration, agreement between pairs
-(identical tokens, first-step logprob max |diff| over the tokens both top-5 sets hold), a
-summary table, ``$OUT/serve_smoke.json`` and ``$OUT/serve_logs.txt``.
+(``DSV4_MOE_MXFP4=1``) and through vLLM's (``0``), each in its own process. Output: token
+ids per configuration, agreement between pairs (identical tokens, first-step logprob max
+|diff| over the tokens both top-5 sets hold), a summary table, ``$OUT/serve_smoke.json`` and ``$OUT/serve_logs.txt``.
 
     python3 scripts/gpu_serve_smoke.py stage DIR      # copy DIR's parts to /tmp; unpack when complete
     python3 scripts/gpu_serve_smoke.py probe --out $OUT
@@ -150,6 +150,22 @@ def _installed(wheel: str) -> bool:
         return False
 
 
+def _anchor_manifest(version: str) -> None:
+    """Makes the staged tree a folder of the benchmarks' anchors (dsv4.bench.anchors: its
+    MANIFEST.json naming vLLM's version), so that the MoE side-by-side finds vLLM's kernel
+    library there (``DSV4_ANCHORS=.anchors:/tmp/dsv4-serve/site``) without staging it again."""
+    sys.path.insert(0, ROOT)
+    from dsv4.bench.anchors import VLLM_VERSION, write_manifest
+
+    if version != VLLM_VERSION:
+        print(f"stage: the parts are vLLM {version}, the benchmarks expect {VLLM_VERSION}: no anchor manifest")
+        return
+    libs = []
+    for d, _, files in os.walk(os.path.join(SITE, "vllm")):
+        libs += [os.path.relpath(os.path.join(d, f), SITE) for f in files if f.endswith(".so")]
+    write_manifest(SITE, {"vllm": version}, [(n, os.path.getsize(os.path.join(SITE, n))) for n in sorted(libs)])
+
+
 def cmd_stage(args) -> int:
     with open(os.path.join(args.dir, "parts.json")) as f:
         man = json.load(f)
@@ -208,8 +224,10 @@ def cmd_stage(args) -> int:
         with lzma.open(joined) as xz, tarfile.open(fileobj=xz, mode="r|") as tar:
             tar.extractall(SITE, filter="data")
         os.remove(joined)
+        _anchor_manifest(man["vllm"])
         open(libs_ready, "w").close()
-        print(f"stage: vLLM's libraries unpacked ({time.time() - t:.0f} s)")
+        print(f"stage: vLLM's libraries unpacked ({time.time() - t:.0f} s); {SITE} is also a benchmark "
+              f"anchor folder (DSV4_ANCHORS)")
     print(f"stage: python {'ready' if os.path.exists(py_ready) else 'not ready'}, "
           f"libraries {'ready' if os.path.exists(libs_ready) else 'not ready'}")
     return 0

@@ -183,7 +183,7 @@ def build(wheel_dir: str, out: str) -> dict:
                 calls[0].append((name, os.path.join(work, name)))
             else:
                 calls.append([(name, os.path.join(work, name))])
-    manifest = {"vllm": "0.33.0", "calls": len(calls),
+    manifest = {"vllm": VLLM.split("==")[1], "calls": len(calls),
                 "parts": {name: {"sha256": _sha(path), "call": k + 1}
                           for k, c in enumerate(calls) for name, path in c},
                 "wheels": extras, "lib_chunks": chunks}

@@ -49,7 +49,7 @@ def parts(tmp_path, monkeypatch):
         chunks.append(f"libs.tar.xz.part{i:02d}")
     wheel = "msgspec-0.23.0-cp312-cp312-manylinux_2_28_x86_64.whl"
     calls = [["vtree.tar.xz", wheel, chunks[0]], [chunks[1]], [chunks[2]]]
-    man = {"calls": 3, "wheels": [wheel], "lib_chunks": chunks,
+    man = {"vllm": "0.33.0", "calls": 3, "wheels": [wheel], "lib_chunks": chunks,
            "parts": {n: {"sha256": _sha(build / n), "call": k + 1} for k, c in enumerate(calls) for n in c}}
     dirs = []
     for k, c in enumerate(calls):
@@ -79,6 +79,11 @@ def test_stage_unpacks_python_after_call_1_and_libraries_after_the_last(parts, c
     assert _stage(dirs[1]) == 0 and not os.path.exists(os.path.join(site, "vllm", "_C_stable_libtorch.abi3.so"))
     assert _stage(dirs[2]) == 0
     assert "python ready, libraries ready" in capsys.readouterr().out
+    # the staged tree is an anchor folder of the benchmarks: vLLM's kernel library found there
+    from dsv4.bench.anchors import find_anchors
+
+    a = find_anchors([site], load=False)
+    assert a.vllm_c and a.sources["vllm_c"] == os.path.join(site, "vllm", "_C_stable_libtorch.abi3.so")
     lib = os.path.join(site, "vllm", "_C_stable_libtorch.abi3.so")
     assert os.path.getsize(lib) == 300_000
     assert _stage(dirs[2]) == 0  # again: idempotent, nothing re-unpacked

@@ -422,7 +422,7 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[BN / 2], float (&part)[BN
 }
 
 // K chunks [kb, ke) of item (tile, rt) (chunk `chunk` of `splits`, item index `item`),
-// then its epilogue; split-K fixup as nvfp4_gemm.cuh's gemm_segment (the CTA that
+// then its epilogue (GEMM2 without kCombine: the y stores only, the caller combines); split-K fixup as nvfp4_gemm.cuh's gemm_segment (the CTA that
 // completes the item's count adds the partials in chunk order). lut: the shift tables.
 // Every operand of a ring slot is one contiguous run (weight codes and scales in the
 // prepared layout, token rows and their scales in the tiled activation layout), so a
@@ -624,8 +624,9 @@ __global__ void __launch_bounds__(kThreads) mxfp4_gemm_kernel(const W4A8Params p
 }
 
 // GEMM2 on a classic grid whose CTA covers R consecutive 64-row weight tiles of one token
-// tile (x = group of R row tiles, y = token tile), for GEMM2s of few K chunks (V4.1-Flash
-// at tensor parallel 8: G2 = 3). A classic CTA pays ~8 us of fixed cost (its launch, the
+// tile (x = group of R row tiles, y = token tile), at 64-token tiles (R by config.h's
+// pick_gemm2_rows: 8 at few K chunks, e.g. V4.1-Flash at tensor parallel 8 with G2 = 3;
+// 4 at the expert-parallel shapes). A classic CTA pays ~8 us of fixed cost (its launch, the
 // shift tables, the wait for h, the ring fill, the fence, the count and the combine's
 // dependent loads) against ~1 us per chunk
 // (docs/perf-history/2026-12-04-mxfp4-w4a8-gemm2-rows.md), so at 3 chunks most of GEMM2
