@@ -31,7 +31,7 @@ import dsv4._ops
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
-OVERRIDES = ("DSV4_MOE_WS", "DSV4_MOE_SPLITK", "DSV4_MOE_DIRECT_X", "DSV4_MOE_PDL")
+OVERRIDES = ("DSV4_MOE_WS", "DSV4_MOE_SPLITK", "DSV4_MOE_DIRECT_X", "DSV4_MOE_PDL", "DSV4_MOE_GEMM2_RESIDENT")
 CHOICES = {"DSV4_MOE_BLOCK_N": "`8`, `16`, `64`", "DSV4_MOE_GEMM2_ROWS": "`1`, `2`, `4`, `8`"}  # -> README's values
 ATTN_OVERRIDES = ("DSV4_ATTN_PRICED_SPLITS", "DSV4_ATTN_PDL", "DSV4_ATTN_SPECIALIZE", "DSV4_ATTN_MAIN_PDL",
                   "DSV4_ATTN_COOP_ROUND", "DSV4_ATTN_PRODUCER_AHEAD", "DSV4_ATTN_COOP_PREFETCH",
@@ -297,7 +297,8 @@ MX_DEVICE = [132, 5, 5, 9, 4, 4, 8, 3, 3, 4]
 MX_BLOCK_NS = (8, 16, 64)
 
 
-def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=None, block_n=None, rows=None):
+def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=None, block_n=None, rows=None,
+                    resident=None):
     """mxfp4_moe's get_best_config, written out (csrc/moe/config.h)."""
     S, per_expert = M * topk, M * topk / Eg
     bn = block_n or (8 if per_expert <= 4 else 16 if per_expert <= 24 else 64)
@@ -312,8 +313,10 @@ def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=Non
         while (K // 64) % r:
             r //= 2
         r = rows or r
+    G2 = -(-N // 128)
+    res = int(r > 1 and 2 <= G2 <= 4 and (resident is None or bool(resident)))
     return [bn, max(1, (S + min(E, S) * (bn - 1)) // bn), int(S > 8192), int(sk), g1, g2, max(g1, g2),
-            1 if pdl is None else int(pdl), max(1, min((M * (K // 128) + 7) // 8, device[0] * 8)), r]
+            1 if pdl is None else int(pdl), max(1, min((M * (K // 128) + 7) // 8, device[0] * 8)), r, res]
 
 
 @needs_extension
@@ -324,38 +327,46 @@ def test_mxfp4_config():
               (4096, 4096, 2048, 32, 256, 6), (5000, 128, 64, 1, 1, 1), (1536, 4096, 2048, 32, 256, 6),
               (2048, 4096, 2048, 32, 256, 6), (16384, 7168, 3072, 48, 384, 6), (8192, 4096, 320, 384, 384, 6)]
     for shape in shapes:
-        assert config(list(shape), MX_DEVICE, [-1, -1, -1, -1]) == _mxfp4_expected(*shape), shape
+        assert config(list(shape), MX_DEVICE, [-1, -1, -1, -1, -1]) == _mxfp4_expected(*shape), shape
         for sk, pdl in ((0, 1), (1, 0)):
-            assert config(list(shape), MX_DEVICE, [sk, pdl, -1, -1]) == _mxfp4_expected(*shape, splitk=bool(sk), pdl=pdl)
+            assert config(list(shape), MX_DEVICE, [sk, pdl, -1, -1, -1]) == _mxfp4_expected(*shape, splitk=bool(sk), pdl=pdl)
         for bn in MX_BLOCK_NS:
-            assert config(list(shape), MX_DEVICE, [-1, -1, bn, -1]) == _mxfp4_expected(*shape, block_n=bn), (shape, bn)
+            assert config(list(shape), MX_DEVICE, [-1, -1, bn, -1, -1]) == _mxfp4_expected(*shape, block_n=bn), (shape, bn)
     # the rules' plain cases, stated outright: decode sizes split K, the rest run the classic grid,
     # the token tile grows with the expected tokens per local expert (M * 6 / 256 here)
-    assert config([1, 4096, 2048, 32, 256, 6], MX_DEVICE, [-1, -1, -1, -1])[3] == 1
-    assert [config([M, 4096, 2048, 32, 256, 6], MX_DEVICE, [-1, -1, -1, -1])[0]
+    assert config([1, 4096, 2048, 32, 256, 6], MX_DEVICE, [-1, -1, -1, -1, -1])[3] == 1
+    assert [config([M, 4096, 2048, 32, 256, 6], MX_DEVICE, [-1, -1, -1, -1, -1])[0]
             for M in (170, 171, 1024, 1025, 16384)] == [8, 16, 16, 64, 64]
-    assert config([4096, 4096, 2048, 32, 256, 6], MX_DEVICE, [-1, -1, -1, -1])[:4] == [64, 415, 1, 0]
+    assert config([4096, 4096, 2048, 32, 256, 6], MX_DEVICE, [-1, -1, -1, -1, -1])[:4] == [64, 415, 1, 0]
     with pytest.raises(RuntimeError, match="dsv4: mxfp4_moe's GEMM grid takes at most 65535 token tiles, got 65536"):
-        config([65535 * 16 + 1, 128, 64, 1, 1, 1], MX_DEVICE, [0, -1, 16, -1])
+        config([65535 * 16 + 1, 128, 64, 1, 1, 1], MX_DEVICE, [0, -1, 16, -1, -1])
     # the persistent grid has no such bound
-    assert config([65535 * 16 + 1, 128, 64, 1, 1, 1], MX_DEVICE, [1, -1, 16, -1])[3] == 1
+    assert config([65535 * 16 + 1, 128, 64, 1, 1, 1], MX_DEVICE, [1, -1, 16, -1, -1])[3] == 1
     # GEMM2 weight tiles per CTA: only on the classic grid at 64-token tiles; 8 where G2 = 3
     # (N = 320 at tensor parallel 8), 4 at the expert-parallel shapes (G2 = 16-24)
     tp8, ep8 = [8192, 5120, 320, 384, 384, 6], [8192, 5120, 2304, 48, 384, 6]
-    assert config(tp8, MX_DEVICE, [-1, -1, -1, -1])[9] == 8 and config(ep8, MX_DEVICE, [-1, -1, -1, -1])[9] == 4
-    assert config([2048, 7168, 3072, 48, 384, 6], MX_DEVICE, [-1, -1, -1, -1])[9] == 4  # V4-Pro: K / 64 = 112
+    assert config(tp8, MX_DEVICE, [-1, -1, -1, -1, -1])[9] == 8 and config(ep8, MX_DEVICE, [-1, -1, -1, -1, -1])[9] == 4
+    assert config([2048, 7168, 3072, 48, 384, 6], MX_DEVICE, [-1, -1, -1, -1, -1])[9] == 4  # V4-Pro: K / 64 = 112
     for rows in (1, 2, 4, 8):
         for shape in (tp8, ep8):
-            assert config(shape, MX_DEVICE, [-1, -1, -1, rows]) == _mxfp4_expected(*shape, rows=rows)
-        assert config(tp8, MX_DEVICE, [-1, -1, 16, rows])[9] == 1  # not at 16-token tiles
-        assert config(tp8, MX_DEVICE, [1, -1, 64, rows])[9] == 1  # nor on the split-K grid
-    assert config([8192, 384, 320, 384, 384, 6], MX_DEVICE, [-1, -1, -1, -1])[9] == 2  # K / 64 = 6: not 8, 4
+            assert config(shape, MX_DEVICE, [-1, -1, -1, rows, -1]) == _mxfp4_expected(*shape, rows=rows)
+        assert config(tp8, MX_DEVICE, [-1, -1, 16, rows, -1])[9] == 1  # not at 16-token tiles
+        assert config(tp8, MX_DEVICE, [1, -1, 64, rows, -1])[9] == 1  # nor on the split-K grid
+    assert config([8192, 384, 320, 384, 384, 6], MX_DEVICE, [-1, -1, -1, -1, -1])[9] == 2  # K / 64 = 6: not 8, 4
+    # the token tile resident in GEMM2 CTAs of several weight tiles where 2 <= G2 <= 4
+    assert config(tp8, MX_DEVICE, [-1, -1, -1, -1, -1])[10] == 1 and config(ep8, MX_DEVICE, [-1, -1, -1, -1, -1])[10] == 0
+    assert config(tp8, MX_DEVICE, [-1, -1, -1, -1, 0])[10] == 0
+    assert config(tp8, MX_DEVICE, [-1, -1, -1, 1, 1])[10] == 0  # one tile per CTA: the classic kernel
+    assert config([8192, 5120, 128, 384, 384, 6], MX_DEVICE, [-1, -1, -1, -1, 1])[10] == 0  # G2 = 1
+    for shape in (tp8, ep8, [8192, 4096, 256, 384, 384, 6]):
+        for res in (0, 1):
+            assert config(shape, MX_DEVICE, [-1, -1, -1, -1, res]) == _mxfp4_expected(*shape, resident=res)
     with pytest.raises(RuntimeError, match="dsv4: DSV4_MOE_GEMM2_ROWS=4 must divide mxfp4_moe's K / 64 = 6 GEMM2"):
-        config([8192, 384, 320, 384, 384, 6], MX_DEVICE, [-1, -1, -1, 4])
+        config([8192, 384, 320, 384, 384, 6], MX_DEVICE, [-1, -1, -1, 4, -1])
     with pytest.raises(RuntimeError, match="the block_n override is 8, 16, 64 or -1, got 48"):
-        config([64, 128, 64, 1, 1, 1], MX_DEVICE, [-1, -1, 48, -1])
+        config([64, 128, 64, 1, 1, 1], MX_DEVICE, [-1, -1, 48, -1, -1])
     with pytest.raises(RuntimeError, match="the gemm2_rows override is 1, 2, 4, 8 or -1, got 3"):
-        config([64, 128, 64, 1, 1, 1], MX_DEVICE, [-1, -1, -1, 3])
+        config([64, 128, 64, 1, 1, 1], MX_DEVICE, [-1, -1, -1, 3, -1])
 
 
 # ---------------------------------------------------- GPU / extension ---------
@@ -410,7 +421,7 @@ def child_read_once() -> None:
 def test_switches_are_read_once_per_process():
     out = _child({"DSV4_MOE_WS": "1", "DSV4_MOE_PDL": "0", "DSV4_PRINT_CONFIG": "1"}, "child_read_once")
     first, again = json.loads(out.stdout.strip().splitlines()[-1])
-    assert first == again == [1, -1, -1, 0, 1, -1, -1]  # WS, SPLITK, DIRECT_X, PDL, PRINT_CONFIG, BLOCK_N, GEMM2_ROWS
+    assert first == again == [1, -1, -1, 0, 1, -1, -1, -1]  # ..., PRINT_CONFIG, BLOCK_N, GEMM2_ROWS, GEMM2_RESIDENT
 
 
 def child_bad_value() -> None:

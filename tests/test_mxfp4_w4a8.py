@@ -601,19 +601,23 @@ def _child_gemm2_rows(path: str) -> None:
 
 @pytest.mark.gpu
 def test_gpu_gemm2_rows_bitwise(tmp_path):
-    """mxfp4_gemm2_rows_kernel (R 64-row weight tiles per GEMM2 CTA, one count and one
-    combine per R tiles) computes each tile's sums and y as the classic kernel (R = 1)
-    does and combines in slot order, so the outputs are bitwise equal for every R."""
+    """mxfp4_gemm2_rows_kernel and mxfp4_gemm2_resident_kernel (R 64-row weight tiles per
+    GEMM2 CTA, one count and one combine per R tiles; the latter with the token tile
+    resident) compute each tile's sums and y as the classic kernel (R = 1) does and
+    combine in slot order, so the outputs are bitwise equal for every R and both kernels."""
     outs = {}
-    for rows in ("1", "2", "4", "8"):
-        path = tmp_path / f"rows{rows}.pt"
-        env = dict(DSV4_MOE_BLOCK_N="64", DSV4_MOE_SPLITK="0", DSV4_MOE_GEMM2_ROWS=rows, DSV4_PRINT_CONFIG="1")
+    for rows, res in (("1", "0"), ("2", "0"), ("4", "0"), ("8", "0"), ("2", "1"), ("4", "1"), ("8", "1")):
+        path = tmp_path / f"rows{rows}-{res}.pt"
+        env = dict(DSV4_MOE_BLOCK_N="64", DSV4_MOE_SPLITK="0", DSV4_MOE_GEMM2_ROWS=rows, DSV4_MOE_GEMM2_RESIDENT=res,
+                   DSV4_PRINT_CONFIG="1")
         r = _run_child(env, f"_child_gemm2_rows({str(path)!r})")
-        printed = re.findall(r"^dsv4 config mxfp4_moe: .* gemm2_rows=(\d+)", r.stderr, re.M)
-        assert printed and set(printed) == {rows}, printed  # the override in effect on every call
-        outs[rows] = torch.load(path)
-    for rows in ("2", "4", "8"):
-        assert all(torch.equal(a, b) for a, b in zip(outs["1"], outs[rows])), rows
+        printed = re.findall(r"^dsv4 config mxfp4_moe: .* gemm2_rows=(\d+) gemm2_resident=(\d)", r.stderr, re.M)
+        # the override in effect on every call; the resident kernel only where GEMM2 has 2-4 chunks (v41_tp8)
+        assert printed and {p[0] for p in printed} == {rows}, printed
+        assert any(p[1] == res for p in printed) and all(p[1] == "0" for p in printed if res == "0"), printed
+        outs[rows, res] = torch.load(path)
+    for key in outs:
+        assert all(torch.equal(a, b) for a, b in zip(outs["1", "0"], outs[key])), key
 
 
 @pytest.mark.gpu

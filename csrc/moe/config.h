@@ -200,6 +200,7 @@ struct Mxfp4MoeConfig {
   bool pdl;              // programmatic dependent launches
   int quant_ctas;        // mxfp4_quant_x_kernel's grid
   int gemm2_rows;        // 64-row weight tiles per GEMM2 CTA (mxfp4_gemm2_rows_kernel when > 1)
+  bool gemm2_resident;   // ... with the token tile resident (mxfp4_gemm2_resident_kernel)
 };
 
 // GEMM2 weight tiles per CTA on the classic grid at 64-token tiles (a classic CTA's fixed
@@ -220,7 +221,8 @@ inline int pick_gemm2_rows(int64_t G2, int64_t row_tiles) {
 // docs/perf-history/2026-12-04-mxfp4-w4a8-token-tiles.md; DSV4_MOE_BLOCK_N overrides),
 // split-K by splitk_by_items with this op's occupancy (decode tiles only), PDL on; at
 // 64-token tiles on the classic grid, GEMM2 CTAs of pick_gemm2_rows weight tiles;
-// DSV4_MOE_SPLITK, DSV4_MOE_PDL and DSV4_MOE_GEMM2_ROWS (there only) override.
+// DSV4_MOE_SPLITK, DSV4_MOE_PDL, DSV4_MOE_GEMM2_ROWS and DSV4_MOE_GEMM2_RESIDENT (there
+// only) override.
 inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceFacts& d, const env::Switches& o) {
   Mxfp4MoeConfig cfg{};
   const int64_t S = c.M * c.topk;
@@ -248,6 +250,10 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
     cfg.gemm2_rows = o.moe_gemm2_rows.value_or(pick_gemm2_rows((c.N + 127) / 128, row_tiles));
     TORCH_CHECK(row_tiles % cfg.gemm2_rows == 0, "dsv4: DSV4_MOE_GEMM2_ROWS=", cfg.gemm2_rows,
                 " must divide mxfp4_moe's K / 64 = ", row_tiles, " GEMM2 weight tiles");
+    // The token tile resident where its G2 chunks and two weight slots fit 4 CTAs per SM
+    // and a slot holds the y staging: 2 <= G2 <= 4 (mxfp4_gemm.cuh, ResidentSmem).
+    const int64_t G2 = (c.N + 127) / 128;
+    cfg.gemm2_resident = cfg.gemm2_rows > 1 && G2 >= 2 && G2 <= 4 && o.moe_gemm2_resident.value_or(true);
   }
   return cfg;
 }
@@ -258,7 +264,7 @@ inline void print_config(const Mxfp4MoeShape& c, const Mxfp4DeviceFacts& d, cons
       "dsv4 config mxfp4_moe: M=", c.M, " K=", c.K, " N=", c.N, " E=", c.E, " E_global=", c.E_global,
       " topk=", c.topk, " activation=fp8 sms=", d.sms, " classic1=", d.occupancy(cfg.block_n).classic1,
       " -> block_n=", cfg.block_n, " max_tiles=", cfg.max_tiles, " multi_cta_route=", int(cfg.multi_cta_route),
-      " splitk=", int(cfg.splitk), " sk_ctas=", cfg.sk_ctas, " pdl=", int(cfg.pdl), " quant_ctas=", cfg.quant_ctas, " gemm2_rows=", cfg.gemm2_rows,
+      " splitk=", int(cfg.splitk), " sk_ctas=", cfg.sk_ctas, " pdl=", int(cfg.pdl), " quant_ctas=", cfg.quant_ctas, " gemm2_rows=", cfg.gemm2_rows, " gemm2_resident=", int(cfg.gemm2_resident),
       " workspace_bytes=", workspace_bytes);
   std::fprintf(stderr, "%s\n", line.c_str());
   std::fflush(stderr);

@@ -380,6 +380,47 @@ __device__ __forceinline__ void gemm2_wait_h(const W4A8Params& p, int tile) {
   __syncthreads();  // reconverge: the K loop's ring bookkeeping stays on the uniform datapath
 }
 
+// One 128-chunk: the A fragments of its 4 k32 steps (16 words: this thread's codes of rows
+// g and g + 8 at w_rd and w_rd + 2048, their scale words at s_rd), 4 wgmmas into part, then
+// the promotion into acc (acc += part * 2^b[row] * s_x[token], token scales at sx). B: the
+// chunk's BN token rows, K-major, 128-byte swizzled (8-row groups 1024 bytes apart; desc);
+// a k32 step advances 32 bytes (2 in the descriptor's address field).
+template <int BN>
+__device__ __forceinline__ void chunk_mma(float (&acc)[BN / 2], float (&part)[BN / 2], uint32_t w_rd, uint32_t s_rd,
+                                          uint32_t lut_base, uint32_t rot, uint64_t desc, const uint8_t* sx, int t) {
+  const uint4 c_lo = lds_v4(w_rd);         // row g: steps 0..3
+  const uint4 c_hi = lds_v4(w_rd + 2048);  // row g + 8
+  const uint2 sw = lds_v2(s_rd);
+  const uint2 t_lo = lds_v2(lut_base + lut_offset(sw.x, rot));
+  const uint2 t_hi = lds_v2(lut_base + lut_offset(sw.y, rot));
+  const uint32_t w_lo[4] = {c_lo.x, c_lo.y, c_lo.z, c_lo.w}, w_hi[4] = {c_hi.x, c_hi.y, c_hi.z, c_hi.w};
+  uint32_t a[4][4];
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    e2m1x8_to_e4m3(w_lo[s], t_lo, a[s][0], a[s][2]);
+    e2m1x8_to_e4m3(w_hi[s], t_hi, a[s][1], a[s][3]);
+  }
+  // All 16 A words computed before the first wgmma (else ptxas splits the group to
+  // re-fence registers written between the wgmmas, C7519).
+#pragma unroll
+  for (int s = 0; s < 4; ++s) fence_regs(a[s]);
+  wgmma_fence();
+#pragma unroll
+  for (int s = 0; s < 4; ++s) WgmmaRsE4m3<BN>::mma(part, a[s], desc + 2 * s, s);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(part);
+  const float f_lo = chunk_base(sw.x), f_hi = chunk_base(sw.y);
+#pragma unroll
+  for (int h = 0; h < BN / 8; ++h) {
+    const float2 x = *reinterpret_cast<const float2*>(sx + (8 * h + 2 * t) * 4);
+    acc[4 * h + 0] = fmaf(part[4 * h + 0], f_lo * x.x, acc[4 * h + 0]);
+    acc[4 * h + 1] = fmaf(part[4 * h + 1], f_lo * x.y, acc[4 * h + 1]);
+    acc[4 * h + 2] = fmaf(part[4 * h + 2], f_hi * x.x, acc[4 * h + 2]);
+    acc[4 * h + 3] = fmaf(part[4 * h + 3], f_hi * x.y, acc[4 * h + 3]);
+  }
+}
+
 // K chunks [kb, ke) of item (tile, rt) (chunk `chunk` of `splits`, item index `item`),
 // then its epilogue (GEMM2 without kCombine: the y stores only, the caller combines);
 // split-K fixup as nvfp4_gemm.cuh's gemm_segment (the CTA that completes the item's count
@@ -469,43 +510,9 @@ __device__ __forceinline__ void gemm_segment(const W4A8Params& p, uint8_t* smem,
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) part[i] = 0.0f;
 
-  // One 128-chunk of ring position st: the A fragments of its 4 k32 steps (16 words),
-  // 4 wgmmas into the partial, then the promotion into acc. B: the chunk's token rows,
-  // K-major, 128-byte swizzled (8-row groups 1024 bytes apart); a k32 step advances 32
-  // bytes (2 in the descriptor's address field).
-  auto chunk_mma = [&](int st) {
-    const uint4 c_lo = lds_v4(sW_rd + st * kCodeTile);          // row g: steps 0..3
-    const uint4 c_hi = lds_v4(sW_rd + st * kCodeTile + 2048);   // row g + 8
-    const uint2 sw = lds_v2(sS_rd + st * kScaleTile);
-    const uint2 t_lo = lds_v2(lut_base + lut_offset(sw.x, rot));
-    const uint2 t_hi = lds_v2(lut_base + lut_offset(sw.y, rot));
-    const uint32_t w_lo[4] = {c_lo.x, c_lo.y, c_lo.z, c_lo.w}, w_hi[4] = {c_hi.x, c_hi.y, c_hi.z, c_hi.w};
-    uint32_t a[4][4];
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      e2m1x8_to_e4m3(w_lo[s], t_lo, a[s][0], a[s][2]);
-      e2m1x8_to_e4m3(w_hi[s], t_hi, a[s][1], a[s][3]);
-    }
-    const uint64_t desc = desc0 + uint32_t(st * (S::kB >> 4));
-    // All 16 A words computed before the first wgmma (else ptxas splits the group to
-    // re-fence registers written between the wgmmas, C7519).
-#pragma unroll
-    for (int s = 0; s < 4; ++s) fence_regs(a[s]);
-    wgmma_fence();
-#pragma unroll
-    for (int s = 0; s < 4; ++s) WgmmaRsE4m3<BN>::mma(part, a[s], desc + 2 * s, s);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(part);
-    const float f_lo = chunk_base(sw.x), f_hi = chunk_base(sw.y);
-#pragma unroll
-    for (int h = 0; h < BN / 8; ++h) {
-      const float2 sx = *reinterpret_cast<const float2*>(sX + st * S::kSx + (8 * h + 2 * t) * 4);
-      acc[4 * h + 0] = fmaf(part[4 * h + 0], f_lo * sx.x, acc[4 * h + 0]);
-      acc[4 * h + 1] = fmaf(part[4 * h + 1], f_lo * sx.y, acc[4 * h + 1]);
-      acc[4 * h + 2] = fmaf(part[4 * h + 2], f_hi * sx.x, acc[4 * h + 2]);
-      acc[4 * h + 3] = fmaf(part[4 * h + 3], f_hi * sx.y, acc[4 * h + 3]);
-    }
+  auto chunk_at = [&](int st) {
+    chunk_mma<BN>(acc, part, sW_rd + st * kCodeTile, sS_rd + st * kScaleTile, lut_base, rot,
+                  desc0 + uint32_t(st * (S::kB >> 4)), sX + st * S::kSx, t);
   };
 
   // Slot step si ready: everyone is done with the slot refilled next, the slot's bytes arrived.
@@ -527,13 +534,13 @@ __device__ __forceinline__ void gemm_segment(const W4A8Params& p, uint8_t* smem,
     enter_slot(si);
     const int st = kSteps * ring;
 #pragma unroll
-    for (int q = 0; q < kSteps; ++q) chunk_mma(st + q);
+    for (int q = 0; q < kSteps; ++q) chunk_at(st + q);
     next_slot();
   }
   if (const int rest = nk - full_slots * kSteps) {  // the last 1 .. kSteps - 1 chunks
     enter_slot(full_slots);
     const int st = kSteps * ring;
-    for (int q = 0; q < rest; ++q) chunk_mma(st + q);
+    for (int q = 0; q < rest; ++q) chunk_at(st + q);
     next_slot();
   }
   __syncthreads();
@@ -653,6 +660,102 @@ __global__ void __launch_bounds__(kThreads) mxfp4_gemm2_rows_kernel(const W4A8Pa
     }
   }
   gemm2_combine<BN, R>(p, tile, rt0, threadIdx.x);
+}
+
+// Shared memory of mxfp4_gemm2_resident_kernel for G2 K chunks: the token tile's G2 chunks
+// of FP8 rows and their scales (resident), then two weight slots of G2 chunks (codes, then
+// scale words), each also the y staging of the tile it held (8 KB for 64 tokens: G2 >= 2).
+template <int BN>
+struct ResidentSmem {
+  static constexpr int kB = BN * kChunk, kSx = BN * 4;
+  static constexpr int kMaxG2 = 4;
+  __host__ __device__ static constexpr int tokens(int G2) { return G2 * (kB + kSx); }
+  __host__ __device__ static constexpr int slot(int G2) { return G2 * (kCodeTile + kScaleTile); }
+  __host__ __device__ static constexpr int bytes(int G2) { return tokens(G2) + 2 * slot(G2) + 1024; }
+  static_assert(BN * 128 <= 2 * (kCodeTile + kScaleTile), "the y staging fits a slot of two chunks");
+};
+
+// GEMM2 of few K chunks (2 <= G2 <= 4: the tensor-parallel shapes, e.g. V4.1-Flash at TP8,
+// G2 = 3) with R weight tiles per CTA as mxfp4_gemm2_rows_kernel, but the token tile comes
+// in once and stays, and the weights of tile r + 1 (one slot ahead) arrive while tile r is
+// multiplied and its y stored: the rows kernel fetches the token rows again per tile and
+// starts a tile's copies only after the previous tile's y stores (the staging is its ring).
+// Each tile's chunk sums, promotions and y are the classic kernel's (chunk_mma, same chunk
+// order), and the combine is gemm2_combine, so the outputs are bitwise those of R = 1.
+template <int BN, int R>
+__global__ void __launch_bounds__(kThreads) mxfp4_gemm2_resident_kernel(const W4A8Params p) {
+  using S = ResidentSmem<BN>;
+  gemm_grid_dependencies<false>();
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = align_smem_1024(smem_raw);
+  __shared__ uint64_t bar[3];  // 0: the token tile, 1 + s: weight slot s
+  __shared__ __align__(16) uint8_t lut[kLutBytes];
+  const int tile = blockIdx.y;
+  if (tile >= __ldcg(p.num_tiles)) return;
+  init_cta(bar, lut);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int G2 = p.G2, RT = p.K / kTileRows, rt0 = blockIdx.x * R;
+  const int e = __ldcg(p.tile_expert + tile);
+  uint8_t* sB = smem;
+  uint8_t* sX = sB + G2 * S::kB;
+  // slot s at slot0 + s * slot(G2) (arithmetic, not an array: a runtime index into a local
+  // array puts it on the stack)
+  uint8_t* const slot0 = smem + S::tokens(G2);
+  const int slot_bytes = S::slot(G2);
+
+  // Weights of tile r into slot s: codes by lane 0 of warp 0 (with the expected bytes),
+  // scale words by lane 0 of warp 1.
+  auto load_w = [&](int r, int s) {
+    if (r >= R || lane != 0 || warp > 1) return;
+    const size_t first = (size_t(e) * RT + rt0 + r) * G2;
+    uint8_t* d = slot0 + s * slot_bytes;
+    if (warp == 0) {
+      mbar_arrive_expect_tx(bar + 1 + s, G2 * (kCodeTile + kScaleTile));
+      bulk_g2s(smem_u32(d), p.w2 + first * kCodeTile, G2 * kCodeTile, bar + 1 + s);
+    } else {
+      bulk_g2s(smem_u32(d + G2 * kCodeTile), p.w2_scale + first * kScaleTile, G2 * kScaleTile, bar + 1 + s);
+    }
+  };
+  load_w(0, 0);
+  load_w(1, 1);
+  gemm2_wait_h(p, tile);  // threads 64 and 96, which copy the token tile
+  if (tid == 64) {
+    mbar_arrive_expect_tx(bar, S::tokens(G2));
+    bulk_g2s(smem_u32(sB), p.hq + size_t(tile) * G2 * S::kB, G2 * S::kB, bar);
+  } else if (tid == 96) {
+    bulk_g2s(smem_u32(sX), p.hs + size_t(tile) * G2 * BN, G2 * S::kSx, bar);
+  }
+
+  const uint64_t desc0 = wgmma_desc_sw128(smem_u32(sB), 16, 1024);
+  const uint32_t lut_base = smem_u32(lut);
+  const uint32_t rot = (4 * t - 3) & 31;
+  float part[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) part[i] = 0.0f;
+  mbar_wait(bar, 0);
+#pragma unroll 1
+  for (int r = 0; r < R; ++r) {
+    const int s = r & 1;
+    uint8_t* const slot = slot0 + s * slot_bytes;
+    const uint32_t w_rd = smem_u32(slot) + tid * 16;
+    const uint32_t s_rd = smem_u32(slot + G2 * kCodeTile) + (warp * 8 + g) * 8;
+    mbar_wait(bar + 1 + s, (r >> 1) & 1);
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+#pragma unroll 1
+    for (int c = 0; c < G2; ++c)
+      chunk_mma<BN>(acc, part, w_rd + c * kCodeTile, s_rd + c * kScaleTile, lut_base, rot,
+                    desc0 + uint32_t(c * (S::kB >> 4)), sX + c * S::kSx, t);
+    __syncthreads();  // every warp is done with the slot's weights: it becomes the y staging
+    gemm2_store_y<BN>(p, acc, reinterpret_cast<__nv_bfloat16*>(slot), tile, rt0 + r, tid);
+    if (r + 2 < R) {  // the staging read back, in the generic proxy, before the copies refill the slot
+      fence_proxy_async_smem();
+      __syncthreads();
+      load_w(r + 2, s);
+    }
+  }
+  gemm2_combine<BN, R>(p, tile, rt0, tid);
 }
 
 // Split-K on a persistent grid (as nvfp4_gemm.cuh's moe_gemm_splitk_kernel): items

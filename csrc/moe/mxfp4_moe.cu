@@ -134,6 +134,10 @@ GemmOccupancy gemm_setup() {
     for (auto k : {w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 2>, w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 4>,
                    w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 8>})
       C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
+    using RS = w4a8::ResidentSmem<BN>;
+    for (auto k : {w4a8::mxfp4_gemm2_resident_kernel<BN, 2>, w4a8::mxfp4_gemm2_resident_kernel<BN, 4>,
+                   w4a8::mxfp4_gemm2_resident_kernel<BN, 8>})
+      C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, RS::bytes(RS::kMaxG2)));
   }
   GemmOccupancy o{};
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o.gemm1, k1, moe::kThreads, SK::kBytes));
@@ -213,6 +217,14 @@ void launch_gemms(const Mxfp4MoeConfig& cfg, const w4a8::W4A8Params& p, cudaStre
   launch_kernel(w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, true>, dim3(unsigned(p.N / 32), unsigned(cfg.max_tiles)),
                 block, S::kBytes, stream, cfg.pdl, p);
   if constexpr (BN == 64) {  // config.h: GEMM2 rows only at 64-token tiles on the classic grid
+    if (cfg.gemm2_resident) {
+      const dim3 grid(unsigned(p.K / 64 / cfg.gemm2_rows), unsigned(cfg.max_tiles));
+      auto k = cfg.gemm2_rows == 2   ? w4a8::mxfp4_gemm2_resident_kernel<BN, 2>
+               : cfg.gemm2_rows == 4 ? w4a8::mxfp4_gemm2_resident_kernel<BN, 4>
+                                     : w4a8::mxfp4_gemm2_resident_kernel<BN, 8>;
+      launch_kernel(k, grid, block, w4a8::ResidentSmem<BN>::bytes(p.G2), stream, cfg.pdl, p);
+      return;
+    }
     if (cfg.gemm2_rows > 1) {
       const dim3 grid(unsigned(p.K / 64 / cfg.gemm2_rows), unsigned(cfg.max_tiles));
       auto k = cfg.gemm2_rows == 2   ? w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 2>
