@@ -9,30 +9,50 @@ What is carried (``pack_vllm_for_device.py`` prints the exact calls):
 
 * the vllm==0.33.0 wheel's Python files, its dist-info and DeepGEMM's JIT headers
   (``vtree.tar.xz``, ~8.5 MB);
-* vLLM's compiled libraries that DeepSeek V4 on Hopper uses (``libs.tar.xz`` in ~40 MB
-  chunks, ~111 MB in all): ``_C_stable_libtorch`` (vLLM's kernels), ``_moe_C_stable_libtorch``
+* compiled libraries (``libs.tar.xz`` in chunks, ~174 MB in all): vLLM's that DeepSeek V4
+  on Hopper uses: ``_C_stable_libtorch`` (vLLM's kernels), ``_moe_C_stable_libtorch``
   (routing, Marlin MoE), ``_flashmla_C`` + ``_flashmla_extension_C`` (FlashMLA sparse, the
   reference backend), ``_deepselect_C`` (indexer top-k), DeepGEMM's host library
   (indexer logits, the o_proj ``fp8_einsum``, the mHC GEMM; it JIT-compiles with the
-  machine's nvcc), and three small helpers;
-* the cp312 wheels of what the engine may import and the image lacks (51, ~24 MB: the
+  machine's nvcc), three small helpers; and the CuTe DSL's compiler and runtime (the
+  ``nvidia-cutlass-dsl-libs-cu13`` wheel's files, ~61 MB: on CUDA, vLLM's DeepSeek V4
+  compressor for head_dim 512 is a CuTe DSL kernel with no fallback, and with the DSL
+  there vLLM also takes its CuTe DSL indexer-q, K-gather and router kernels; the pack
+  script's docstring says what the DSL needs: no nvcc, its own PTX compiler);
+* the cp312 wheels of what the engine may import and the image lacks (55, ~29 MB: the
   closure of vLLM's requirements less the image's packages and less what the offline
-  engine never imports, listed in ``pack_vllm_for_device.py``); ``stage`` unpacks only
-  those whose distribution the image does not already have; transformers, tokenizers,
-  huggingface_hub, safetensors, numpy, triton are the image's own;
-* the dsv4 extension ``dsv4/_C.abi3.so`` (~13 MB, built by the lead with /work/dvenv),
+  engine never imports, listed in ``pack_vllm_for_device.py``, with the CuTe DSL's Python
+  packages and quack); ``stage`` unpacks only those whose distribution the image does not
+  already have; transformers, tokenizers, huggingface_hub, safetensors, numpy, triton,
+  cuda-bindings are the image's own;
+* the dsv4 extension ``dsv4/_C.abi3.so`` (~14 MB, built by the lead with /work/dvenv),
   with the last call.
 
-Three calls, back to back (``stage p1 && probe``, ``stage p2 && probe``,
-``stage p3 && run``); the probe of each call prints what is still missing, so a failed
-import costs no call of its own.
+Four calls (``pack_vllm_for_device.layout``), back to back: ``stage p1 && probe`` (vLLM's
+Python files and the wheels are there: the probe shows a missing Python package),
+``stage p2``, ``stage p3``, ``stage p4 && probe && run`` (the libraries are there); the
+probe prints what is still missing, so a failed import costs no engine run; once the
+libraries are there it also compiles one of vLLM's
+CuTe DSL kernels (the C128 compressor, fake tensors) and compiles and runs a small one
+(:func:`cute_dsl_check`), so a DSL that cannot JIT or load on the driver shows before any
+engine starts.
+
+``stage`` also runs the staged ``.pth`` files as site.py would (the CuTe DSL's puts
+``nvidia_cutlass_dsl/dsl_packages``, where ``cutlass`` lives, on sys.path): Python reads
+``.pth`` files only in site folders, never in PYTHONPATH entries, so the paths they add
+are kept in ``site/.pth-paths.json`` and put on every vLLM process's path by
+:func:`child_env` (PYTHONPATH, inherited by the model registry's subprocess) and again
+by the staged vLLM plugin (:func:`vllm_plugin`, loaded by every vLLM process).
 
 Left out of vLLM, and why: FlashAttention 2/3 (480 MB; DeepSeek V4 attends through FlashMLA
 or dsv4); the Kimi delta-attention and QuTLASS libraries (other models); the Rust frontend
 ``vllm-rs`` (``vllm serve`` only; the engine is the same); SM100 FMHA sources; TileLang
 (210 MB with TVM; vLLM's DeepSeek V4 CUDA model runs its mHC (hyper-connection) mixing
-through TileLang kernels: replaced below); FlashInfer and CUTLASS DSL (vLLM falls back to
-its Triton kernels without them on Hopper).
+through TileLang kernels: replaced below); FlashInfer (every FlashInfer import on this
+configuration's path is behind ``has_flashinfer()``, an opt-in backend, SM100/SM120, or
+the sampler switch of workaround 3: /work/notes/serve-lazy-imports.md lists each lazy
+import of the DeepSeek V4 / V4.1 CUDA paths with its guard); the CuTe DSL's cu12 flavour
+(the DSL loads any ``_cutlass_ir.cu{N}`` present and picks the newest the driver takes).
 
 Workarounds, in this script only (never in dsv4), applied in each engine's process before
 the model is built:
@@ -109,12 +129,45 @@ PROBE_MODULES = (
     "vllm._C_stable_libtorch", "vllm._moe_C_stable_libtorch", "vllm._flashmla_C", "vllm._deepselect_C",
     "vllm.third_party.deep_gemm", "humming", "dsv4._C", "dsv4_plugin.attention_v4", "dsv4_plugin.attention_v41",
     "dsv4_plugin.moe",
+    # the CuTe DSL and the vLLM modules of its kernels this configuration reaches
+    # (/work/notes/serve-lazy-imports.md): imported lazily by vLLM, so only the probe
+    # shows a missing piece before an engine run does
+    "cutlass", "cutlass.cute", "quack.compile_utils", "cuda.bindings.driver",
+    "vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl",
+    "vllm.models.deepseek_v4.nvidia.ops.dequant_gather_k_cutedsl",
+    "vllm.models.deepseek_v4.nvidia.ops.fused_indexer_q_cutedsl",
+    "vllm.model_executor.kernels.linear.cute_dsl._ll_bf16_dotprod",
+    "vllm.model_executor.kernels.linear.cute_dsl._ll_bf16_splitk",
 )
+PTH_PATHS = ".pth-paths.json"  # in SITE: the sys.path entries the staged .pth files add (stage)
+
+
+def site_paths() -> list[str]:
+    """The staged site folder and the paths its ``.pth`` files add (``stage`` ran them), in
+    sys.path order: Python does not read ``.pth`` files in PYTHONPATH entries."""
+    try:
+        with open(os.path.join(SITE, PTH_PATHS)) as f:
+            added = json.load(f)
+    except FileNotFoundError:
+        added = []
+    return [SITE] + [p for p in added if p != SITE]
+
+
+def add_site_paths() -> list[str]:
+    """Puts :func:`site_paths` on this process's sys.path where missing (after the site
+    folder if it is there); returns what it added."""
+    added = []
+    for p in site_paths():
+        if p not in sys.path:
+            at = sys.path.index(SITE) + 1 if SITE in sys.path else 0
+            sys.path.insert(at, p)
+            added.append(p)
+    return added
 
 
 def child_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
-    paths = [SITE, ROOT, os.path.join(ROOT, "scripts")]  # scripts: this module, the smoke's vLLM plugin
+    paths = site_paths() + [ROOT, os.path.join(ROOT, "scripts")]  # scripts: this module, the smoke's vLLM plugin
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     cache = os.path.join(STAGE, "cache")
     env.update({
@@ -122,6 +175,7 @@ def child_env(extra: dict | None = None) -> dict:
         "VLLM_CACHE_ROOT": os.path.join(cache, "vllm"),  # torch.compile artifacts, kept while warm
         "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
         "DG_JIT_CACHE_DIR": os.path.join(cache, "deep_gemm"),
+        "CUTE_DSL_CACHE_DIR": os.path.join(cache, "cute_dsl"),
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
         "VLLM_USE_FLASHINFER_SAMPLER": "0",  # FlashInfer is not carried: workaround 3 of the module docstring
     })
@@ -171,6 +225,36 @@ def _anchor_manifest(version: str) -> None:
     write_manifest(SITE, {"vllm": version}, [(n, os.path.getsize(os.path.join(SITE, n))) for n in sorted(libs)])
 
 
+def _write_pth_paths() -> list[str]:
+    """Runs the staged ``.pth`` files as site.py runs a site folder's (a line naming a
+    folder adds it, an ``import`` line is executed: the CuTe DSL's inserts
+    ``nvidia_cutlass_dsl/dsl_packages``), in a clean interpreter (``-I -S``), and writes
+    the sys.path entries they add to ``SITE/.pth-paths.json`` for :func:`site_paths`."""
+    code = ("import json, site, sys; before = list(sys.path); site.addsitedir(sys.argv[1]); "
+            "print(json.dumps([p for p in sys.path if p not in before and p != sys.argv[1]]))")
+    p = subprocess.run([sys.executable, "-I", "-S", "-c", code, SITE], capture_output=True, text=True)
+    if p.returncode != 0:
+        print(f"stage: the staged .pth files failed: {p.stderr.strip()[-2000:]}")
+        added = []
+    else:
+        added = json.loads(p.stdout.strip().splitlines()[-1])
+    with open(os.path.join(SITE, PTH_PATHS), "w") as f:
+        json.dump(added, f)
+    return added
+
+
+def _parts_key(man: dict, names) -> str:
+    return hashlib.sha256(json.dumps([man["parts"][n]["sha256"] for n in names]).encode()).hexdigest()
+
+
+def _stamped(path: str, key: str) -> bool:
+    try:
+        with open(path) as f:
+            return f.read() == key
+    except FileNotFoundError:
+        return False
+
+
 def cmd_stage(args) -> int:
     with open(os.path.join(args.dir, "parts.json")) as f:
         man = json.load(f)
@@ -183,7 +267,9 @@ def cmd_stage(args) -> int:
                 print(f"stage: {name} is corrupt (sha256 differs)")
                 return 1
             shutil.copyfile(src, os.path.join(parts, name))
-    have = {n for n in man["parts"] if os.path.exists(os.path.join(parts, n))}
+    # by content: a warm machine may hold another pack's parts of the same names
+    have = {n for n, meta in man["parts"].items()
+            if os.path.exists(os.path.join(parts, n)) and _sha(os.path.join(parts, n)) == meta["sha256"]}
     missing = sorted(set(man["parts"]) - have)
     if missing:
         calls = sorted({man["parts"][n]["call"] for n in missing})
@@ -191,7 +277,11 @@ def cmd_stage(args) -> int:
               f"({', '.join(missing)})")
     t = time.time()
     py_ready, libs_ready = os.path.join(SITE, ".python-ready"), os.path.join(SITE, ".libs-ready")
-    if {"vtree.tar.xz", *man["wheels"]} <= have and not os.path.exists(py_ready):
+    # each stamp holds the sha256 of its parts: a machine still warm from another pack's
+    # staging unpacks this one's again instead of keeping the other's
+    py_key = _parts_key(man, ["vtree.tar.xz", *man["wheels"]])
+    libs_key = _parts_key(man, man["lib_chunks"])
+    if {"vtree.tar.xz", *man["wheels"]} <= have and not _stamped(py_ready, py_key):
         shutil.rmtree(SITE, ignore_errors=True)
         os.makedirs(SITE)
         with tarfile.open(os.path.join(parts, "vtree.tar.xz"), "r:xz") as tar:
@@ -219,10 +309,12 @@ def cmd_stage(args) -> int:
             f.write("Metadata-Version: 2.1\nName: dsv4\nVersion: 0.0.0+smoke\n")
         with open(os.path.join(di, "entry_points.txt"), "w") as f:
             f.write("[vllm.general_plugins]\ndsv4 = gpu_serve_smoke:vllm_plugin\n")
-        open(py_ready, "w").close()
+        pth = _write_pth_paths()
+        with open(py_ready, "w") as f:
+            f.write(py_key)
         print(f"stage: vLLM's Python files and the wheels unpacked into {SITE} ({time.time() - t:.0f} s); "
-              f"the image already has {skipped or 'none of them'}")
-    if set(man["lib_chunks"]) <= have and os.path.exists(py_ready) and not os.path.exists(libs_ready):
+              f"the image already has {skipped or 'none of them'}; the .pth files add {pth or 'nothing'}")
+    if set(man["lib_chunks"]) <= have and _stamped(py_ready, py_key) and not _stamped(libs_ready, libs_key):
         joined = os.path.join(STAGE, "libs.tar.xz")
         with open(joined, "wb") as out:
             for c in man["lib_chunks"]:
@@ -232,11 +324,13 @@ def cmd_stage(args) -> int:
             tar.extractall(SITE, filter="data")
         os.remove(joined)
         _anchor_manifest(man["vllm"])
-        open(libs_ready, "w").close()
+        with open(libs_ready, "w") as f:
+            f.write(libs_key)
         print(f"stage: vLLM's libraries unpacked ({time.time() - t:.0f} s); {SITE} is also a benchmark "
               f"anchor folder (DSV4_ANCHORS)")
-    print(f"stage: python {'ready' if os.path.exists(py_ready) else 'not ready'}, "
-          f"libraries {'ready' if os.path.exists(libs_ready) else 'not ready'}")
+    py_ok = _stamped(py_ready, py_key)
+    print(f"stage: python {'ready' if py_ok else 'not ready'}, "
+          f"libraries {'ready' if py_ok and _stamped(libs_ready, libs_key) else 'not ready'}")
     return 0
 
 
@@ -266,8 +360,61 @@ try:
     res["plugin_registered"] = "DSV4" in AttentionBackendEnum.__members__
 except BaseException as e:
     res["plugin_registered"] = f"{type(e).__name__}: {e}"
+try:  # the CuTe DSL: the toolkit flavour it loaded, its runtime library, one JIT compile
+    import time
+    import cutlass
+    import cutlass._mlir._mlir_libs as mlir_libs
+    from cutlass.base_dsl.env_manager import get_prefix_dsl_libs
+    v = cutlass.CUDA_VERSION
+    dsl = res["cute_dsl"] = {"cuda": f"{v.major}.{v.minor}", "compiler": os.path.basename(mlir_libs._cutlass_ir.__file__),
+                             "runtime": get_prefix_dsl_libs("CUTE_DSL")}
+    from vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl import (
+        _SPARSE_ATTN_COMPRESS_C128_BLOCK8_KERNEL as kernel)
+    t = time.time()
+    kernel.compile(kernel.CompileKey(head_size=512, state_width=512))  # fake tensors: compile only
+    dsl["compile_c128_s"] = round(time.time() - t, 1)
+    dsl.update(gpu_serve_smoke.cute_dsl_check())
+except BaseException as e:
+    res["cute_dsl_error"] = f"{type(e).__name__}: {e}"[-2000:]
 print("PROBE_JSON " + json.dumps(res))
 """
+
+
+def cute_dsl_check(run: bool = True) -> dict:
+    """One small CuTe DSL kernel (adds 1 to 32 floats) through vLLM's own compile path
+    (``compile_cutedsl``: fake tensors, TVM-FFI, the caller's stream), then run on a CUDA
+    tensor: the DSL's compiler, its runtime library and the driver together (the DSL is
+    built with CUDA 13.4, the H200's driver 580 is CUDA 13.0), before an engine needs them.
+    ``run=False`` compiles only (no GPU needed)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cuda.bindings.driver import CUstream
+    from quack.compile_utils import make_fake_tensor
+    from vllm.model_executor.warmup.jit_warmup_cutedsl_helper import compile_cutedsl
+
+    def add_one(x):
+        tidx, _, _ = cute.arch.thread_idx()
+        x[tidx] = x[tidx] + cutlass.Float32(1.0)
+
+    def launch(x, stream):
+        kernel(x).launch(grid=(1, 1, 1), block=(32, 1, 1), stream=stream)
+
+    # annotations as objects: this module's are strings (``from __future__ import
+    # annotations``), which the DSL would evaluate in the module's globals
+    add_one.__annotations__ = {"x": cute.Tensor}
+    launch.__annotations__ = {"x": cute.Tensor, "stream": CUstream}
+    kernel, launch = cute.kernel(add_one), cute.jit(launch)
+    t = time.time()
+    fn = compile_cutedsl(launch, make_fake_tensor(cutlass.Float32, (32,), divisibility=4))
+    out = {"compile_add_one_s": round(time.time() - t, 2)}
+    if run:
+        import torch
+
+        x = torch.zeros(32, device="cuda")
+        fn(x)
+        torch.cuda.synchronize()
+        out["add_one_ran"] = bool((x == 1).all())
+    return out
 
 
 def machine_facts() -> dict:
@@ -303,6 +450,7 @@ def cmd_probe(args) -> int:
               f"plugin registered: {imp.get('plugin_registered')}")
         for m, why in imp.get("fail", {}).items():
             print(f"  FAIL {m}: {why}")
+        print(f"CuTe DSL: {imp.get('cute_dsl')}" + (f"; FAIL {imp['cute_dsl_error']}" if imp.get("cute_dsl_error") else ""))
         if "error" in imp:
             print(imp["error"])
     if args.out:
@@ -353,11 +501,14 @@ def flash_attn_without_kernels() -> None:
 
 
 def vllm_plugin() -> None:
-    """The staged vLLM general plugin: the flash-attn workaround, then dsv4's own entry point
-    (``dsv4_plugin:register``, pyproject.toml). vLLM loads general plugins in every process
-    it starts, before it imports a model, and its model registry inspects a model's class in
-    a fresh subprocess (``registry._run_in_subprocess``), where dsv4's registration imports
-    the model and the ``vllm.vllm_flash_attn`` import would otherwise fail."""
+    """The staged vLLM general plugin: the staged ``.pth`` paths (the CuTe DSL's
+    ``dsl_packages``; :func:`child_env` puts them on PYTHONPATH too, this covers a process
+    started with another environment), the flash-attn workaround, then dsv4's own entry
+    point (``dsv4_plugin:register``, pyproject.toml). vLLM loads general plugins in every
+    process it starts, before it imports a model, and its model registry inspects a model's
+    class in a fresh subprocess (``registry._run_in_subprocess``), where dsv4's registration
+    imports the model and the ``vllm.vllm_flash_attn`` import would otherwise fail."""
+    add_site_paths()
     flash_attn_without_kernels()
     import dsv4_plugin
 

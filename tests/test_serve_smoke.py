@@ -15,6 +15,13 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import gpu_serve_smoke as smoke  # noqa: E402
+import pack_vllm_for_device as pack  # noqa: E402
+
+# The CuTe DSL's .pth line, as nvidia_cutlass_dsl-4.8.0-py3-none-any.whl ships it
+DSL_PTH = ("import sys, os, nvidia_cutlass_dsl; "
+           "sys.path.insert(0, os.path.join(nvidia_cutlass_dsl.__path__[0], 'dsl_packages'))\n")
+DSL_WHEELS = ("nvidia_cutlass_dsl-4.8.0-py3-none-any.whl",
+              "nvidia_cutlass_dsl_libs_base-4.8.0-cp312-cp312-manylinux_2_28_x86_64.whl")
 
 
 def _tar_xz(path, files):
@@ -40,6 +47,12 @@ def parts(tmp_path, monkeypatch):
     _tar_xz(build / "vtree.tar.xz", {"vllm/__init__.py": b"X = 1\n", "vllm-0.33.0.dist-info/METADATA": b"m\n"})
     with zipfile.ZipFile(build / "msgspec-0.23.0-cp312-cp312-manylinux_2_28_x86_64.whl", "w") as z:
         z.writestr("msgspec/__init__.py", "Y = 2\n")
+    # stand-ins of the CuTe DSL's wheels: the .pth (meta wheel) and the namespace-packaged
+    # cutlass package under nvidia_cutlass_dsl/dsl_packages (libs-base)
+    with zipfile.ZipFile(build / DSL_WHEELS[0], "w") as z:
+        z.writestr("nvidia_cutlass_dsl_packages.pth", DSL_PTH)
+    with zipfile.ZipFile(build / DSL_WHEELS[1], "w") as z:
+        z.writestr("nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py", "STAND_IN = True\n")
     _tar_xz(build / "libs.tar.xz", {"vllm/_C_stable_libtorch.abi3.so": os.urandom(300_000)})
     blob = (build / "libs.tar.xz").read_bytes()
     third = len(blob) // 3 + 1
@@ -47,9 +60,9 @@ def parts(tmp_path, monkeypatch):
     for i in range(3):
         (build / f"libs.tar.xz.part{i:02d}").write_bytes(blob[i * third:(i + 1) * third])
         chunks.append(f"libs.tar.xz.part{i:02d}")
-    wheel = "msgspec-0.23.0-cp312-cp312-manylinux_2_28_x86_64.whl"
-    calls = [["vtree.tar.xz", wheel, chunks[0]], [chunks[1]], [chunks[2]]]
-    man = {"vllm": "0.33.0", "calls": 3, "wheels": [wheel], "lib_chunks": chunks,
+    wheels = ["msgspec-0.23.0-cp312-cp312-manylinux_2_28_x86_64.whl", *DSL_WHEELS]
+    calls = [["vtree.tar.xz", *wheels, chunks[0]], [chunks[1]], [chunks[2]]]
+    man = {"vllm": "0.33.0", "calls": 3, "wheels": wheels, "lib_chunks": chunks,
            "parts": {n: {"sha256": _sha(build / n), "call": k + 1} for k, c in enumerate(calls) for n in c}}
     dirs = []
     for k, c in enumerate(calls):
@@ -160,3 +173,129 @@ def test_mxfp4_example_is_the_v4_example_without_moe_quant_algo(tmp_path, monkey
     v4["quantization_config"].pop("moe_quant_algo")
     assert mx == v4
     assert smoke.example_dir("v4") == smoke.EXAMPLES["v4"]
+
+
+def test_stage_puts_the_pth_paths_on_every_vllm_process_path(parts, monkeypatch):
+    """Python reads .pth files only in site folders, not in PYTHONPATH entries: stage runs
+    the staged ones (the CuTe DSL's inserts nvidia_cutlass_dsl/dsl_packages) and child_env
+    and the staged vLLM plugin put what they add on the path."""
+    dirs, _ = parts
+    assert _stage(dirs[0]) == 0
+    dsl = os.path.join(smoke.SITE, "nvidia_cutlass_dsl", "dsl_packages")
+    assert smoke.site_paths() == [smoke.SITE, dsl]
+    env = smoke.child_env()
+    path = env["PYTHONPATH"].split(os.pathsep)
+    assert path[:2] == [smoke.SITE, dsl] and os.path.join(smoke.ROOT, "scripts") in path
+    # a child with that environment (the engine's, the model registry's subprocess) imports cutlass
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", "import cutlass; print(cutlass.__file__)"], env=env,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == os.path.join(dsl, "cutlass", "__init__.py")
+    # the plugin adds them in a process started without that PYTHONPATH, after the site folder
+    monkeypatch.setattr(sys, "path", ["/x", smoke.SITE, "/y"])
+    assert smoke.add_site_paths() == [dsl]
+    assert sys.path == ["/x", smoke.SITE, dsl, "/y"]
+    assert smoke.add_site_paths() == []  # idempotent
+
+
+def test_site_paths_before_stage_is_the_site_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(smoke, "SITE", str(tmp_path / "site"))
+    assert smoke.site_paths() == [str(tmp_path / "site")]
+
+
+def test_smoke_plugin_adds_the_site_paths_first(monkeypatch):
+    import types
+
+    calls = []
+    monkeypatch.setattr(smoke, "add_site_paths", lambda: calls.append("paths"))
+    monkeypatch.setattr(smoke, "flash_attn_without_kernels", lambda: calls.append("flash_attn"))
+    monkeypatch.setitem(sys.modules, "dsv4_plugin", types.SimpleNamespace(register=lambda: calls.append("dsv4")))
+    smoke.vllm_plugin()
+    assert calls == ["paths", "flash_attn", "dsv4"]
+
+
+def test_probe_imports_the_cute_dsl_and_the_kernels_vllm_reaches():
+    """vLLM imports these lazily (the compressor at the first forward): the probe imports
+    them, so a missing piece shows there and costs no engine run."""
+    need = {"cutlass", "cutlass.cute", "quack.compile_utils", "cuda.bindings.driver",
+            "vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl",
+            "vllm.models.deepseek_v4.nvidia.ops.dequant_gather_k_cutedsl",
+            "vllm.models.deepseek_v4.nvidia.ops.fused_indexer_q_cutedsl"}
+    assert need <= set(smoke.PROBE_MODULES)
+    assert len(set(smoke.PROBE_MODULES)) == len(smoke.PROBE_MODULES)
+    assert "_SPARSE_ATTN_COMPRESS_C128_BLOCK8_KERNEL" in smoke._PROBE_CHILD  # one of vLLM's, compiled
+    assert "cute_dsl_check()" in smoke._PROBE_CHILD and callable(smoke.cute_dsl_check)  # one compiled and run
+    assert smoke.child_env()["CUTE_DSL_CACHE_DIR"].startswith(smoke.STAGE)
+
+
+def test_pack_carries_the_cute_dsl():
+    reqs = {r.split("==")[0] for r in pack.EXTRA_WHEELS}
+    assert {"nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-core",
+            "quack-kernels"} <= reqs
+    assert pack.LIB_WHEELS == ("nvidia-cutlass-dsl-libs-cu13==4.8.0",)
+    assert not any("cu12" in r for r in pack.EXTRA_WHEELS + pack.LIB_WHEELS)  # the loader takes cu13 alone
+
+
+MiB = 2**20
+
+
+@pytest.mark.parametrize("small,libs", [
+    (int(38.2e6), int(174.4e6)),   # this pack: vtree + 55 wheels, vLLM's and the CuTe DSL's libraries
+    (int(33.0e6), int(110.7e6)),   # before the CuTe DSL
+    (10 * MiB, 1 * MiB),           # everything in one call, extension included
+    (40 * MiB, 15 * MiB),          # all but the extension fit call 1
+    (55 * MiB, 300 * MiB),         # call 1 full of small files
+])
+def test_layout_keeps_every_call_within_64_mib(small, libs):
+    sizes = pack.layout(small, libs)
+    assert sum(sizes) == libs and all(n > 0 for n in sizes)
+    calls = [small + sizes[0]] + sizes[1:]
+    calls[-1] += pack.SO_BUDGET  # the last call carries the dsv4 extension
+    assert all(c <= pack.PART_BUDGET for c in calls), [c / MiB for c in calls]
+    assert pack.PART_BUDGET + pack.TREE_BUDGET <= 64 * MiB
+    # no call fewer would do
+    room = len(sizes) * pack.PART_BUDGET - pack.SO_BUDGET
+    assert small + libs > room - pack.PART_BUDGET
+
+
+def test_the_working_tree_fits_its_budget():
+    """Each device call carries the working tree besides the parts: tracked files under
+    TREE_BUDGET (the .so and .devbuild are ignored, carried only where named)."""
+    import subprocess
+
+    try:
+        files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    size = sum(os.path.getsize(os.path.join(ROOT, f)) for f in files.decode().split("\0") if f
+               and os.path.exists(os.path.join(ROOT, f)))
+    assert size < pack.TREE_BUDGET / 2
+    so = os.path.join(ROOT, "dsv4", "_C.abi3.so")  # the lead's build for torch 2.11: 14.3 MB
+    assert (os.path.getsize(so) if os.path.exists(so) else 14_312_968) < pack.SO_BUDGET
+
+
+def test_stage_redoes_what_another_pack_staged(parts, capsys):
+    """A machine still warm from another pack's staging: parts of the same names but other
+    contents are not taken for this pack's, and the stamps do not claim its unpacking."""
+    dirs, _ = parts
+    for d in dirs:
+        assert _stage(d) == 0
+    capsys.readouterr()
+    # another pack: same part names, a new wheel set (as when the CuTe DSL was added)
+    man = json.loads((dirs[0] / "parts.json").read_text())
+    with zipfile.ZipFile(dirs[0] / DSL_WHEELS[1], "w") as z:
+        z.writestr("nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py", "STAND_IN = 2\n")
+    man["parts"][DSL_WHEELS[1]]["sha256"] = _sha(dirs[0] / DSL_WHEELS[1])
+    for d in dirs:
+        (d / "parts.json").write_text(json.dumps(man))
+    stale = os.path.join(smoke.STAGE, "parts", "libs.tar.xz.part02")
+    with open(stale, "wb") as f:
+        f.write(b"another pack's chunk")
+    assert _stage(dirs[1]) == 0  # call 2 again: the stale chunk 2 does not count
+    out = capsys.readouterr().out
+    assert "still to carry: calls [1, 3]" in out and "python not ready, libraries not ready" in out
+    assert _stage(dirs[0]) == 0 and _stage(dirs[2]) == 0
+    assert "python ready, libraries ready" in capsys.readouterr().out
+    cutlass = os.path.join(smoke.SITE, "nvidia_cutlass_dsl", "dsl_packages", "cutlass", "__init__.py")
+    assert open(cutlass).read() == "STAND_IN = 2\n"
