@@ -50,7 +50,7 @@ or dsv4); the Kimi delta-attention and QuTLASS libraries (other models); the Rus
 (210 MB with TVM; vLLM's DeepSeek V4 CUDA model runs its mHC (hyper-connection) mixing
 through TileLang kernels: replaced below); FlashInfer (every FlashInfer import on this
 configuration's path is behind ``has_flashinfer()``, an opt-in backend, SM100/SM120, or
-the sampler switch of workaround 3: /work/notes/serve-lazy-imports.md lists each lazy
+the sampler switch of workaround 3: docs/vllm-lazy-imports.md lists each lazy
 import of the DeepSeek V4 / V4.1 CUDA paths with its guard); the CuTe DSL's cu12 flavour
 (the DSL loads any ``_cutlass_ir.cu{N}`` present and picks the newest the driver takes).
 
@@ -130,7 +130,7 @@ PROBE_MODULES = (
     "vllm.third_party.deep_gemm", "humming", "dsv4._C", "dsv4_plugin.attention_v4", "dsv4_plugin.attention_v41",
     "dsv4_plugin.moe",
     # the CuTe DSL and the vLLM modules of its kernels this configuration reaches
-    # (/work/notes/serve-lazy-imports.md): imported lazily by vLLM, so only the probe
+    # (docs/vllm-lazy-imports.md): imported lazily by vLLM, so only the probe
     # shows a missing piece before an engine run does
     "cutlass", "cutlass.cute", "quack.compile_utils", "cuda.bindings.driver",
     "vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl",

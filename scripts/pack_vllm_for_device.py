@@ -93,7 +93,7 @@ VLLM = "vllm==0.33.0"
 # tokenspeed, cuda-tile / cuda-python (the image has cuda-bindings), NCCL's Python
 # bindings (one GPU), cuDNN's frontend, video codecs, fastsafetensors, instanttensor,
 # OpenTelemetry, MCP, anthropic, supervisor, mistral-common (the tokenizer is not
-# initialised); /work/notes/serve-lazy-imports.md lists where vLLM imports those lazily
+# initialised); docs/vllm-lazy-imports.md lists where vLLM imports those lazily
 # and why this configuration does not get there. The CuTe DSL's Python packages and quack
 # are here, its compiled libraries in :data:`LIB_WHEELS` (the module docstring says why
 # each). An import by name alone found too few: openai's sniffio was missing on the
