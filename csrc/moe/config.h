@@ -246,13 +246,12 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
   cfg.quant_ctas = int(std::max<int64_t>(1, std::min<int64_t>((groups + 7) / 8, int64_t(d.sms) * 8)));
   cfg.gemm2_rows = 1;
   if (!cfg.splitk && cfg.block_n == 64) {
-    const int64_t row_tiles = c.K / 64;
-    cfg.gemm2_rows = o.moe_gemm2_rows.value_or(pick_gemm2_rows((c.N + 127) / 128, row_tiles));
+    const int64_t row_tiles = c.K / 64, G2 = (c.N + 127) / 128;  // GEMM2's K chunks of 128
+    cfg.gemm2_rows = o.moe_gemm2_rows.value_or(pick_gemm2_rows(G2, row_tiles));
     TORCH_CHECK(row_tiles % cfg.gemm2_rows == 0, "dsv4: DSV4_MOE_GEMM2_ROWS=", cfg.gemm2_rows,
                 " must divide mxfp4_moe's K / 64 = ", row_tiles, " GEMM2 weight tiles");
     // The token tile resident where its G2 chunks and two weight slots fit 4 CTAs per SM
     // and a slot holds the y staging: 2 <= G2 <= 4 (mxfp4_gemm.cuh, ResidentSmem).
-    const int64_t G2 = (c.N + 127) / 128;
     cfg.gemm2_resident = cfg.gemm2_rows > 1 && G2 >= 2 && G2 <= 4 && o.moe_gemm2_resident.value_or(true);
   }
   return cfg;
@@ -264,7 +263,8 @@ inline void print_config(const Mxfp4MoeShape& c, const Mxfp4DeviceFacts& d, cons
       "dsv4 config mxfp4_moe: M=", c.M, " K=", c.K, " N=", c.N, " E=", c.E, " E_global=", c.E_global,
       " topk=", c.topk, " activation=fp8 sms=", d.sms, " classic1=", d.occupancy(cfg.block_n).classic1,
       " -> block_n=", cfg.block_n, " max_tiles=", cfg.max_tiles, " multi_cta_route=", int(cfg.multi_cta_route),
-      " splitk=", int(cfg.splitk), " sk_ctas=", cfg.sk_ctas, " pdl=", int(cfg.pdl), " quant_ctas=", cfg.quant_ctas, " gemm2_rows=", cfg.gemm2_rows, " gemm2_resident=", int(cfg.gemm2_resident),
+      " splitk=", int(cfg.splitk), " sk_ctas=", cfg.sk_ctas, " pdl=", int(cfg.pdl), " quant_ctas=", cfg.quant_ctas,
+      " gemm2_rows=", cfg.gemm2_rows, " gemm2_resident=", int(cfg.gemm2_resident),
       " workspace_bytes=", workspace_bytes);
   std::fprintf(stderr, "%s\n", line.c_str());
   std::fflush(stderr);

@@ -216,17 +216,18 @@ void launch_gemms(const Mxfp4MoeConfig& cfg, const w4a8::W4A8Params& p, cudaStre
   using S = w4a8::Smem<BN, kClassicChunks>;
   launch_kernel(w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, true>, dim3(unsigned(p.N / 32), unsigned(cfg.max_tiles)),
                 block, S::kBytes, stream, cfg.pdl, p);
-  if constexpr (BN == 64) {  // config.h: GEMM2 rows only at 64-token tiles on the classic grid
-    if (cfg.gemm2_resident) {
-      const dim3 grid(unsigned(p.K / 64 / cfg.gemm2_rows), unsigned(cfg.max_tiles));
-      auto k = cfg.gemm2_rows == 2   ? w4a8::mxfp4_gemm2_resident_kernel<BN, 2>
-               : cfg.gemm2_rows == 4 ? w4a8::mxfp4_gemm2_resident_kernel<BN, 4>
-                                     : w4a8::mxfp4_gemm2_resident_kernel<BN, 8>;
-      launch_kernel(k, grid, block, w4a8::ResidentSmem<BN>::bytes(p.G2), stream, cfg.pdl, p);
-      return;
-    }
+  // config.h: GEMM2 rows (and the resident variant, which implies them) only at 64-token
+  // tiles on the classic grid
+  if constexpr (BN == 64) {
     if (cfg.gemm2_rows > 1) {
       const dim3 grid(unsigned(p.K / 64 / cfg.gemm2_rows), unsigned(cfg.max_tiles));
+      if (cfg.gemm2_resident) {
+        auto k = cfg.gemm2_rows == 2   ? w4a8::mxfp4_gemm2_resident_kernel<BN, 2>
+                 : cfg.gemm2_rows == 4 ? w4a8::mxfp4_gemm2_resident_kernel<BN, 4>
+                                       : w4a8::mxfp4_gemm2_resident_kernel<BN, 8>;
+        launch_kernel(k, grid, block, w4a8::ResidentSmem<BN>::bytes(p.G2), stream, cfg.pdl, p);
+        return;
+      }
       auto k = cfg.gemm2_rows == 2   ? w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 2>
                : cfg.gemm2_rows == 4 ? w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 4>
                                      : w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 8>;
