@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 import zipfile
 
 import pytest
@@ -489,9 +490,10 @@ def test_moe_incumbent_missing_names_what_each_case_needs():
 
     assert MOE_INCUMBENTS == {("nvfp4", "bf16"): "Humming W4A16", ("mxfp4", "fp8"): "Humming W4A8",
                               ("mxfp4", "bf16"): "Humming W4A8"}
-    everything = A.Anchors(flashmla=True, humming=object(), vllm_c=True)
-    assert moe_incumbent_missing(everything, ("nvfp4", "bf16")) is None
-    assert moe_incumbent_missing(everything, ("mxfp4", "fp8")) is None
+    everything = A.Anchors(flashmla=True, humming=object(), moe_c=True, vllm_c=True, vllm_py="/x/vllm")
+    for ep in (True, False):
+        assert moe_incumbent_missing(everything, ("nvfp4", "bf16"), ep=ep) is None
+        assert moe_incumbent_missing(everything, ("mxfp4", "fp8"), ep=ep) is None
     no_c = A.Anchors(missing={"vllm_c": "not in .anchors"})
     assert moe_incumbent_missing(no_c, ("nvfp4", "bf16")) is None  # W4A16 does not need it
     assert moe_incumbent_missing(no_c, ("mxfp4", "fp8")) == "vllm_c: not in .anchors"
@@ -499,6 +501,38 @@ def test_moe_incumbent_missing_names_what_each_case_needs():
     assert moe_incumbent_missing(neither, ("mxfp4", "fp8")) == "humming: h; vllm_c: c"
     assert moe_incumbent_missing(no_c, ("mxfp4", "bf16")) == "vllm_c: not in .anchors"  # Humming W4A8 too
     assert "no incumbent" in moe_incumbent_missing(everything, ("nvfp4", "nvfp4"))
+    # vLLM's routing / permute kernels for every Humming case; its Python weighted sum only
+    # without expert parallelism (the indexed apply)
+    no_moe_c = A.Anchors(missing={"moe_c": "m"})
+    assert moe_incumbent_missing(no_moe_c, ("nvfp4", "bf16")) == "moe_c: m"
+    no_py = A.Anchors(missing={"vllm_py": "p"})
+    assert moe_incumbent_missing(no_py, ("mxfp4", "fp8"), ep=True) is None
+    assert moe_incumbent_missing(no_py, ("mxfp4", "fp8"), ep=False) == "vllm_py: p"
+
+
+def test_vllm_python_anchor_is_a_whole_tree_of_the_right_version(no_env, tmp_path, monkeypatch):
+    """A folder with vllm/__init__.py and a manifest naming vLLM 0.33.0 is the vllm_py
+    anchor; vllm_module loads one of its modules by path without running the package's
+    __init__; another version or no tree is reported."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # find_anchors appends the folder
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))  # vllm_module registers what it loads
+    site = tmp_path / "site"
+    (site / "vllm" / "sub").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("raise ImportError('the package __init__ must not run')\n")
+    (site / "vllm" / "sub" / "mod.py").write_text("import math\nVALUE = math.sqrt(49)\n")
+    A.write_manifest(str(site), {"vllm": A.VLLM_VERSION}, [])
+    a = A.find_anchors([str(site)], load=False)
+    assert a.vllm_py == str(site / "vllm") and "vllm_py" not in a.missing
+    mod = A.vllm_module(a, "sub/mod.py", "_dsv4_test_vllm_sub_mod")
+    assert mod.VALUE == 7.0 and A.vllm_module(a, "sub/mod.py", "_dsv4_test_vllm_sub_mod") is mod
+    with pytest.raises(RuntimeError, match="loading vLLM's .*nope.py failed"):
+        A.vllm_module(a, "sub/nope.py", "_dsv4_test_vllm_sub_nope")
+    A.write_manifest(str(site), {"vllm": "0.1.0"}, [])
+    b = A.find_anchors([str(site)], load=False)
+    if A._installed_version("vllm") != A.VLLM_VERSION:
+        assert b.vllm_py is None and "names vllm 0.1.0" in b.missing["vllm_py"]
+        with pytest.raises(RuntimeError, match="vLLM's Python package is needed"):
+            A.vllm_module(b, "sub/mod.py", "_dsv4_test_vllm_other")
 
 
 # --------------------------------------------------------------------------------------

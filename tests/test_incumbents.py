@@ -259,3 +259,53 @@ def test_moe_matches_the_float32_w4a8_reference_humming_w4a8(humming, vllm_c, M)
     ref = refs["ue8m0"]
     rows = (theirs.float() - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
     assert float(rows.max()) <= 6e-2, rows
+
+
+@pytest.fixture(scope="module")
+def moe_c(anchors):
+    if not anchors.moe_c:
+        pytest.skip(f"vLLM's MoE library (routing prep, permute) missing: {anchors.missing.get('moe_c')}")
+
+
+@pytest.mark.parametrize("M", [1, 64, 333])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("ep", [True, False], ids=["ep8-grouped", "tp-indexed"])
+def test_humming_apply_is_its_gemms_plus_vllms_routing_and_sum(humming, moe_c, anchors, ep, fmt, M):
+    """``apply`` (the incumbent's time of record: vLLM's whole call, grouped GEMMs behind
+    moe_permute / moe_prepare_scatter and moe_unpermute with expert parallelism, indexed GEMMs
+    behind moe_align_block_size and vLLM's Triton sum without) on NaN-poisoned buffers
+    equals the ``experts`` call plus the torch weighted sum within 1e-2 relative L2 (the
+    same Humming numerics; other GEMM kernels and summation order), with every output row
+    written (tokens without a local route are 0)."""
+    from dsv4.bench.incumbents import HummingW4A8, HummingW4A16
+    from dsv4.formats import mxfp4
+
+    if fmt == "mxfp4" and not anchors.vllm_c:
+        pytest.skip(f"vLLM's kernel library missing: {anchors.missing.get('vllm_c')}")
+    if not ep and anchors.vllm_py is None:
+        pytest.skip(f"vLLM's Python package (its weighted sum) missing: {anchors.missing.get('vllm_py')}")
+    m = _moe_model(2048, 768, 64)
+    if not ep:
+        m = replace(m, moe_tp=8)  # one tensor-parallel rank: every expert local, no expert map in vLLM
+    gen = torch.Generator(device="cuda").manual_seed(17 + M)
+    if fmt == "mxfp4":
+        w = mxfp4.random_mxfp4_moe_weights(m.local_experts(), m.moe_inter, m.hidden, generator=gen, device="cuda")
+        hum = HummingW4A8(w, m.n_experts, m.swiglu_limit)
+    else:
+        w = formats.random_nvfp4_moe_weights(m.local_experts(), m.moe_inter, m.hidden, generator=gen, device="cuda")
+        hum = HummingW4A16(w, m.n_experts, m.swiglu_limit)
+    assert hum.ep == ep
+    r = _routing(m, M, seed=400 + M)
+    p = hum.apply_plan(r["ids"], r["emap"], anchors)
+    for name in ("gate_up", "down", "out"):
+        p[name].fill_(float("nan"))
+    theirs = hum.apply(r["x"], r["tw"], p).clone()
+    gemms = hum(r["x"], r["tw"], hum.plan(r["ids"], r["emap"]))
+    torch.cuda.synchronize()
+    assert bool(torch.isfinite(theirs).all()), "a row vLLM's call leaves unwritten"
+    no_local = ~(r["emap"].long()[r["ids"].long()] >= 0).any(1)
+    assert bool((theirs[no_local] == 0).all())
+    assert _rel(theirs, gemms) <= 1e-2, _rel(theirs, gemms)
+    again = hum.apply(r["x"], r["tw"], p)  # the buffers are reused call after call, as vLLM's workspace
+    torch.cuda.synchronize()
+    assert _rel(again, theirs) <= 1e-3

@@ -97,6 +97,7 @@ def test_stage_unpacks_python_after_call_1_and_libraries_after_the_last(parts, c
 
     a = find_anchors([site], load=False)
     assert a.vllm_c and a.sources["vllm_c"] == os.path.join(site, "vllm", "_C_stable_libtorch.abi3.so")
+    assert a.vllm_py == os.path.join(site, "vllm")  # and vLLM's Python modules (the MoE incumbent's sum)
     lib = os.path.join(site, "vllm", "_C_stable_libtorch.abi3.so")
     assert os.path.getsize(lib) == 300_000
     assert _stage(dirs[2]) == 0  # again: idempotent, nothing re-unpacked

@@ -11,7 +11,12 @@ The incumbents are what vLLM 0.33.0 runs for DeepSeek V4 on Hopper:
   ``moe_align_block_size`` routing prep);
 * ``vllm_c``: ``vllm/_C_stable_libtorch.abi3.so`` (92 MB; vLLM's own kernels, among them
   ``per_token_group_fp8_quant``, which quantizes the block-FP8 MoE input before Humming
-  W4A8's GEMM1).
+  W4A8's GEMM1);
+* ``vllm_py``: vLLM's Python package, a whole ``vllm/`` tree (the staged tree of
+  ``scripts/gpu_serve_smoke.py``, ``/tmp/dsv4-serve/site``) or the installed
+  vllm==0.33.0: without expert parallelism vLLM sums a token's expert outputs with its
+  Triton kernel ``moe_fused_mul_sum`` (``vllm/model_executor/layers/fused_moe/
+  moe_fused_mul_sum.py``), which the MoE incumbent runs from there.
 
 Nothing of them is part of dsv4. They are found, in this order, in
 
@@ -39,7 +44,7 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Optional
 
-__all__ = ["VLLM_VERSION", "HUMMING_VERSION", "ENV_VAR", "Anchors", "find_anchors", "extract_wheel", "fetch",
+__all__ = ["VLLM_VERSION", "HUMMING_VERSION", "ENV_VAR", "Anchors", "find_anchors", "vllm_module", "extract_wheel", "fetch",
            "FLASHMLA_FILES", "MOE_C_FILES", "VLLM_C_FILES", "HUMMING_PREFIX"]
 
 VLLM_VERSION = "0.33.0"
@@ -60,6 +65,7 @@ class Anchors:
     humming: object = None  # the imported humming module
     moe_c: bool = False
     vllm_c: bool = False
+    vllm_py: Optional[str] = None  # the folder whose vllm/ package the incumbents' Python glue reads
     sources: dict = field(default_factory=dict)  # incumbent -> where it came from
     missing: dict = field(default_factory=dict)  # incumbent -> why it is absent
 
@@ -165,7 +171,57 @@ def find_anchors(paths=None, *, load: bool = True) -> Anchors:
                 where = f"no {rel} in {', '.join(folders)}" if folders else f"{ENV_VAR} unset"
                 a.missing[name] = "; ".join(why) or f"{where} and vllm=={VLLM_VERSION} not installed"
     _find_humming(a, folders, load)
+    _find_vllm_python(a, folders)
     return a
+
+
+def _find_vllm_python(a: Anchors, folders: list[str]) -> None:
+    """The first anchor folder holding vLLM's whole Python package (``vllm/__init__.py`` and
+    a manifest naming vllm 0.33.0), else the installed vllm==0.33.0. Only located (sys.path
+    untouched): the incumbents load single modules from it by path (:func:`vllm_module`)."""
+    why = []
+    for d in folders:
+        if not os.path.isfile(os.path.join(d, "vllm", "__init__.py")):
+            continue
+        bad = _manifest_ok(d, "vllm", VLLM_VERSION)
+        if bad:
+            why.append(bad)
+            continue
+        a.vllm_py = a.sources["vllm_py"] = os.path.join(d, "vllm")
+        return
+    ver = _installed_version("vllm")
+    spec = importlib.util.find_spec("vllm") if ver == VLLM_VERSION else None
+    if spec is not None and spec.origin:
+        a.vllm_py = a.sources["vllm_py"] = os.path.dirname(spec.origin)
+        return
+    where = f"no vllm/__init__.py in {', '.join(folders)}" if folders else f"{ENV_VAR} unset"
+    a.missing["vllm_py"] = "; ".join(why) or f"{where} and vllm=={VLLM_VERSION} not installed"
+
+
+def vllm_module(a: Anchors, rel: str, name: str):
+    """One module of vLLM's Python package, loaded from its file (``rel`` under the
+    package, e.g. ``model_executor/layers/fused_moe/moe_fused_mul_sum.py``) as ``name``:
+    the module's own imports run, its package's ``__init__`` does not (vLLM's fused-MoE
+    package imports FlashAttention's wrapper, which fails without FlashAttention's
+    libraries, and no anchor carries them). Raises RuntimeError naming what is missing."""
+    if a.vllm_py is None:
+        raise RuntimeError(f"dsv4: vLLM's Python package is needed ({rel}): {a.missing.get('vllm_py')}")
+    if name in sys.modules:
+        return sys.modules[name]
+    root = os.path.dirname(a.vllm_py)
+    if root not in sys.path:  # the module's own imports (vllm.platforms, vllm.triton_utils): last,
+        sys.path.append(root)  # so the folder's other packages never shadow the environment's
+    path = os.path.join(a.vllm_py, rel)
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"dsv4: cannot load {path}")
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+    except Exception as e:
+        raise RuntimeError(f"dsv4: loading vLLM's {path} failed: {type(e).__name__}: {e}") from e
+    sys.modules[name] = mod
+    return mod
 
 
 def _find_humming(a: Anchors, folders: list[str], load: bool) -> None:

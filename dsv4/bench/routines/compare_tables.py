@@ -24,6 +24,8 @@ def line(r: dict) -> str:
     s = f"{fmt_case(r)}: dsv4 {r['dsv4_us']:.1f} us"
     if "ratio" in r:
         s += f", {r['incumbent']} {r['incumbent_us']:.1f} us, ratio {r['ratio']:.2f}x, max|diff| {r['maxdiff']:.3g}"
+    if "incumbent_experts_us" in r:
+        s += f" ({r['incumbent_path']}; its GEMMs alone {r['incumbent_experts_us']:.1f} us: {r['ratio_experts']:.2f}x)"
     if "invariant_us" in r:
         s += f", batch-invariant {r['invariant_us']:.1f} us ({r['invariant_cost']:.2f}x dsv4)"
     if "predecessor_us" in r:
@@ -104,13 +106,16 @@ def tables(rows: list[dict]) -> list[Table]:
                                _ratio(r), rg, _nan(r, "tflops", ".0f"), _nan(r, "pct_gemm", ".0f")]
                               + _pair_cells(r) * pre)
         else:
-            t = Table(title, ["experts", "M", "dsv4 us", "Humming us", "ratio", "dsv4 TFLOP/s", "% bf16 peak",
-                              "dsv4 TB/s (weights)", "% copy", "rel. L2 vs Humming"])
+            # "Humming us" is vLLM's whole call (routing prep, GEMMs, weighted sum), as dsv4's;
+            # "GEMMs alone" the Humming GEMMs without them (the number of record before 2026-12-04)
+            t = Table(title, ["experts", "M", "dsv4 us", "Humming us", "ratio", "GEMMs alone us", "ratio to them",
+                              "dsv4 TFLOP/s", "% bf16 peak", "dsv4 TB/s (weights)", "% copy", "rel. L2 vs Humming"])
             for r in sel:
                 l2 = f"{r['rel_l2']:.1e}" if "rel_l2" in r else "-"
+                re = f"{r['ratio_experts']:.2f}x" if "ratio_experts" in r else "-"
                 t.rows.append([r["model"], r["batch"], f"{r['dsv4_us']:.1f}", _nan(r, "incumbent_us"), _ratio(r),
-                               f"{r['tflops']:.0f}", _nan(r, "pct_gemm", ".0f"), f"{r['tbps']:.2f}",
-                               _nan(r, "pct_copy", ".0f"), l2])
+                               _nan(r, "incumbent_experts_us"), re, f"{r['tflops']:.0f}", _nan(r, "pct_gemm", ".0f"),
+                               f"{r['tbps']:.2f}", _nan(r, "pct_copy", ".0f"), l2])
         out.append(t)
     return out
 

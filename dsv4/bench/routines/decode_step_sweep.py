@@ -202,7 +202,7 @@ class Sweep:
             return "CPU reference run" if self.cpu else "no --vs vllm"
         from ..incumbents import moe_incumbent_missing
 
-        return moe_incumbent_missing(self.anchors, case)
+        return moe_incumbent_missing(self.anchors, case, ep=self.args.ep > 1)
 
     def moe_case(self, m, shape, setup, act, b, baseline) -> dict:
         gen = self.gen()
@@ -212,8 +212,8 @@ class Sweep:
         theirs, plans = None, None
         incumbent = MOE_INCUMBENTS.get((setup.fmt, act))
         if incumbent is not None and self.humming is not None:  # the same numerics on both sides
-            plans = [self.humming.plan(s["ids"], s["emap"]) for s in sets]
-            theirs = [functools.partial(self.humming.experts, s["x"], pl) for s, pl in zip(sets, plans)]
+            plans = [self.humming.apply_plan(s["ids"], s["emap"], self.anchors) for s in sets]
+            theirs = [functools.partial(self.humming.apply, s["x"], s["tw"], pl) for s, pl in zip(sets, plans)]
         call = functools.partial(dsv4_moe, fmt=setup.fmt, act=act, prepared=setup.weights[act],
                                  swiglu_limit=shape.swiglu_limit, scales=setup.scales)
         us, how, vllm_us = self.timed([functools.partial(call, s, out=o) for s, o in zip(sets, outs)], theirs)
@@ -225,10 +225,9 @@ class Sweep:
                    dsv4_timing=how, flops=t.flops, bytes=t.bytes, tflops=t.tflops(us), tbps=t.tbps(us),
                    torch_us=None, vllm_us=vllm_us)
         if vllm_us is not None:
-            # Humming's time covers its two GEMMs, the activation and (W4A8) vLLM's GEMM1
-            # input quantization; routing prep and the weighted sum (vLLM's own kernels)
-            # are not in it; dsv4's covers the whole op
-            ref = self.humming(sets[0]["x"], sets[0]["tw"], plans[0]).float()
+            # both times cover the whole routed-expert call: vLLM's apply (routing prep, the
+            # Humming GEMMs, the weighted sum; dsv4.bench.incumbents) and dsv4's op
+            ref = self.humming.apply(sets[0]["x"], sets[0]["tw"], plans[0]).float()
             row.update(vllm_kernel=incumbent, vllm_ratio=vllm_us / us,
                        vllm_rel_diff=num(((outs[0].float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
                                          .item()))
