@@ -460,7 +460,7 @@ def test_compare_mxfp4_w4a16_is_measured_against_what_vllm_runs_for_mxfp4(rich_e
 
 
 def test_markdown_has_one_moe_table_per_format():
-    from dsv4.bench.routines.compare_tables import markdown
+    from dsv4.bench.routines.compare_tables import line, markdown
 
     rows = [dict(op="moe", model="V4-Flash local-32", kind=kind, batch=1, dsv4_us=10.0, tflops=1.0, tbps=1.0,
                  incumbent=inc, incumbent_us=12.0, ratio=1.2, rel_l2=1e-2)
@@ -469,6 +469,13 @@ def test_markdown_has_one_moe_table_per_format():
     assert "#### Routed-expert MoE (NVFP4 W4A16), dsv4 vs Humming W4A16" in md
     assert "#### Routed-expert MoE (MXFP4 W4A8), dsv4 vs Humming W4A8" in md
     assert md.count("| V4-Flash local-32 | 1 | 10.0 | 12.0 | 1.20x |") == 2
+    # the whole-call incumbent with its GEMMs alone beside it, and the W4A8 rows' fp8 ceiling
+    whole = dict(rows[1], incumbent_experts_us=8.0, ratio_experts=0.8, incumbent_path="vLLM grouped apply",
+                 activation="fp8", pct_gemm=50.0, pct_gemm_of="fp8")
+    md = markdown([whole])
+    assert "| GEMMs alone us | ratio to them |" in md and "| % fp8 peak |" in md
+    assert "| V4-Flash local-32 | 1 | 10.0 | 12.0 | 1.20x | 8.0 | 0.80x | 1 | 50 |" in md
+    assert "its GEMMs alone 8.0 us: 0.80x" in line(dict(whole, op="moe", maxdiff=0.1))
     dec = [dict(op="decode", model="V4-Pro", kind="csa", context=4096, batch=128, dsv4_us=134.5, tflops=287.0,
                 incumbent_us=125.8, ratio=0.935, pct_gemm=36.6)]
     md = markdown(dec, {"copy TB/s": 4.25})

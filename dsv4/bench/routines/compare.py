@@ -341,10 +341,13 @@ def run(args: argparse.Namespace) -> int:
         print("dsv4: compare: the dsv4 CUDA extension is not built (pip install -e . with nvcc and CUDA torch)",
               file=sys.stderr)
         return 1
-    from ..timing import bf16_gemm_tflops, copy_bandwidth_tbps
+    from ..timing import bf16_gemm_tflops, copy_bandwidth_tbps, fp8_gemm_tflops
 
     torch.backends.cuda.matmul.allow_tf32 = False
     ceilings = {"copy TB/s": copy_bandwidth_tbps(), "bf16 GEMM TFLOP/s": bf16_gemm_tflops()}
+    if "moe" in args.only and any(act == "fp8" for _, act in moe_cases(args.moe_format)):
+        # the W4A8 rows' tensor-core ceiling: dense e4m3 GEMM 8192^3 (torch._scaled_mm)
+        ceilings["fp8 GEMM TFLOP/s"] = fp8_gemm_tflops()
     print(head, flush=True)
     print("ceilings: " + ", ".join(f"{k} {v:.2f}" for k, v in ceilings.items()), flush=True)
     iters = max(30, args.iters)
@@ -352,8 +355,10 @@ def run(args: argparse.Namespace) -> int:
 
     def save():  # after every section, so a run cut short keeps what it measured
         for r in rows:
-            if "tflops" in r:
-                r["pct_gemm"] = 100 * r["tflops"] / ceilings["bf16 GEMM TFLOP/s"]
+            if "tflops" in r:  # of the dense GEMM ceiling of the row's tensor-core inputs
+                fp8 = r.get("activation") == "fp8" and "fp8 GEMM TFLOP/s" in ceilings
+                r["pct_gemm"] = 100 * r["tflops"] / ceilings["fp8 GEMM TFLOP/s" if fp8 else "bf16 GEMM TFLOP/s"]
+                r["pct_gemm_of"] = "fp8" if fp8 else "bf16"
             if "tbps" in r:
                 r["pct_copy"] = 100 * r["tbps"] / ceilings["copy TB/s"]
         if args.json:

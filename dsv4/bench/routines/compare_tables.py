@@ -108,8 +108,10 @@ def tables(rows: list[dict]) -> list[Table]:
         else:
             # "Humming us" is vLLM's whole call (routing prep, GEMMs, weighted sum), as dsv4's;
             # "GEMMs alone" the Humming GEMMs without them (the number of record before 2026-12-04)
+            of = {r.get("pct_gemm_of", "bf16") for r in sel}
+            peak = f"% {of.pop()} peak" if len(of) == 1 else "% bf16 / fp8 peak"
             t = Table(title, ["experts", "M", "dsv4 us", "Humming us", "ratio", "GEMMs alone us", "ratio to them",
-                              "dsv4 TFLOP/s", "% bf16 peak", "dsv4 TB/s (weights)", "% copy", "rel. L2 vs Humming"])
+                              "dsv4 TFLOP/s", peak, "dsv4 TB/s (weights)", "% copy", "rel. L2 vs Humming"])
             for r in sel:
                 l2 = f"{r['rel_l2']:.1e}" if "rel_l2" in r else "-"
                 re = f"{r['ratio_experts']:.2f}x" if "ratio_experts" in r else "-"
