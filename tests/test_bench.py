@@ -616,3 +616,116 @@ def test_act_scales_are_the_experts_own_when_they_carry_them():
     assert a13 is w["w13_input_scale"] and a2 is w["w2_input_scale"]
     a13, a2 = X.act_scales(X.random_experts("nvfp4", 2, 64, 64, "cpu"), "cpu")
     assert float(a13) == pytest.approx(5 / 2688) and float(a2) == pytest.approx(20 / 2688)
+
+
+# --------------------------------------------------------------------------------------
+# the MoE incumbent's whole call (dsv4.bench.incumbents_moe apply), against stub kernels
+# --------------------------------------------------------------------------------------
+
+
+class _Recorder:
+    """Stub kernels that record their calls (name, the keyword or positional facts the
+    test checks) in the order vLLM's apply launches them."""
+
+    def __init__(self):
+        self.calls = []
+
+    def op(self, name):
+        def f(*a, **kw):
+            self.calls.append((name, a, kw))
+            return 16 if name == "moe_permute_sort_workspace_size" else None
+        return f
+
+
+def _stub_humming(monkeypatch, rec, incumbent_cls, *, ep, quantized):
+    """A Humming MoE object with stub configs and kernels (no GPU): what apply reads."""
+    import types
+
+    from dsv4.bench import incumbents_moe as IM
+
+    fwd = types.ModuleType("humming.forward")
+
+    def humming_forward(cfg, **kw):
+        rec.calls.append(("humming_forward", (cfg.name,), kw))
+
+    def may_process_input(cfg, **kw):
+        rec.calls.append(("may_process_input", (cfg.name,), kw))
+        gs = torch.ones(kw["inputs"].shape[0], 1) if cfg.input_quant_mode.has_group_scale else None
+        return kw.get("outputs", kw["inputs"]), gs, None
+
+    fwd.humming_forward, fwd.may_process_input = humming_forward, may_process_input
+    hum_mod = types.ModuleType("humming")
+    hum_mod.forward = fwd
+    monkeypatch.setitem(sys.modules, "humming", hum_mod)
+    monkeypatch.setitem(sys.modules, "humming.forward", fwd)
+    for name in ("moe_align_block_size", "moe_permute_with_scratch", "moe_prepare_scatter", "moe_unpermute",
+                 "moe_permute_sort_workspace_size"):
+        monkeypatch.setattr(torch.ops._moe_C, name, rec.op(name), raising=False)
+    monkeypatch.setattr(torch.ops._C, "per_token_group_fp8_quant", rec.op("per_token_group_fp8_quant"),
+                        raising=False)
+    h = object.__new__(incumbent_cls)
+    E_global = 64
+    h.E, h.N, h.K, h.E_global = (8 if ep else E_global), 128, 256, E_global
+    h.ep = ep
+    mode = types.SimpleNamespace(has_group_scale=quantized)
+    h.cfg = {n: types.SimpleNamespace(name=n, input_quant_mode=mode) for n in ("w13", "w2")}
+    h.t = {n: {"weight": torch.zeros(1)} for n in ("w13", "w2")}
+    h.locks = torch.zeros(1)
+    h.activation = {"activation_type": "binary_split"}
+    h.apply_compute_config = "cc"
+    # GEMM2's tuned block size differs from GEMM1's: vLLM aligns the routes a second time
+    h.apply_tuning = {"w13": [(0, 1 << 30, {"block_shape": [64, 128]})],
+                      "w2": [(0, 1 << 30, {"block_shape": [32, 128]})]}
+    h.apply_tuning_str = {n: n + "-tuning" for n in ("w13", "w2")}
+    h._mul_sum = rec.op("moe_fused_mul_sum")
+    h.ue8m0 = True
+    return h
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["indexed", "grouped"])
+@pytest.mark.parametrize("fmt", ["w4a8", "w4a16"])
+def test_humming_apply_launches_what_vllms_apply_launches(monkeypatch, ep, fmt):
+    """HummingIndexedExperts.apply (no expert parallelism) and HummingGroupedExperts.apply
+    (with it) of vLLM 0.33.0, as apply replays them: the kernels in vLLM's order with
+    vLLM's routing arguments (checked against stubs; the GPU parity test runs the real ones)."""
+    from dsv4.bench.incumbents_moe import HummingW4A8, HummingW4A16
+
+    rec = _Recorder()
+    h = _stub_humming(monkeypatch, rec, HummingW4A8 if fmt == "w4a8" else HummingW4A16, ep=ep,
+                      quantized=fmt == "w4a8")
+    M, k = 5, 6
+    ids = torch.randint(0, h.E_global, (M, k), dtype=torch.int32)
+    emap = torch.full((h.E_global,), -1, dtype=torch.int32)
+    emap[:h.E] = torch.arange(h.E, dtype=torch.int32)
+    p = h.apply_plan(ids, emap, anchors=None)
+    rec.calls.clear()
+    out = h.apply(torch.zeros(M, h.K, dtype=torch.bfloat16), torch.rand(M, k), p)
+    assert out is p["out"] and out.shape == (M, h.K)
+    names = [c[0] for c in rec.calls]
+    quant = ["per_token_group_fp8_quant"] if fmt == "w4a8" else []
+    if not ep:
+        assert names == quant + ["moe_align_block_size", "moe_align_block_size", "humming_forward",
+                                 "may_process_input", "humming_forward", "moe_fused_mul_sum"]
+        align = [c for c in rec.calls if c[0] == "moe_align_block_size"]
+        # (ids, global experts, block size, ..., expert map None: vLLM has none without EP)
+        assert [(a[1], a[2], a[6]) for _, a, _ in align] == [(64, 64, None), (64, 32, None)]
+        g1, g2 = [c for c in rec.calls if c[0] == "humming_forward"]
+        assert g1[2]["top_k"] == k and g2[2]["top_k"] == 1 and g1[2]["sorted_ids"] is align[0][1][3]
+        assert g2[2]["sorted_ids"] is align[1][1][3] and g1[2]["tuning_config"] == "w13-tuning"
+        assert rec.calls[-1][2]["expert_map"] is None and rec.calls[-1][2]["outputs"] is p["out"]
+    else:
+        first = ["moe_permute_with_scratch"] if fmt == "w4a8" else ["moe_prepare_scatter", "may_process_input"]
+        assert names == quant + first + ["humming_forward", "may_process_input", "humming_forward", "moe_unpermute"]
+        g1, g2 = [c for c in rec.calls if c[0] == "humming_forward"]
+        assert g1[2]["expert_layout"] is p["offsets"] and g2[2]["expert_layout"] is p["offsets"]
+        assert "sorted_ids" not in g1[2] and g1[2]["inputs"] is p["a1_perm"]
+        acts = [c for c in rec.calls if c[0] == "may_process_input"]
+        assert acts[-1][2]["num_valid_tokens"].data_ptr() == p["offsets"][-1:].data_ptr()
+        if fmt == "w4a16":  # the bf16 input scattered into expert order by Humming's input processing
+            assert acts[0][2]["layout"] == "scatter" and acts[0][2]["scatter_idx"] is p["inv"]
+        else:  # the FP8 input permuted with its scales (vLLM gathers the scales by torch indexing)
+            permute = rec.calls[1]
+            assert permute[1][3] is p["emap"] and permute[1][4:7] == (64, 8, k)
+            assert g1[2]["input_scale"].shape == (M * k, h.K // 128)
+        unperm = rec.calls[-1][1]
+        assert unperm[3] is p["offsets"] and unperm[4] == k and unperm[5] is p["out"]

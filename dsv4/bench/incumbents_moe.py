@@ -374,11 +374,11 @@ class HummingW4A8(_HummingMoe):
     dynamic float32 scales per 128 along K), then Humming's own transform, which folds
     the e8m0 scales into FP8 operands with one base per expert matrix.
 
-    Per call (:meth:`experts`, all of it timed, as each vLLM forward runs it): GEMM1's
-    input quantized by vLLM's ``per_token_group_quant_fp8`` kernel (group 128, eps
-    1e-10, UE8M0 scales with ``ue8m0``: vLLM's prepare step before the dispatch, as for
-    every block-FP8 Humming MoE), GEMM1 on the FP8 input and its scales, the clamped
-    SwiGLU and GEMM2's dynamic FP8 quantization in Humming's input processing, GEMM2.
+    Per call (:meth:`apply` or :meth:`experts`, the module docstring says which kernels):
+    GEMM1's input quantized first by vLLM's ``per_token_group_quant_fp8`` kernel (group
+    128, eps 1e-10, UE8M0 scales with ``ue8m0``: vLLM's prepare step before the dispatch,
+    as for every block-FP8 Humming MoE); the clamped SwiGLU and GEMM2's dynamic FP8
+    quantization in Humming's input processing.
 
     Parameters
     ----------
