@@ -141,18 +141,22 @@ __device__ __forceinline__ void quantize_group(const W4A8Params& p, int tkn, int
   }
 }
 
-// GEMM1's input: a warp quantizes a unit of gpw consecutive 128-groups of one token (its
-// first group before the routing grid is done: launched right after the routing kernel
-// with PDL, the two overlap) and writes each to the token tile rows of the token's local
-// slots (xg, xgs); then zero padding rows, and reset the counters of the GEMMs' epilogues.
+// GEMM1's input: a warp quantizes a unit of gpw consecutive 128-groups of one token and
+// writes each to the token tile rows of the token's local slots (xg, xgs); then zero
+// padding rows, and reset the counters of the GEMMs' epilogues. The warp's first group is
+// quantized before `route()` returns the routing (the tables' source: mxfp4_quant_x_kernel
+// waits for the routing kernel, mxfp4_route_quant_kernel routes in shared memory):
+// slot_pos(i), the padded row of slot i (-1: not local), rows(), num_tiles * block_n, and
+// padding(r), row r < rows holds no slot.
 // gpw follows from the grid (config.h: one warp per group up to 64 warps per SM): 1 while
 // every group has a warp of its own, up to 8 at prefill sizes, where a unit's token
 // division and its slots' lookups would otherwise be paid per group (the kernel is
 // instruction-bound there: 146 us at V4.1-Flash M = 8192 with one group per warp,
 // docs/perf-history/2026-12-04-mxfp4-w4a8-token-tiles.md). A group's arithmetic does not
 // depend on the unit, so the output is the same bit for bit.
-__global__ void __launch_bounds__(256) mxfp4_quant_x_kernel(const W4A8Params p) {
-  pdl_launch_dependents();
+template <class Route, class SlotPos, class Rows, class Padding>
+__device__ __forceinline__ void quantize_x(const W4A8Params& p, Route route, SlotPos slot_pos, Rows rows_of,
+                                           Padding padding) {
   const int G1 = p.K / kChunk, BN = p.block_n;
   const int lg_bn = __ffs(BN) - 1;  // block_n is a power of two (8, 16, 64)
   const int lane = threadIdx.x & 31;
@@ -165,13 +169,13 @@ __global__ void __launch_bounds__(256) mxfp4_quant_x_kernel(const W4A8Params p) 
   uint32_t q = 0;
   float s = 0.0f;
   if (warp0 < units) quantize_group(p, warp0 / upt, (warp0 % upt) * gpw, lane, q, s);
-  pdl_wait();  // the routing tables are complete
+  route();
   for (int u = warp0; u < units; u += nwarps) {
     const int tkn = u / upt, g0 = (u - tkn * upt) * gpw, g1 = min(G1, g0 + gpw);
     for (int grp = g0; grp < g1; ++grp) {
       if (u != warp0 || grp != g0) quantize_group(p, tkn, grp, lane, q, s);
       for (int j = 0; j < p.topk; ++j) {
-        const int pos = __ldg(p.slot_pos + tkn * p.topk + j);
+        const int pos = slot_pos(tkn * p.topk + j);
         if (pos < 0) continue;
         const int tile = pos >> lg_bn, r = pos & (BN - 1);
         const size_t row = act_row(tile, 0, G1, BN, r) + size_t(grp) * chunk_stride;
@@ -180,9 +184,9 @@ __global__ void __launch_bounds__(256) mxfp4_quant_x_kernel(const W4A8Params p) 
       }
     }
   }
-  const int rows = __ldg(p.num_tiles) * BN;
+  const int rows = rows_of();
   for (int r = warp0; r < rows; r += nwarps) {  // padding rows: zero (finite) tokens
-    if (__ldg(p.row_slot + r) >= 0) continue;
+    if (!padding(r)) continue;
     const int tile = r >> lg_bn, rr = r & (BN - 1);
     for (int i = lane; i < G1 * 8; i += 32) {
       const size_t row = act_row(tile, i >> 3, G1, BN, rr);
@@ -196,7 +200,7 @@ __global__ void __launch_bounds__(256) mxfp4_quant_x_kernel(const W4A8Params p) 
   for (int i = tid; i < p.M * RT2; i += nthreads) {
     const int tkn = i / RT2, rt = i - tkn * RT2;
     int local = 0;
-    for (int j = 0; j < p.topk; ++j) local += __ldg(p.slot_pos + tkn * p.topk + j) >= 0;
+    for (int j = 0; j < p.topk; ++j) local += slot_pos(tkn * p.topk + j) >= 0;
     p.combine_left[i] = local;
     if (local == 0) {  // no GEMM2 CTA writes this token: its output is zero
       uint4* o = reinterpret_cast<uint4*>(p.out + size_t(tkn) * p.K + rt * kTileRows);
@@ -204,6 +208,114 @@ __global__ void __launch_bounds__(256) mxfp4_quant_x_kernel(const W4A8Params p) 
       for (int c = 0; c < kTileRows / 8; ++c) o[c] = make_uint4(0, 0, 0, 0);
     }
   }
+}
+
+// quantize_x after the routing kernel: launched right after it with PDL, each warp
+// quantizes its first group before the routing grid is done (the two overlap), then
+// reads the routing's tables.
+__global__ void __launch_bounds__(256) mxfp4_quant_x_kernel(const W4A8Params p) {
+  pdl_launch_dependents();
+  const int* slot_pos = p.slot_pos;
+  const int* row_slot = p.row_slot;
+  const int* num_tiles = p.num_tiles;
+  const int BN = p.block_n;
+  quantize_x(
+      p, [] { pdl_wait(); }, [=](int i) { return __ldg(slot_pos + i); }, [=] { return __ldg(num_tiles) * BN; },
+      [=](int r) { return __ldg(row_slot + r) < 0; });
+}
+
+// At decode sizes (M * k <= kFusedRouteSlots slots, token tiles of 8 or 16 rows:
+// config.h's fused_route), the routing and GEMM1's input quantization in one kernel: every
+// CTA routes the few slots itself in shared memory (the same tables in every CTA), CTA 0
+// publishes them for the GEMMs, and no second kernel boundary (the one-CTA routing kernel,
+// then mxfp4_quant_x_kernel waiting for it) sits before GEMM1. The tables are
+// moe_route_kernel's (routing.cuh): tiles in expert order, an expert's rows padded to
+// block_n; only the order of the rows inside an expert differs (slot order here, shared
+// atomics there), and every row is computed on its own and combined by slot, so the
+// outputs are bitwise the same. Launched without PDL, as the routing kernel it replaces.
+constexpr int kFusedRouteSlots = 128;
+constexpr int kFusedRouteRows = 2048;  // bound on max_tiles * block_n at those sizes (config.h checks)
+
+__global__ void __launch_bounds__(256) mxfp4_route_quant_kernel(const MoeParams rp, const W4A8Params p) {
+  pdl_launch_dependents();
+  __shared__ int s_ev[kFusedRouteSlots];     // local expert of each slot, -1: not local
+  __shared__ int s_rank[kFusedRouteSlots];   // rank among the expert's slots (slot order)
+  __shared__ int s_tiles[kFusedRouteSlots];  // the expert's tiles at its first slot, else 0
+  __shared__ int s_pos[kFusedRouteSlots];    // padded row, -1: not local
+  __shared__ uint8_t s_used[kFusedRouteRows];
+  __shared__ int s_bad, s_num_tiles;
+  auto route = [&] {
+    const int tid = threadIdx.x, S = p.M * p.topk, BN = p.block_n;
+    // The slots' local experts (routing.cuh resolve_experts' rules: an id out of range or
+    // a map entry out of range marks the call bad and the slot not local).
+    if (tid == 0) s_bad = 0;
+    __syncthreads();
+    if (tid < S) {
+      const int n_ids = rp.expert_map != nullptr ? rp.E_global : rp.E;
+      const int id = __ldg(rp.topk_ids + tid);
+      bool bad = id < 0 || id >= n_ids;
+      int ev = bad ? -1 : id;
+      if (rp.expert_map != nullptr && ev >= 0) {
+        ev = __ldg(rp.expert_map + ev);
+        if (ev < -1 || ev >= rp.E) {
+          bad = true;
+          ev = -1;
+        }
+      }
+      if (bad) s_bad = 1;
+      s_ev[tid] = ev;
+    }
+    for (int r = tid; r < kFusedRouteRows; r += blockDim.x) s_used[r] = 0;
+    __syncthreads();
+    if (tid < S) {  // rank within the expert, and the expert's tiles at its first slot
+      const int ev = s_ev[tid];
+      int rank = 0, cnt = 0;
+      for (int j = 0; j < S; ++j) {
+        const bool same = ev >= 0 && s_ev[j] == ev;
+        cnt += same;
+        rank += same && j < tid;
+      }
+      s_rank[tid] = rank;
+      s_tiles[tid] = ev >= 0 && rank == 0 ? (cnt + BN - 1) / BN : 0;
+    }
+    __syncthreads();
+    int tile0 = 0;  // this slot's expert's first tile (tiles in expert order)
+    if (tid < S) {
+      const int ev = s_ev[tid];
+      int total = 0;
+      for (int j = 0; j < S; ++j) {
+        const int t = s_tiles[j];
+        total += t;
+        tile0 += s_ev[j] < ev ? t : 0;  // s_tiles is 0 at slots that are not local
+      }
+      const int pos = ev >= 0 ? tile0 * BN + s_rank[tid] : -1;
+      s_pos[tid] = pos;
+      if (pos >= 0) s_used[pos] = 1;
+      if (tid == 0) s_num_tiles = total;
+    }
+    __syncthreads();
+    if (blockIdx.x == 0) {  // the tables and counters the GEMMs read (moe_route_kernel's)
+      const int rows = s_num_tiles * BN;
+      for (int r = tid; r < rows; r += blockDim.x) rp.row_slot[r] = -1;
+      if (tid == 0) {
+        *rp.num_tiles = s_num_tiles;
+        *rp.error_flag = s_bad;
+      }
+      if (rp.splitk)
+        for (int i = tid; i < 2 * rp.sk_ctas; i += blockDim.x) rp.sk_count[i] = 0;
+      for (int i = tid; i < p.max_tiles; i += blockDim.x) rp.group_ready[i] = 0;
+      __syncthreads();  // the -1 fill before the slots' rows
+      if (tid < S) {
+        const int pos = s_pos[tid];
+        rp.slot_pos[tid] = pos;
+        if (pos >= 0) rp.row_slot[pos] = tid;
+        for (int t = 0; t < s_tiles[tid]; ++t) rp.tile_expert[tile0 + t] = s_ev[tid];
+      }
+    }
+  };
+  quantize_x(
+      p, route, [&](int i) { return s_pos[i]; }, [&] { return s_num_tiles * p.block_n; },
+      [&](int r) { return s_used[r] == 0; });
 }
 
 // ------------------------------------------------------------------ the GEMMs ------

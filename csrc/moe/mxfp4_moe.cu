@@ -110,6 +110,9 @@ Mxfp4MoeShape check_inputs(const at::Tensor& x, const at::Tensor& topk_ids, cons
   return Mxfp4MoeShape{M, K, N, E, E_global, topk};
 }
 
+static_assert(moe::kFusedRouteSlots == w4a8::kFusedRouteSlots && moe::kFusedRouteRows == w4a8::kFusedRouteRows,
+              "config.h's bounds of the fused routing are the kernel's");
+
 // ---------------------------------------------------------------------------------
 // (b) kernel choice: the device facts it reads (the rules: config.h)
 // ---------------------------------------------------------------------------------
@@ -303,8 +306,13 @@ void mxfp4_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor
   p.sk_count = rp.sk_count;
   p.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
 
-  moe::launch_routing(rp, cfg.multi_cta_route, stream);
-  launch_kernel(w4a8::mxfp4_quant_x_kernel, dim3(unsigned(cfg.quant_ctas)), dim3(256), 0, stream, cfg.pdl, p);
+  if (cfg.fused_route) {  // config.h: decode sizes; launched as the routing kernel it replaces (no PDL)
+    w4a8::mxfp4_route_quant_kernel<<<unsigned(cfg.quant_ctas), 256, 0, stream>>>(rp, p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else {
+    moe::launch_routing(rp, cfg.multi_cta_route, stream);
+    launch_kernel(w4a8::mxfp4_quant_x_kernel, dim3(unsigned(cfg.quant_ctas)), dim3(256), 0, stream, cfg.pdl, p);
+  }
   switch (cfg.block_n) {
     case 8: launch_gemms<8>(cfg, p, stream); break;
     case 16: launch_gemms<16>(cfg, p, stream); break;
