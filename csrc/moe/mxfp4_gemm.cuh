@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(256) mxfp4_route_quant_kernel(const MoeParams 
           ev = -1;
         }
       }
-      if (bad) s_bad = 1;
+      if (bad) atomicOr(&s_bad, 1);  // a shared atomic: racecheck sees no write-write hazard
       s_ev[tid] = ev;
     }
     for (int r = tid; r < kFusedRouteRows; r += blockDim.x) s_used[r] = 0;
