@@ -349,8 +349,8 @@ def test_mxfp4_config():
     # the persistent grid has no such bound
     assert config([65535 * 16 + 1, 128, 64, 1, 1, 1], MX_DEVICE, [1, -1, 16, -1, -1])[3] == 1
     # GEMM2 weight tiles per CTA: only on the classic grid at 64-token tiles; 8 where G2 = 3
-    # (N = 320 at tensor parallel 8), 4 at the expert-parallel shapes (G2 = 16-24)
-    tp8, ep8 = [8192, 5120, 320, 384, 384, 6], [8192, 5120, 2304, 48, 384, 6]
+    # (N = 288 at tensor parallel 8), 4 at the expert-parallel shapes (G2 = 16-24)
+    tp8, ep8 = [8192, 5120, 288, 384, 384, 6], [8192, 5120, 2304, 48, 384, 6]
     assert config(tp8, MX_DEVICE, [-1, -1, -1, -1, -1])[9] == 8 and config(ep8, MX_DEVICE, [-1, -1, -1, -1, -1])[9] == 4
     assert config([2048, 7168, 3072, 48, 384, 6], MX_DEVICE, [-1, -1, -1, -1, -1])[9] == 4  # V4-Pro: K / 64 = 112
     for rows in (1, 2, 4, 8):

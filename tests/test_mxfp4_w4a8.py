@@ -417,9 +417,10 @@ def _emulate(x, ids, tw, prepared, limit, ue8m0, emap=None, BN=8, P=None):
 @pytest.mark.parametrize("N,K,BN,P,ue8m0,use_map", [(64, 1024, 8, 40, True, True), (96, 128, 8, None, False, False),
                                                     (288, 256, 16, 40, True, True)])
 def test_kernel_emulation(N, K, BN, P, ue8m0, use_map):
-    """N = 64: one h group of 64 columns; 96 -> 128; 288 -> 320: G2 = 3 with a last group of
-    64 columns (w2's K padded to 384). P: the split-K grid's size (K = 1024: GEMM1 in 2
-    splits of 4 chunks), None: the classic grid."""
+    """N = 64: one h group of 64 columns; 96: three 64-row GEMM1 tiles, one h group of 96
+    columns; 288: nine tiles (N is padded to 32 only, dsv4.formats.mxfp4_w4a8.N_MULTIPLE),
+    G2 = 3 with a last group of 32 columns (w2's K padded to 384). P: the split-K grid's
+    size (K = 1024: GEMM1 in 2 splits of 4 chunks), None: the classic grid."""
     E = 3
     w = _spread_weights(E, N, K, seed=70 + N)
     p = prepare_moe_weights(*(w[k] for k in MX), activation="fp8")
@@ -438,7 +439,8 @@ def test_kernel_emulation(N, K, BN, P, ue8m0, use_map):
     # (a) GEMM1's accumulators are the exact W4A8 products (fp32 sums): every index of the
     # layout, the tables, the scale words and the activations' order is right
     Np = p.report["N_padded"]
-    wp = mxfp4.pad_mxfp4_moe_weights(*(w[k] for k in MX), multiple=64)
+    assert Np == N  # multiples of 32 stay as they are
+    wp = mxfp4.pad_mxfp4_moe_weights(*(w[k] for k in MX), multiple=L.N_MULTIPLE)
     W13 = mxfp4.dequantize_mxfp4_experts(wp["w13"], wp["w13_scale"]).double()
     xdq = reference.dequantize_fp8_groups(xq.reshape(M, K).view(torch.float8_e4m3fn), xs).double()
     topk_ = ids.shape[1]
