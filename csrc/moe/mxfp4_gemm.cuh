@@ -117,10 +117,14 @@ __device__ __forceinline__ size_t act_row(int tile, int kc, int KC, int BN, int 
 }
 __device__ __forceinline__ int act_word(int r, int pos) { return (((pos >> 4) ^ (r & 7)) << 4) | (pos & 15); }
 
-// Token tkn's group grp of x (warp-wide, 4 elements per lane) -> lane's word of 4 e4m3
-// (elements 4 lane .. 4 lane + 3) and the group's scale, by vLLM's rule.
-__device__ __forceinline__ void quantize_group(const W4A8Params& p, int tkn, int grp, int lane, uint32_t& q, float& s) {
-  const uint2 raw = __ldg(reinterpret_cast<const uint2*>(p.x + size_t(tkn) * p.K + grp * kChunk + lane * 4));
+// Token tkn's group grp of x (warp-wide): the lane's 4 bf16 (elements 4 lane .. 4 lane + 3).
+__device__ __forceinline__ uint2 load_group(const W4A8Params& p, int tkn, int grp, int lane) {
+  return __ldg(reinterpret_cast<const uint2*>(p.x + size_t(tkn) * p.K + grp * kChunk + lane * 4));
+}
+
+// A group of x (load_group, warp-wide) -> the lane's word of 4 e4m3 and the group's scale,
+// by vLLM's rule.
+__device__ __forceinline__ void quantize_raw(const W4A8Params& p, uint2 raw, uint32_t& q, float& s) {
   const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
   const float2 f0 = __bfloat1622float2(h2[0]), f1 = __bfloat1622float2(h2[1]);
   const float v[4] = {f0.x, f0.y, f1.x, f1.y};
@@ -154,7 +158,7 @@ __device__ __forceinline__ void quantize_group(const W4A8Params& p, int tkn, int
 // instruction-bound there: 146 us at V4.1-Flash M = 8192 with one group per warp,
 // docs/perf-history/2026-12-04-mxfp4-w4a8-token-tiles.md). A group's arithmetic does not
 // depend on the unit, so the output is the same bit for bit.
-template <class Route, class SlotPos, class Rows, class Padding>
+template <int kMaxGpw, class Route, class SlotPos, class Rows, class Padding>
 __device__ __forceinline__ void quantize_x(const W4A8Params& p, Route route, SlotPos slot_pos, Rows rows_of,
                                            Padding padding) {
   const int G1 = p.K / kChunk, BN = p.block_n;
@@ -162,18 +166,28 @@ __device__ __forceinline__ void quantize_x(const W4A8Params& p, Route route, Slo
   const int lane = threadIdx.x & 31;
   const int nwarps = int(gridDim.x * blockDim.x) >> 5;
   const int warp0 = int(blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const int gpw = min(8, max(1, int(int64_t(p.M) * G1 / (4 * int64_t(nwarps)))));
+  const int gpw = min(kMaxGpw, max(1, int(int64_t(p.M) * G1 / (4 * int64_t(nwarps)))));
   const int upt = (G1 + gpw - 1) / gpw;  // units per token
   const int units = p.M * upt;
   const size_t chunk_stride = size_t(BN) * kChunk;  // bytes from one 128-group of a tile row to the next
   uint32_t q = 0;
   float s = 0.0f;
-  if (warp0 < units) quantize_group(p, warp0 / upt, (warp0 % upt) * gpw, lane, q, s);
+  if (warp0 < units) quantize_raw(p, load_group(p, warp0 / upt, (warp0 % upt) * gpw, lane), q, s);
   route();
   for (int u = warp0; u < units; u += nwarps) {
-    const int tkn = u / upt, g0 = (u - tkn * upt) * gpw, g1 = min(G1, g0 + gpw);
-    for (int grp = g0; grp < g1; ++grp) {
-      if (u != warp0 || grp != g0) quantize_group(p, tkn, grp, lane, q, s);
+    const int tkn = u / upt, g0 = (u - tkn * upt) * gpw, n = min(G1, g0 + gpw) - g0;
+    // All of the unit's loads first (up to kMaxGpw in flight per warp; the stores below
+    // may alias x for the compiler, which would otherwise keep each load behind the
+    // previous group's stores)
+    uint2 raw[kMaxGpw];
+#pragma unroll
+    for (int i = 0; i < kMaxGpw; ++i)
+      if (i < n && (u != warp0 || i != 0)) raw[i] = load_group(p, tkn, g0 + i, lane);
+#pragma unroll
+    for (int i = 0; i < kMaxGpw; ++i) {
+      if (i >= n) break;
+      const int grp = g0 + i;
+      if (u != warp0 || i != 0) quantize_raw(p, raw[i], q, s);
       for (int j = 0; j < p.topk; ++j) {
         const int pos = slot_pos(tkn * p.topk + j);
         if (pos < 0) continue;
@@ -219,7 +233,7 @@ __global__ void __launch_bounds__(256) mxfp4_quant_x_kernel(const W4A8Params p) 
   const int* row_slot = p.row_slot;
   const int* num_tiles = p.num_tiles;
   const int BN = p.block_n;
-  quantize_x(
+  quantize_x<8>(
       p, [] { pdl_wait(); }, [=](int i) { return __ldg(slot_pos + i); }, [=] { return __ldg(num_tiles) * BN; },
       [=](int r) { return __ldg(row_slot + r) < 0; });
 }
@@ -313,7 +327,7 @@ __global__ void __launch_bounds__(256) mxfp4_route_quant_kernel(const MoeParams 
       }
     }
   };
-  quantize_x(
+  quantize_x<1>(  // one group per warp: at these sizes every group has a warp of its own
       p, route, [&](int i) { return s_pos[i]; }, [&] { return s_num_tiles * p.block_n; },
       [&](int r) { return s_used[r] == 0; });
 }
