@@ -390,20 +390,30 @@ __device__ __forceinline__ void gemm1_epilogue(const W4A8Params& p, const float 
   __syncthreads();
   if (!s_last_group) return;
   __threadfence();
-  // Token tok, elements 8u .. 8u + 7 of the group (u = 0..15): 16 lanes per token.
+  // Token tok, elements 8u .. 8u + 7 of the group (u = 0..15): 16 lanes per token. Every
+  // iteration's loads first (the group's hf rows come from L2: the other CTAs wrote them):
+  // behind the hq stores, which may alias hf for the compiler, they were one L2 round trip
+  // per iteration, 8 at 64-token tiles, in the last CTA of every group
+  // (docs/perf-history/2026-12-04-mxfp4-w4a8-fused-route.md).
   const int ncols = min(kChunk, N - kChunk * j);
-  for (int idx = tid; idx < BN * 16; idx += kThreads) {
-    const int tok = idx >> 4, u = idx & 15;
-    float v[8];
+  constexpr int kIters = BN * 16 / kThreads;
+  static_assert(kIters * kThreads == BN * 16, "whole iterations of the group's 16 lanes per token");
+  float4 ld[kIters][2];
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int idx = tid + it * kThreads, tok = idx >> 4, u = idx & 15;
+    ld[it][0] = ld[it][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // past N: zero columns (w2's padded K)
     if (8 * u < ncols) {
       const float* src = p.hf + size_t(row0 + tok) * N + kChunk * j + 8 * u;
-      const float4 a = __ldcg(reinterpret_cast<const float4*>(src));
-      const float4 b = __ldcg(reinterpret_cast<const float4*>(src + 4));
-      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = 0.0f;  // past N: zero columns (w2's padded K)
+      ld[it][0] = __ldcg(reinterpret_cast<const float4*>(src));
+      ld[it][1] = __ldcg(reinterpret_cast<const float4*>(src + 4));
     }
+  }
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int idx = tid + it * kThreads, tok = idx >> 4, u = idx & 15;
+    const float4 a = ld[it][0], b = ld[it][1];
+    const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
     float amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
@@ -448,6 +458,47 @@ __device__ __forceinline__ void gemm2_store_y(const W4A8Params& p, const float (
   }
 }
 
+// sum[0..7] = sum_j topk_weights[m, j] * y[slot_pos[m, j], col .. col + 7] over token m's
+// local slots (slot_pos >= 0) in slot order, fp32 fmaf from zero (moe_combine_kernel's
+// arithmetic), kSlots slots at a time with their positions, weights and rows in flight
+// together. With kSlots = 1 it is the plain loop: one dependent pair of loads (slot_pos,
+// then y) after another, 6 round trips per column chunk at top-6; the GEMM2 CTAs of
+// several weight tiles (mxfp4_gemm2_rows_kernel, _resident_kernel: few warps per SM in
+// their epilogue to hide that) take 8 (docs/perf-history/2026-12-04-mxfp4-w4a8-fused-route.md),
+// the others keep 1 (their registers: the 8-slot batch costs ~40, which took the 8-token
+// classic GEMM2 from 46 to 80 and the 64-token split-K GEMM2 over its cap of 128). y is read
+// through L2 (__ldcg): other CTAs of the same grid wrote it.
+template <int kSlots>
+__device__ __forceinline__ void slot_sum8(const int* slot_pos, const float* topk_weights, const __nv_bfloat16* y,
+                                          int K, int topk, int m, int col, float (&sum)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) sum[i] = 0.0f;
+  for (int j0 = 0; j0 < topk; j0 += kSlots) {
+    int pos[kSlots];
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) pos[i] = j0 + i < topk ? __ldg(slot_pos + m * topk + j0 + i) : -1;
+    float w[kSlots];
+    uint4 raw[kSlots];
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+      if (pos[i] < 0) continue;
+      w[i] = __ldg(topk_weights + m * topk + j0 + i);
+      raw[i] = __ldcg(reinterpret_cast<const uint4*>(y + size_t(pos[i]) * K + col));
+    }
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+      if (pos[i] < 0) continue;
+      const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float2 f = __bfloat1622float2(h2[c]);
+        sum[2 * c] = fmaf(w[i], f.x, sum[2 * c]);
+        sum[2 * c + 1] = fmaf(w[i], f.y, sum[2 * c + 1]);
+      }
+    }
+  }
+}
+
 // GEMM2 epilogue, second half, once this CTA stored its y of the R row tiles rt0 .. rt0 + R - 1
 // (output columns 64rt0 .. 64(rt0 + R) - 1): for each tile row whose token now has all its
 // local slots' y of these columns, out = sum_j topk_weights[m, j] * y[slot_pos[m, j]] in slot
@@ -476,21 +527,7 @@ __device__ __forceinline__ void gemm2_combine(const W4A8Params& p, int tile, int
     const int m = s_token[idx / (8 * R)], col = rt0 * kTileRows + (idx % (8 * R)) * 8;
     if (m < 0) continue;
     float sum[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) sum[i] = 0.0f;
-    for (int jj = 0; jj < p.topk; ++jj) {
-      const int pos = __ldg(p.slot_pos + m * p.topk + jj);
-      if (pos < 0) continue;
-      const float w = __ldg(p.topk_weights + m * p.topk + jj);
-      const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.y + size_t(pos) * K + col));
-      const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(h2[i]);
-        sum[2 * i] = fmaf(w, f.x, sum[2 * i]);
-        sum[2 * i + 1] = fmaf(w, f.y, sum[2 * i + 1]);
-      }
-    }
+    slot_sum8<(R > 1 ? 8 : 1)>(p.slot_pos, p.topk_weights, p.y, K, p.topk, m, col, sum);
     *reinterpret_cast<uint4*>(p.out + size_t(m) * K + col) = pack_bf16x8(sum);
   }
 }
