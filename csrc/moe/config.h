@@ -204,11 +204,6 @@ struct Mxfp4MoeConfig {
   bool fused_route;      // routing + GEMM1's input in one kernel (mxfp4_route_quant_kernel)
 };
 
-// mxfp4_route_quant_kernel's bounds (mxfp4_gemm.cuh): slots it routes in shared memory,
-// padded rows it tracks there.
-constexpr int64_t kFusedRouteSlots = 128;
-constexpr int64_t kFusedRouteRows = 2048;
-
 // GEMM2 weight tiles per CTA on the classic grid at 64-token tiles (a classic CTA's fixed
 // cost is ~8 us against ~1 us per K chunk), as measured on the H200 at M = 2048-16384
 // (docs/perf-history/2026-12-04-mxfp4-w4a8-gemm2-rows.md): 8 where GEMM2 has at most 4 K

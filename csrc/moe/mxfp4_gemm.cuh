@@ -247,9 +247,7 @@ __global__ void __launch_bounds__(256) mxfp4_quant_x_kernel(const W4A8Params p) 
 // block_n; only the order of the rows inside an expert differs (slot order here, shared
 // atomics there), and every row is computed on its own and combined by slot, so the
 // outputs are bitwise the same. Launched without PDL, as the routing kernel it replaces.
-constexpr int kFusedRouteSlots = 128;
-constexpr int kFusedRouteRows = 2048;  // bound on max_tiles * block_n at those sizes (config.h checks)
-
+// Bounds: params.cuh (kFusedRouteSlots, kFusedRouteRows; config.h keeps calls within them).
 __global__ void __launch_bounds__(256) mxfp4_route_quant_kernel(const MoeParams rp, const W4A8Params p) {
   pdl_launch_dependents();
   __shared__ int s_ev[kFusedRouteSlots];     // local expert of each slot, -1: not local

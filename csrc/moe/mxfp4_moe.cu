@@ -110,9 +110,6 @@ Mxfp4MoeShape check_inputs(const at::Tensor& x, const at::Tensor& topk_ids, cons
   return Mxfp4MoeShape{M, K, N, E, E_global, topk};
 }
 
-static_assert(moe::kFusedRouteSlots == w4a8::kFusedRouteSlots && moe::kFusedRouteRows == w4a8::kFusedRouteRows,
-              "config.h's bounds of the fused routing are the kernel's");
-
 // ---------------------------------------------------------------------------------
 // (b) kernel choice: the device facts it reads (the rules: config.h)
 // ---------------------------------------------------------------------------------
