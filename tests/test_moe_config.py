@@ -31,7 +31,8 @@ import dsv4._ops
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
-OVERRIDES = ("DSV4_MOE_WS", "DSV4_MOE_SPLITK", "DSV4_MOE_DIRECT_X", "DSV4_MOE_PDL", "DSV4_MOE_GEMM2_RESIDENT")
+OVERRIDES = ("DSV4_MOE_WS", "DSV4_MOE_SPLITK", "DSV4_MOE_DIRECT_X", "DSV4_MOE_PDL", "DSV4_MOE_GEMM2_RESIDENT",
+             "DSV4_MOE_FUSED_ROUTE")
 CHOICES = {"DSV4_MOE_BLOCK_N": "`8`, `16`, `64`", "DSV4_MOE_GEMM2_ROWS": "`1`, `2`, `4`, `8`"}  # -> README's values
 ATTN_OVERRIDES = ("DSV4_ATTN_PRICED_SPLITS", "DSV4_ATTN_PDL", "DSV4_ATTN_SPECIALIZE", "DSV4_ATTN_MAIN_PDL",
                   "DSV4_ATTN_COOP_ROUND", "DSV4_ATTN_PRODUCER_AHEAD", "DSV4_ATTN_COOP_PREFETCH",
@@ -298,7 +299,7 @@ MX_BLOCK_NS = (8, 16, 64)
 
 
 def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=None, block_n=None, rows=None,
-                    resident=None):
+                    resident=None, fused=None):
     """mxfp4_moe's get_best_config, written out (csrc/moe/config.h)."""
     S, per_expert = M * topk, M * topk / Eg
     bn = block_n or (8 if per_expert <= 4 else 16 if per_expert <= 24 else 64)
@@ -315,13 +316,18 @@ def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=Non
         r = rows or r
     G2 = -(-N // 128)
     res = int(r > 1 and 2 <= G2 <= 4 and (resident is None or bool(resident)))
-    return [bn, max(1, (S + min(E, S) * (bn - 1)) // bn), int(S > 8192), int(sk), g1, g2, max(g1, g2),
-            1 if pdl is None else int(pdl), max(1, min((M * (K // 128) + 7) // 8, device[0] * 8)), r, res]
+    tiles = max(1, (S + min(E, S) * (bn - 1)) // bn)
+    # routing and GEMM1's input in one kernel at <= 128 slots on 8- / 16-row tiles (<= 2048 padded rows)
+    fr = int(S <= 128 and bn <= 16 and tiles * bn <= 2048 and (fused is None or bool(fused)))
+    return [bn, tiles, int(S > 8192), int(sk), g1, g2, max(g1, g2),
+            1 if pdl is None else int(pdl), max(1, min((M * (K // 128) + 7) // 8, device[0] * 8)), r, res, fr]
 
 
 @needs_extension
 def test_mxfp4_config():
-    config = torch.ops.dsv4_testing.mxfp4_moe_config
+    def config(shape, device, overrides):  # overrides not given are unset (the last: DSV4_MOE_FUSED_ROUTE)
+        return torch.ops.dsv4_testing.mxfp4_moe_config(shape, device, list(overrides) + [-1] * (6 - len(overrides)))
+
     shapes = [(9, 256, 128, 4, 4, 2), (1, 4096, 2048, 32, 256, 6), (1, 7168, 3072, 48, 384, 6),
               (64, 4096, 2048, 32, 256, 6), (512, 5120, 2304, 48, 384, 6), (512, 5120, 320, 384, 384, 6),
               (4096, 4096, 2048, 32, 256, 6), (5000, 128, 64, 1, 1, 1), (1536, 4096, 2048, 32, 256, 6),
@@ -343,8 +349,8 @@ def test_mxfp4_config():
     # the persistent grid has no such bound
     assert config([65535 * 16 + 1, 128, 64, 1, 1, 1], MX_DEVICE, [1, -1, 16, -1, -1])[3] == 1
     # GEMM2 weight tiles per CTA: only on the classic grid at 64-token tiles; 8 where G2 = 3
-    # (N = 320 at tensor parallel 8), 4 at the expert-parallel shapes (G2 = 16-24)
-    tp8, ep8 = [8192, 5120, 320, 384, 384, 6], [8192, 5120, 2304, 48, 384, 6]
+    # (N = 288 at tensor parallel 8), 4 at the expert-parallel shapes (G2 = 16-24)
+    tp8, ep8 = [8192, 5120, 288, 384, 384, 6], [8192, 5120, 2304, 48, 384, 6]
     assert config(tp8, MX_DEVICE, [-1, -1, -1, -1, -1])[9] == 8 and config(ep8, MX_DEVICE, [-1, -1, -1, -1, -1])[9] == 4
     assert config([2048, 7168, 3072, 48, 384, 6], MX_DEVICE, [-1, -1, -1, -1, -1])[9] == 4  # V4-Pro: K / 64 = 112
     for rows in (1, 2, 4, 8):
@@ -367,6 +373,16 @@ def test_mxfp4_config():
         config([64, 128, 64, 1, 1, 1], MX_DEVICE, [-1, -1, 48, -1, -1])
     with pytest.raises(RuntimeError, match="the gemm2_rows override is 1, 2, 4, 8 or -1, got 3"):
         config([64, 128, 64, 1, 1, 1], MX_DEVICE, [-1, -1, -1, 3, -1])
+    # the fused routing at decode sizes: M * k <= 128 slots on 8- / 16-row tiles
+    v41 = [1, 5120, 2304, 48, 384, 6]
+    for M in (1, 8, 16, 21, 22, 64):
+        shape = [M] + v41[1:]
+        for fused in (None, 0, 1):
+            ov = [-1, -1, -1, -1, -1, -1 if fused is None else fused]
+            assert config(shape, MX_DEVICE, ov) == _mxfp4_expected(*shape, fused=fused), (M, fused)
+    assert [config([M] + v41[1:], MX_DEVICE, [])[11] for M in (1, 21, 22)] == [1, 1, 0]
+    assert config([16, 5120, 2304, 48, 384, 6], MX_DEVICE, [-1, -1, 64])[11] == 0  # not on 64-row tiles
+    assert config([1, 4096, 2048, 32, 256, 6], MX_DEVICE, [-1, -1, -1, -1, -1, 0])[11] == 0
 
 
 # ---------------------------------------------------- GPU / extension ---------
@@ -421,7 +437,8 @@ def child_read_once() -> None:
 def test_switches_are_read_once_per_process():
     out = _child({"DSV4_MOE_WS": "1", "DSV4_MOE_PDL": "0", "DSV4_PRINT_CONFIG": "1"}, "child_read_once")
     first, again = json.loads(out.stdout.strip().splitlines()[-1])
-    assert first == again == [1, -1, -1, 0, 1, -1, -1, -1]  # ..., PRINT_CONFIG, BLOCK_N, GEMM2_ROWS, GEMM2_RESIDENT
+    # ..., PRINT_CONFIG, BLOCK_N, GEMM2_ROWS, GEMM2_RESIDENT, FUSED_ROUTE
+    assert first == again == [1, -1, -1, 0, 1, -1, -1, -1, -1]
 
 
 def child_bad_value() -> None:

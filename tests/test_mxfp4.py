@@ -415,14 +415,17 @@ def small():
 def test_prepare_shapes_and_report(small, activation):
     p = prepare_moe_weights(*(small[k] for k in MX), activation=activation)
     assert isinstance(p, MoeWeights) and p.format == "mxfp4" and p.activation == activation
-    assert p.report["N"] == 96 and p.report["N_padded"] == 128 and p.report["inexact_blocks"] == 0
-    assert p.report["blocks"] == 4 * (2 * 128 * 128 + 128 * 128) // 32
+    # N padded to the kernels' granularity: 64 for the NVFP4 (bf16) kernels, 32 for W4A8
+    Np = 128 if activation == "bf16" else 96
+    assert p.report["N"] == 96 and p.report["N_padded"] == Np and p.report["inexact_blocks"] == 0
+    assert p.report["blocks"] == 4 * (2 * Np * 128 + 128 * Np) // 32
     if activation == "bf16":
         assert isinstance(p.tensors, Nvfp4MoeWeights) and p.tensors.w13.shape == (4, 4, 2, 2048)
     else:
         assert isinstance(p.tensors, Mxfp4MoeWeights)
-        # the W4A8 tiles (dsv4.formats.mxfp4_w4a8): 64 rows x 128 K; w2's K = N = 128: one chunk
-        assert p.tensors.w13.shape == (4, 4, 1, 4096) and p.tensors.w2_scale.shape == (4, 2, 1, 256)
+        # the W4A8 tiles (dsv4.formats.mxfp4_w4a8): 64 rows x 128 K, three for 2N = 192 rows;
+        # w2's K = N = 96: one chunk (zero-padded to 128)
+        assert p.tensors.w13.shape == (4, 3, 1, 4096) and p.tensors.w2_scale.shape == (4, 2, 1, 256)
     # float8_e8m0fnu scales (the checkpoint's dtype) are the same bytes
     q = prepare_moe_weights(small["w13"], small["w13_scale"].view(torch.float8_e8m0fnu), small["w2"],
                             small["w2_scale"].view(torch.float8_e8m0fnu), activation=activation)
@@ -504,7 +507,8 @@ def test_cpu_op_model_shapes(K, N):
     x, ids, tw, _ = _case(2, 1, 1, K, seed=N, use_map=False)
     for activation in ("bf16", "fp8"):
         p = prepare_moe_weights(*(w[k] for k in MX), activation=activation)
-        assert p.report["N_padded"] == -(-N // 64) * 64 and p.report["inexact_blocks"] == 0
+        multiple = 64 if activation == "bf16" else 32  # the NVFP4 kernels' tile; W4A8's N granularity
+        assert p.report["N_padded"] == -(-N // multiple) * multiple and p.report["inexact_blocks"] == 0
         got = routed_moe(x, ids, tw, p, swiglu_limit=10.0)
         ref = reference.mxfp4_moe(x, ids, tw, *(w[k] for k in MX), activation=activation, swiglu_limit=10.0)
         assert torch.isfinite(got).all() and _rel_l2(got, ref) <= 4e-3

@@ -272,6 +272,62 @@ def _route(ids, emap, E, BN):
     return slot_pos, torch.tensor(row_slot, dtype=torch.long), tile_expert
 
 
+def _fused_route(ids, emap, E, BN):
+    """mxfp4_route_quant_kernel's tables, written as the kernel computes them (one thread per
+    slot over shared arrays): rank = earlier slots of the same local expert, the expert's
+    tiles counted at its first slot, tile0 = the tiles of the experts of lower index."""
+    n_ids = E if emap is None else emap.numel()
+    ev = []
+    for i in ids.reshape(-1).tolist():
+        e = i if 0 <= i < n_ids else -1
+        if emap is not None and e >= 0:
+            e = int(emap[e])
+            e = e if -1 <= e < E else -1
+        ev.append(e)
+    S = len(ev)
+    rank = [sum(ev[j] == ev[i] for j in range(i)) if ev[i] >= 0 else 0 for i in range(S)]
+    tiles = [-(-sum(e == ev[i] for e in ev) // BN) if ev[i] >= 0 and rank[i] == 0 else 0 for i in range(S)]
+    tile0 = [sum(t for j, t in enumerate(tiles) if ev[j] < ev[i]) for i in range(S)]
+    slot_pos = torch.tensor([tile0[i] * BN + rank[i] if ev[i] >= 0 else -1 for i in range(S)], dtype=torch.long)
+    row_slot = torch.full((sum(tiles) * BN,), -1, dtype=torch.long)
+    tile_expert = [0] * sum(tiles)
+    for i in range(S):
+        if slot_pos[i] >= 0:
+            row_slot[slot_pos[i]] = i
+        for t in range(tiles[i]):
+            tile_expert[tile0[i] + t] = ev[i]
+    return slot_pos, row_slot, tile_expert
+
+
+@pytest.mark.parametrize("BN", [8, 16])
+@pytest.mark.parametrize("use_map", [False, True])
+def test_fused_route_tables_are_the_routing_kernels(BN, use_map):
+    """The fused kernel's slot-order routing (rank by earlier slots, tiles in expert order)
+    gives moe_route_kernel's tables with an expert's rows in slot order, at the decode
+    sizes it runs at (<= 128 slots), ids out of range and unmapped experts included."""
+    gen = torch.Generator().manual_seed(BN + 7 * use_map)
+    for M, k, Eg, E in ((1, 6, 256, 32), (3, 6, 384, 48), (21, 6, 64, 64), (16, 8, 16, 16), (7, 2, 4, 4)):
+        ids = torch.randint(0, Eg, (M, k), generator=gen, dtype=torch.int32)
+        emap = None
+        if use_map:
+            emap = torch.full((Eg,), -1, dtype=torch.int32)
+            emap[torch.randperm(Eg, generator=gen)[:E]] = torch.arange(E, dtype=torch.int32)
+        else:
+            ids = ids % E
+        ids.view(-1)[0] = Eg + 5  # out of range: not local (the kernel also raises the error flag)
+        got = _fused_route(ids, emap, E, BN)
+        flat = ids.reshape(-1).clone()
+        flat[0] = -1  # _route's input: the slot that is not local
+        want = _route_valid(flat, emap, E, BN)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[2] == want[2], (M, k, E)
+
+
+def _route_valid(ids, emap, E, BN):
+    """_route where an id of -1 is a slot that is not local."""
+    mapped = ids.long() if emap is None else torch.where(ids >= 0, emap.long()[ids.clamp(min=0).long()], -1)
+    return _route(mapped.to(torch.int32), None, E, BN)
+
+
 def _splits(items, P, KT):
     return 1 if items >= P or items == 0 else max(1, min(P // items, KT // 4))
 
@@ -361,9 +417,10 @@ def _emulate(x, ids, tw, prepared, limit, ue8m0, emap=None, BN=8, P=None):
 @pytest.mark.parametrize("N,K,BN,P,ue8m0,use_map", [(64, 1024, 8, 40, True, True), (96, 128, 8, None, False, False),
                                                     (288, 256, 16, 40, True, True)])
 def test_kernel_emulation(N, K, BN, P, ue8m0, use_map):
-    """N = 64: one h group of 64 columns; 96 -> 128; 288 -> 320: G2 = 3 with a last group of
-    64 columns (w2's K padded to 384). P: the split-K grid's size (K = 1024: GEMM1 in 2
-    splits of 4 chunks), None: the classic grid."""
+    """N = 64: one h group of 64 columns; 96: three 64-row GEMM1 tiles, one h group of 96
+    columns; 288: nine tiles (N is padded to 32 only, dsv4.formats.mxfp4_w4a8.N_MULTIPLE),
+    G2 = 3 with a last group of 32 columns (w2's K padded to 384). P: the split-K grid's
+    size (K = 1024: GEMM1 in 2 splits of 4 chunks), None: the classic grid."""
     E = 3
     w = _spread_weights(E, N, K, seed=70 + N)
     p = prepare_moe_weights(*(w[k] for k in MX), activation="fp8")
@@ -382,7 +439,8 @@ def test_kernel_emulation(N, K, BN, P, ue8m0, use_map):
     # (a) GEMM1's accumulators are the exact W4A8 products (fp32 sums): every index of the
     # layout, the tables, the scale words and the activations' order is right
     Np = p.report["N_padded"]
-    wp = mxfp4.pad_mxfp4_moe_weights(*(w[k] for k in MX), multiple=64)
+    assert Np == N  # multiples of 32 stay as they are
+    wp = mxfp4.pad_mxfp4_moe_weights(*(w[k] for k in MX), multiple=L.N_MULTIPLE)
     W13 = mxfp4.dequantize_mxfp4_experts(wp["w13"], wp["w13_scale"]).double()
     xdq = reference.dequantize_fp8_groups(xq.reshape(M, K).view(torch.float8_e4m3fn), xs).double()
     topk_ = ids.shape[1]
@@ -618,6 +676,47 @@ def test_gpu_gemm2_rows_bitwise(tmp_path):
         outs[rows, res] = torch.load(path)
     for key in outs:
         assert all(torch.equal(a, b) for a, b in zip(outs["1", "0"], outs[key])), key
+
+
+# decode sizes (<= 128 slots), with and without an expert map, split-K (1-17 tokens) and not
+# (21 tokens on the classic grid), a token of one slot per expert and 21 * 6 = 126 slots
+FUSED_CASES = (("flash", 1, True), ("v41", 3, False), ("pro", 8, True), ("v41_tp8", 17, False), ("flash", 21, True))
+
+
+def _child_fused_route(path: str, splitk: str) -> None:
+    """FUSED_CASES with the routing fused into GEMM1's input kernel or not (this process's
+    DSV4_MOE_FUSED_ROUTE), each against the reference, an all-remote call and a call
+    with an id out of range among them; the outputs saved to ``path``."""
+    outs = [_check(name, M, seed=M + 91, use_map=um).cpu() for name, M, um in FUSED_CASES]
+    w, p = _gpu_model("flash")
+    x, ids, tw, _ = _gpu_case("flash", 7, seed=92)
+    remote = torch.full((256,), -1, dtype=torch.int32, device="cuda")
+    outs.append(routed_moe(x, ids, tw, p, expert_map=remote, out=torch.full_like(x, float("nan"))).cpu())
+    x, ids, tw, emap = _gpu_case("flash", 9, seed=93)
+    ids[2, 1] = 999  # out of range: that slot is not local, the others are computed (check_ids off)
+    outs.append(routed_moe(x, ids, tw, p, expert_map=emap, check_ids=False).cpu())
+    torch.save(outs, path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splitk", ["", "0"])
+def test_gpu_fused_route_bitwise(tmp_path, splitk):
+    """mxfp4_route_quant_kernel (each CTA routes the few slots itself; CTA 0 publishes the
+    tables) against moe_route_kernel + mxfp4_quant_x_kernel: the same tables up to the
+    order of an expert's rows, so the outputs are bitwise equal, and the config line says
+    which ran."""
+    outs = {}
+    for fused in ("0", "1"):
+        path = tmp_path / f"fused{fused}.pt"
+        r = _run_child(dict(DSV4_MOE_FUSED_ROUTE=fused, DSV4_MOE_SPLITK=splitk, DSV4_PRINT_CONFIG="1"),
+                       f"_child_fused_route({str(path)!r}, {splitk!r})")
+        printed = re.findall(r"^dsv4 config mxfp4_moe: M=(\d+) .* fused_route=(\d)", r.stderr, re.M)
+        assert printed and all(f == fused for _, f in printed), printed  # every call here is at decode size
+        outs[fused] = torch.load(path)
+    assert len(outs["0"]) == len(FUSED_CASES) + 2
+    for a, b in zip(outs["0"], outs["1"]):
+        assert torch.equal(a, b)
+    assert torch.equal(outs["1"][-2], torch.zeros_like(outs["1"][-2]))
 
 
 @pytest.mark.gpu

@@ -201,6 +201,7 @@ struct Mxfp4MoeConfig {
   int quant_ctas;        // mxfp4_quant_x_kernel's grid
   int gemm2_rows;        // 64-row weight tiles per GEMM2 CTA (mxfp4_gemm2_rows_kernel when > 1)
   bool gemm2_resident;   // ... with the token tile resident (mxfp4_gemm2_resident_kernel)
+  bool fused_route;      // routing + GEMM1's input in one kernel (mxfp4_route_quant_kernel)
 };
 
 // GEMM2 weight tiles per CTA on the classic grid at 64-token tiles (a classic CTA's fixed
@@ -222,7 +223,9 @@ inline int pick_gemm2_rows(int64_t G2, int64_t row_tiles) {
 // split-K by splitk_by_items with this op's occupancy (decode tiles only), PDL on; at
 // 64-token tiles on the classic grid, GEMM2 CTAs of pick_gemm2_rows weight tiles;
 // DSV4_MOE_SPLITK, DSV4_MOE_PDL, DSV4_MOE_GEMM2_ROWS and DSV4_MOE_GEMM2_RESIDENT (there
-// only) override.
+// only) override. At decode sizes (at most kFusedRouteSlots slots on 8- or 16-row tiles)
+// the routing and GEMM1's input quantization run as one kernel (one kernel boundary less
+// before GEMM1; DSV4_MOE_FUSED_ROUTE=0 keeps the two).
 inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceFacts& d, const env::Switches& o) {
   Mxfp4MoeConfig cfg{};
   const int64_t S = c.M * c.topk;
@@ -254,6 +257,8 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
     // and a slot holds the y staging: 2 <= G2 <= 4 (mxfp4_gemm.cuh, ResidentSmem).
     cfg.gemm2_resident = cfg.gemm2_rows > 1 && G2 >= 2 && G2 <= 4 && o.moe_gemm2_resident.value_or(true);
   }
+  cfg.fused_route = S <= kFusedRouteSlots && cfg.block_n <= 16 &&
+                    int64_t(cfg.max_tiles) * cfg.block_n <= kFusedRouteRows && o.moe_fused_route.value_or(true);
   return cfg;
 }
 
@@ -265,6 +270,7 @@ inline void print_config(const Mxfp4MoeShape& c, const Mxfp4DeviceFacts& d, cons
       " -> block_n=", cfg.block_n, " max_tiles=", cfg.max_tiles, " multi_cta_route=", int(cfg.multi_cta_route),
       " splitk=", int(cfg.splitk), " sk_ctas=", cfg.sk_ctas, " pdl=", int(cfg.pdl), " quant_ctas=", cfg.quant_ctas,
       " gemm2_rows=", cfg.gemm2_rows, " gemm2_resident=", int(cfg.gemm2_resident),
+      " fused_route=", int(cfg.fused_route),
       " workspace_bytes=", workspace_bytes);
   std::fprintf(stderr, "%s\n", line.c_str());
   std::fflush(stderr);

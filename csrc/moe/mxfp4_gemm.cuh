@@ -117,10 +117,14 @@ __device__ __forceinline__ size_t act_row(int tile, int kc, int KC, int BN, int 
 }
 __device__ __forceinline__ int act_word(int r, int pos) { return (((pos >> 4) ^ (r & 7)) << 4) | (pos & 15); }
 
-// Token tkn's group grp of x (warp-wide, 4 elements per lane) -> lane's word of 4 e4m3
-// (elements 4 lane .. 4 lane + 3) and the group's scale, by vLLM's rule.
-__device__ __forceinline__ void quantize_group(const W4A8Params& p, int tkn, int grp, int lane, uint32_t& q, float& s) {
-  const uint2 raw = __ldg(reinterpret_cast<const uint2*>(p.x + size_t(tkn) * p.K + grp * kChunk + lane * 4));
+// Token tkn's group grp of x (warp-wide): the lane's 4 bf16 (elements 4 lane .. 4 lane + 3).
+__device__ __forceinline__ uint2 load_group(const W4A8Params& p, int tkn, int grp, int lane) {
+  return __ldg(reinterpret_cast<const uint2*>(p.x + size_t(tkn) * p.K + grp * kChunk + lane * 4));
+}
+
+// A group of x (load_group, warp-wide) -> the lane's word of 4 e4m3 and the group's scale,
+// by vLLM's rule.
+__device__ __forceinline__ void quantize_raw(const W4A8Params& p, uint2 raw, uint32_t& q, float& s) {
   const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
   const float2 f0 = __bfloat1622float2(h2[0]), f1 = __bfloat1622float2(h2[1]);
   const float v[4] = {f0.x, f0.y, f1.x, f1.y};
@@ -141,37 +145,51 @@ __device__ __forceinline__ void quantize_group(const W4A8Params& p, int tkn, int
   }
 }
 
-// GEMM1's input: a warp quantizes a unit of gpw consecutive 128-groups of one token (its
-// first group before the routing grid is done: launched right after the routing kernel
-// with PDL, the two overlap) and writes each to the token tile rows of the token's local
-// slots (xg, xgs); then zero padding rows, and reset the counters of the GEMMs' epilogues.
+// GEMM1's input: a warp quantizes a unit of gpw consecutive 128-groups of one token and
+// writes each to the token tile rows of the token's local slots (xg, xgs); then zero
+// padding rows, and reset the counters of the GEMMs' epilogues. The warp's first group is
+// quantized before `route()` returns the routing (the tables' source: mxfp4_quant_x_kernel
+// waits for the routing kernel, mxfp4_route_quant_kernel routes in shared memory):
+// slot_pos(i), the padded row of slot i (-1: not local), rows(), num_tiles * block_n, and
+// padding(r), row r < rows holds no slot.
 // gpw follows from the grid (config.h: one warp per group up to 64 warps per SM): 1 while
 // every group has a warp of its own, up to 8 at prefill sizes, where a unit's token
 // division and its slots' lookups would otherwise be paid per group (the kernel is
 // instruction-bound there: 146 us at V4.1-Flash M = 8192 with one group per warp,
 // docs/perf-history/2026-12-04-mxfp4-w4a8-token-tiles.md). A group's arithmetic does not
 // depend on the unit, so the output is the same bit for bit.
-__global__ void __launch_bounds__(256) mxfp4_quant_x_kernel(const W4A8Params p) {
-  pdl_launch_dependents();
+template <int kMaxGpw, class Route, class SlotPos, class Rows, class Padding>
+__device__ __forceinline__ void quantize_x(const W4A8Params& p, Route route, SlotPos slot_pos, Rows rows_of,
+                                           Padding padding) {
   const int G1 = p.K / kChunk, BN = p.block_n;
   const int lg_bn = __ffs(BN) - 1;  // block_n is a power of two (8, 16, 64)
   const int lane = threadIdx.x & 31;
   const int nwarps = int(gridDim.x * blockDim.x) >> 5;
   const int warp0 = int(blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const int gpw = min(8, max(1, int(int64_t(p.M) * G1 / (4 * int64_t(nwarps)))));
+  const int gpw = min(kMaxGpw, max(1, int(int64_t(p.M) * G1 / (4 * int64_t(nwarps)))));
   const int upt = (G1 + gpw - 1) / gpw;  // units per token
   const int units = p.M * upt;
   const size_t chunk_stride = size_t(BN) * kChunk;  // bytes from one 128-group of a tile row to the next
   uint32_t q = 0;
   float s = 0.0f;
-  if (warp0 < units) quantize_group(p, warp0 / upt, (warp0 % upt) * gpw, lane, q, s);
-  pdl_wait();  // the routing tables are complete
+  if (warp0 < units) quantize_raw(p, load_group(p, warp0 / upt, (warp0 % upt) * gpw, lane), q, s);
+  route();
   for (int u = warp0; u < units; u += nwarps) {
-    const int tkn = u / upt, g0 = (u - tkn * upt) * gpw, g1 = min(G1, g0 + gpw);
-    for (int grp = g0; grp < g1; ++grp) {
-      if (u != warp0 || grp != g0) quantize_group(p, tkn, grp, lane, q, s);
+    const int tkn = u / upt, g0 = (u - tkn * upt) * gpw, n = min(G1, g0 + gpw) - g0;
+    // All of the unit's loads first (up to kMaxGpw in flight per warp; the stores below
+    // may alias x for the compiler, which would otherwise keep each load behind the
+    // previous group's stores)
+    uint2 raw[kMaxGpw];
+#pragma unroll
+    for (int i = 0; i < kMaxGpw; ++i)
+      if (i < n && (u != warp0 || i != 0)) raw[i] = load_group(p, tkn, g0 + i, lane);
+#pragma unroll
+    for (int i = 0; i < kMaxGpw; ++i) {
+      if (i >= n) break;
+      const int grp = g0 + i;
+      if (u != warp0 || i != 0) quantize_raw(p, raw[i], q, s);
       for (int j = 0; j < p.topk; ++j) {
-        const int pos = __ldg(p.slot_pos + tkn * p.topk + j);
+        const int pos = slot_pos(tkn * p.topk + j);
         if (pos < 0) continue;
         const int tile = pos >> lg_bn, r = pos & (BN - 1);
         const size_t row = act_row(tile, 0, G1, BN, r) + size_t(grp) * chunk_stride;
@@ -180,9 +198,9 @@ __global__ void __launch_bounds__(256) mxfp4_quant_x_kernel(const W4A8Params p) 
       }
     }
   }
-  const int rows = __ldg(p.num_tiles) * BN;
+  const int rows = rows_of();
   for (int r = warp0; r < rows; r += nwarps) {  // padding rows: zero (finite) tokens
-    if (__ldg(p.row_slot + r) >= 0) continue;
+    if (!padding(r)) continue;
     const int tile = r >> lg_bn, rr = r & (BN - 1);
     for (int i = lane; i < G1 * 8; i += 32) {
       const size_t row = act_row(tile, i >> 3, G1, BN, rr);
@@ -196,7 +214,7 @@ __global__ void __launch_bounds__(256) mxfp4_quant_x_kernel(const W4A8Params p) 
   for (int i = tid; i < p.M * RT2; i += nthreads) {
     const int tkn = i / RT2, rt = i - tkn * RT2;
     int local = 0;
-    for (int j = 0; j < p.topk; ++j) local += __ldg(p.slot_pos + tkn * p.topk + j) >= 0;
+    for (int j = 0; j < p.topk; ++j) local += slot_pos(tkn * p.topk + j) >= 0;
     p.combine_left[i] = local;
     if (local == 0) {  // no GEMM2 CTA writes this token: its output is zero
       uint4* o = reinterpret_cast<uint4*>(p.out + size_t(tkn) * p.K + rt * kTileRows);
@@ -204,6 +222,112 @@ __global__ void __launch_bounds__(256) mxfp4_quant_x_kernel(const W4A8Params p) 
       for (int c = 0; c < kTileRows / 8; ++c) o[c] = make_uint4(0, 0, 0, 0);
     }
   }
+}
+
+// quantize_x after the routing kernel: launched right after it with PDL, each warp
+// quantizes its first group before the routing grid is done (the two overlap), then
+// reads the routing's tables.
+__global__ void __launch_bounds__(256) mxfp4_quant_x_kernel(const W4A8Params p) {
+  pdl_launch_dependents();
+  const int* slot_pos = p.slot_pos;
+  const int* row_slot = p.row_slot;
+  const int* num_tiles = p.num_tiles;
+  const int BN = p.block_n;
+  quantize_x<8>(
+      p, [] { pdl_wait(); }, [=](int i) { return __ldg(slot_pos + i); }, [=] { return __ldg(num_tiles) * BN; },
+      [=](int r) { return __ldg(row_slot + r) < 0; });
+}
+
+// At decode sizes (M * k <= kFusedRouteSlots slots, token tiles of 8 or 16 rows:
+// config.h's fused_route), the routing and GEMM1's input quantization in one kernel: every
+// CTA routes the few slots itself in shared memory (the same tables in every CTA), CTA 0
+// publishes them for the GEMMs, and no second kernel boundary (the one-CTA routing kernel,
+// then mxfp4_quant_x_kernel waiting for it) sits before GEMM1. The tables are
+// moe_route_kernel's (routing.cuh): tiles in expert order, an expert's rows padded to
+// block_n; only the order of the rows inside an expert differs (slot order here, shared
+// atomics there), and every row is computed on its own and combined by slot, so the
+// outputs are bitwise the same. Launched without PDL, as the routing kernel it replaces.
+// Bounds: params.cuh (kFusedRouteSlots, kFusedRouteRows; config.h keeps calls within them).
+__global__ void __launch_bounds__(256) mxfp4_route_quant_kernel(const MoeParams rp, const W4A8Params p) {
+  pdl_launch_dependents();
+  __shared__ int s_ev[kFusedRouteSlots];     // local expert of each slot, -1: not local
+  __shared__ int s_rank[kFusedRouteSlots];   // rank among the expert's slots (slot order)
+  __shared__ int s_tiles[kFusedRouteSlots];  // the expert's tiles at its first slot, else 0
+  __shared__ int s_pos[kFusedRouteSlots];    // padded row, -1: not local
+  __shared__ uint8_t s_used[kFusedRouteRows];
+  __shared__ int s_bad, s_num_tiles;
+  auto route = [&] {
+    const int tid = threadIdx.x, S = p.M * p.topk, BN = p.block_n;
+    // The slots' local experts (routing.cuh resolve_experts' rules: an id out of range or
+    // a map entry out of range marks the call bad and the slot not local).
+    if (tid == 0) s_bad = 0;
+    __syncthreads();
+    if (tid < S) {
+      const int n_ids = rp.expert_map != nullptr ? rp.E_global : rp.E;
+      const int id = __ldg(rp.topk_ids + tid);
+      bool bad = id < 0 || id >= n_ids;
+      int ev = bad ? -1 : id;
+      if (rp.expert_map != nullptr && ev >= 0) {
+        ev = __ldg(rp.expert_map + ev);
+        if (ev < -1 || ev >= rp.E) {
+          bad = true;
+          ev = -1;
+        }
+      }
+      if (bad) atomicOr(&s_bad, 1);  // a shared atomic: racecheck sees no write-write hazard
+      s_ev[tid] = ev;
+    }
+    for (int r = tid; r < kFusedRouteRows; r += blockDim.x) s_used[r] = 0;
+    __syncthreads();
+    if (tid < S) {  // rank within the expert, and the expert's tiles at its first slot
+      const int ev = s_ev[tid];
+      int rank = 0, cnt = 0;
+      for (int j = 0; j < S; ++j) {
+        const bool same = ev >= 0 && s_ev[j] == ev;
+        cnt += same;
+        rank += same && j < tid;
+      }
+      s_rank[tid] = rank;
+      s_tiles[tid] = ev >= 0 && rank == 0 ? (cnt + BN - 1) / BN : 0;
+    }
+    __syncthreads();
+    int tile0 = 0;  // this slot's expert's first tile (tiles in expert order)
+    if (tid < S) {
+      const int ev = s_ev[tid];
+      int total = 0;
+      for (int j = 0; j < S; ++j) {
+        const int t = s_tiles[j];
+        total += t;
+        tile0 += s_ev[j] < ev ? t : 0;  // s_tiles is 0 at slots that are not local
+      }
+      const int pos = ev >= 0 ? tile0 * BN + s_rank[tid] : -1;
+      s_pos[tid] = pos;
+      if (pos >= 0) s_used[pos] = 1;
+      if (tid == 0) s_num_tiles = total;
+    }
+    __syncthreads();
+    if (blockIdx.x == 0) {  // the tables and counters the GEMMs read (moe_route_kernel's)
+      const int rows = s_num_tiles * BN;
+      for (int r = tid; r < rows; r += blockDim.x) rp.row_slot[r] = -1;
+      if (tid == 0) {
+        *rp.num_tiles = s_num_tiles;
+        *rp.error_flag = s_bad;
+      }
+      if (rp.splitk)
+        for (int i = tid; i < 2 * rp.sk_ctas; i += blockDim.x) rp.sk_count[i] = 0;
+      for (int i = tid; i < p.max_tiles; i += blockDim.x) rp.group_ready[i] = 0;
+      __syncthreads();  // the -1 fill before the slots' rows
+      if (tid < S) {
+        const int pos = s_pos[tid];
+        rp.slot_pos[tid] = pos;
+        if (pos >= 0) rp.row_slot[pos] = tid;
+        for (int t = 0; t < s_tiles[tid]; ++t) rp.tile_expert[tile0 + t] = s_ev[tid];
+      }
+    }
+  };
+  quantize_x<1>(  // one group per warp: at these sizes every group has a warp of its own
+      p, route, [&](int i) { return s_pos[i]; }, [&] { return s_num_tiles * p.block_n; },
+      [&](int r) { return s_used[r] == 0; });
 }
 
 // ------------------------------------------------------------------ the GEMMs ------
@@ -264,20 +388,30 @@ __device__ __forceinline__ void gemm1_epilogue(const W4A8Params& p, const float 
   __syncthreads();
   if (!s_last_group) return;
   __threadfence();
-  // Token tok, elements 8u .. 8u + 7 of the group (u = 0..15): 16 lanes per token.
+  // Token tok, elements 8u .. 8u + 7 of the group (u = 0..15): 16 lanes per token. Every
+  // iteration's loads first (the group's hf rows come from L2: the other CTAs wrote them):
+  // behind the hq stores, which may alias hf for the compiler, they were one L2 round trip
+  // per iteration, 8 at 64-token tiles, in the last CTA of every group
+  // (docs/perf-history/2026-12-04-mxfp4-w4a8-fused-route.md).
   const int ncols = min(kChunk, N - kChunk * j);
-  for (int idx = tid; idx < BN * 16; idx += kThreads) {
-    const int tok = idx >> 4, u = idx & 15;
-    float v[8];
+  constexpr int kIters = BN * 16 / kThreads;
+  static_assert(kIters * kThreads == BN * 16, "whole iterations of the group's 16 lanes per token");
+  float4 ld[kIters][2];
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int idx = tid + it * kThreads, tok = idx >> 4, u = idx & 15;
+    ld[it][0] = ld[it][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // past N: zero columns (w2's padded K)
     if (8 * u < ncols) {
       const float* src = p.hf + size_t(row0 + tok) * N + kChunk * j + 8 * u;
-      const float4 a = __ldcg(reinterpret_cast<const float4*>(src));
-      const float4 b = __ldcg(reinterpret_cast<const float4*>(src + 4));
-      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = 0.0f;  // past N: zero columns (w2's padded K)
+      ld[it][0] = __ldcg(reinterpret_cast<const float4*>(src));
+      ld[it][1] = __ldcg(reinterpret_cast<const float4*>(src + 4));
     }
+  }
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int idx = tid + it * kThreads, tok = idx >> 4, u = idx & 15;
+    const float4 a = ld[it][0], b = ld[it][1];
+    const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
     float amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
@@ -322,6 +456,47 @@ __device__ __forceinline__ void gemm2_store_y(const W4A8Params& p, const float (
   }
 }
 
+// sum[0..7] = sum_j topk_weights[m, j] * y[slot_pos[m, j], col .. col + 7] over token m's
+// local slots (slot_pos >= 0) in slot order, fp32 fmaf from zero (moe_combine_kernel's
+// arithmetic), kSlots slots at a time with their positions, weights and rows in flight
+// together. With kSlots = 1 it is the plain loop: one dependent pair of loads (slot_pos,
+// then y) after another, 6 round trips per column chunk at top-6; the GEMM2 CTAs of
+// several weight tiles (mxfp4_gemm2_rows_kernel, _resident_kernel: few warps per SM in
+// their epilogue to hide that) take 8 (docs/perf-history/2026-12-04-mxfp4-w4a8-fused-route.md),
+// the others keep 1 (their registers: the 8-slot batch costs ~40, which took the 8-token
+// classic GEMM2 from 46 to 80 and the 64-token split-K GEMM2 over its cap of 128). y is read
+// through L2 (__ldcg): other CTAs of the same grid wrote it.
+template <int kSlots>
+__device__ __forceinline__ void slot_sum8(const int* slot_pos, const float* topk_weights, const __nv_bfloat16* y,
+                                          int K, int topk, int m, int col, float (&sum)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) sum[i] = 0.0f;
+  for (int j0 = 0; j0 < topk; j0 += kSlots) {
+    int pos[kSlots];
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) pos[i] = j0 + i < topk ? __ldg(slot_pos + m * topk + j0 + i) : -1;
+    float w[kSlots];
+    uint4 raw[kSlots];
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+      if (pos[i] < 0) continue;
+      w[i] = __ldg(topk_weights + m * topk + j0 + i);
+      raw[i] = __ldcg(reinterpret_cast<const uint4*>(y + size_t(pos[i]) * K + col));
+    }
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+      if (pos[i] < 0) continue;
+      const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float2 f = __bfloat1622float2(h2[c]);
+        sum[2 * c] = fmaf(w[i], f.x, sum[2 * c]);
+        sum[2 * c + 1] = fmaf(w[i], f.y, sum[2 * c + 1]);
+      }
+    }
+  }
+}
+
 // GEMM2 epilogue, second half, once this CTA stored its y of the R row tiles rt0 .. rt0 + R - 1
 // (output columns 64rt0 .. 64(rt0 + R) - 1): for each tile row whose token now has all its
 // local slots' y of these columns, out = sum_j topk_weights[m, j] * y[slot_pos[m, j]] in slot
@@ -350,21 +525,7 @@ __device__ __forceinline__ void gemm2_combine(const W4A8Params& p, int tile, int
     const int m = s_token[idx / (8 * R)], col = rt0 * kTileRows + (idx % (8 * R)) * 8;
     if (m < 0) continue;
     float sum[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) sum[i] = 0.0f;
-    for (int jj = 0; jj < p.topk; ++jj) {
-      const int pos = __ldg(p.slot_pos + m * p.topk + jj);
-      if (pos < 0) continue;
-      const float w = __ldg(p.topk_weights + m * p.topk + jj);
-      const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.y + size_t(pos) * K + col));
-      const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(h2[i]);
-        sum[2 * i] = fmaf(w, f.x, sum[2 * i]);
-        sum[2 * i + 1] = fmaf(w, f.y, sum[2 * i + 1]);
-      }
-    }
+    slot_sum8<(R > 1 ? 8 : 1)>(p.slot_pos, p.topk_weights, p.y, K, p.topk, m, col, sum);
     *reinterpret_cast<uint4*>(p.out + size_t(m) * K + col) = pack_bf16x8(sum);
   }
 }

@@ -80,8 +80,8 @@ Mxfp4MoeShape check_inputs(const at::Tensor& x, const at::Tensor& topk_ids, cons
               "K/128, 4096]", prep, ", got shape ", w13.sizes());
   const int64_t E = w13.size(0), N = w13.size(1) * 32, G2 = (N + 127) / 128;
   TORCH_CHECK(w13.size(2) * 128 == K, "dsv4: w13 has K/128 = ", w13.size(2), " chunks but x has K = ", K);
-  TORCH_CHECK(N % 64 == 0, "dsv4: the intermediate size N = 2 * 32 * w13.shape[1] = ", N,
-              " must be a multiple of 64", prep);
+  TORCH_CHECK(N % 32 == 0, "dsv4: the intermediate size N = 32 * w13.shape[1] = ", N,
+              " must be a multiple of 32", prep);
   auto check_shape = [&](const at::Tensor& t, const char* name, int64_t d1, int64_t d2, int64_t d3) {
     TORCH_CHECK(t.size(0) == E && t.size(1) == d1 && t.size(2) == d2 && t.size(3) == d3, "dsv4: ", name,
                 " must have shape [", E, ", ", d1, ", ", d2, ", ", d3, "] (the prepared layout for E = ", E, ", N = ",
@@ -303,8 +303,13 @@ void mxfp4_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor
   p.sk_count = rp.sk_count;
   p.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
 
-  moe::launch_routing(rp, cfg.multi_cta_route, stream);
-  launch_kernel(w4a8::mxfp4_quant_x_kernel, dim3(unsigned(cfg.quant_ctas)), dim3(256), 0, stream, cfg.pdl, p);
+  if (cfg.fused_route) {  // config.h: decode sizes; launched as the routing kernel it replaces (no PDL)
+    w4a8::mxfp4_route_quant_kernel<<<unsigned(cfg.quant_ctas), 256, 0, stream>>>(rp, p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else {
+    moe::launch_routing(rp, cfg.multi_cta_route, stream);
+    launch_kernel(w4a8::mxfp4_quant_x_kernel, dim3(unsigned(cfg.quant_ctas)), dim3(256), 0, stream, cfg.pdl, p);
+  }
   switch (cfg.block_n) {
     case 8: launch_gemms<8>(cfg, p, stream); break;
     case 16: launch_gemms<16>(cfg, p, stream); break;

@@ -44,6 +44,11 @@ constexpr int kThreads = 128;     // one warpgroup: the CTA of the nvfp4_gemm.cu
 // the widest unit the prefill kernel's consumers hold accumulators for (n192).
 constexpr int kGroupHalves = 6;
 
+// mxfp4_route_quant_kernel (mxfp4_gemm.cuh) at decode sizes, chosen by config.h: the slots
+// it routes in shared memory, and the padded rows it tracks there.
+constexpr int kFusedRouteSlots = 128;
+constexpr int kFusedRouteRows = 2048;
+
 struct MoeParams {
   // shapes
   int M;         // tokens

@@ -2,7 +2,7 @@
 csrc/moe/mxfp4_gemm.cuh), made once at load from vLLM's stacked layout (plain torch, CPU or
 GPU), and its inverse.
 
-Input: vLLM's stacked tensors with N padded to a multiple of 64 (``dsv4.formats.mxfp4``
+Input: vLLM's stacked tensors with N padded to a multiple of 32 (``dsv4.formats.mxfp4``
 ``pad_mxfp4_moe_weights``) and every block fitted to the exact FP8 operand rule
 (``fit_fp8_operand``: within a row's 128 elements of K, every nonzero block lies at most
 14 binades below the largest; all-zero blocks carry scale byte 0).
@@ -49,6 +49,10 @@ from .mxfp4 import E8M0_BIAS, FP8_GROUP, FP8_OPERAND_SHIFT_MAX, FP8_OPERAND_SHIF
 from .nvfp4 import pack_fp4, unpack_fp4
 
 TILE_ROWS = 64
+# The layout's N granularity: a 64-row w13 tile holds the gate and up rows of 32 output
+# columns (the interleave below), and w2's K is padded to whole 128-chunks anyway, so N
+# needs only to be a multiple of 32 (V4.1-Flash at tensor parallel 8: N = 288, 9 tiles).
+N_MULTIPLE = 32
 CODE_TILE_BYTES = TILE_ROWS * FP8_GROUP // 2  # 4096
 SCALE_TILE_BYTES = TILE_ROWS * 4  # 256: one 32-bit word per row
 _BASE_MIN = -126  # 2^b stays a normal fp32
@@ -169,7 +173,7 @@ def _untile(tiles: torch.Tensor, scales: torch.Tensor, kd: int, interleave: bool
 
 
 def w4a8_layout(w13, w13_scale, w2, w2_scale) -> tuple:
-    """vLLM's stacked MXFP4 tensors (N a multiple of 64, K of 128, blocks fitted by
+    """vLLM's stacked MXFP4 tensors (N a multiple of 32, K of 128, blocks fitted by
     ``fit_fp8_operand``) -> the W4A8 kernels' tiles (module doc):
     ``w13 [E, 2N/64, K/128, 4096]``, ``w13_scale [E, 2N/64, K/128, 256]``,
     ``w2 [E, K/64, ceil(N/128), 4096]``, ``w2_scale [E, K/64, ceil(N/128), 256]``, uint8.
@@ -178,8 +182,9 @@ def w4a8_layout(w13, w13_scale, w2, w2_scale) -> tuple:
     op = "w4a8_layout"
     E, two_n, half_k = w13.shape
     N, K = two_n // 2, half_k * 2
-    if N % TILE_ROWS or K % FP8_GROUP:
-        raise C.error(op, f"the W4A8 layout needs N a multiple of 64 and K of 128, got N = {N}, K = {K}")
+    if N % N_MULTIPLE or K % FP8_GROUP:
+        raise C.error(op, f"the W4A8 layout needs N a multiple of {N_MULTIPLE} and K of {FP8_GROUP}, got N = {N}, "
+                          f"K = {K}")
     c13, s13 = _tile(w13, w13_scale, True)
     c2, s2 = _tile(w2, w2_scale, False)
     return c13, s13, c2, s2
@@ -187,7 +192,7 @@ def w4a8_layout(w13, w13_scale, w2, w2_scale) -> tuple:
 
 def w4a8_unlayout(w13, w13_scale, w2, w2_scale) -> dict:
     """Inverse of :func:`w4a8_layout`: dict w13 [E, 2N, K/2], w13_scale [E, 2N, K/32],
-    w2 [E, K, N/2], w2_scale [E, K, N/32] (uint8, vLLM's layout, N padded to 64)."""
+    w2 [E, K, N/2], w2_scale [E, K, N/32] (uint8, vLLM's layout, N padded to 32)."""
     E, rt13, kc1, _ = w13.shape
     N, K = rt13 * 32, kc1 * FP8_GROUP
     c13, s13 = _untile(w13, w13_scale, K, True)
@@ -196,7 +201,7 @@ def w4a8_unlayout(w13, w13_scale, w2, w2_scale) -> dict:
 
 
 def w4a8_shapes(E: int, N: int, K: int) -> dict:
-    """The prepared shapes for E experts, intermediate N (a multiple of 64), hidden K."""
+    """The prepared shapes for E experts, intermediate N (a multiple of 32), hidden K."""
     kc2 = -(-N // FP8_GROUP)
     return dict(w13=(E, 2 * N // 64, K // FP8_GROUP, CODE_TILE_BYTES),
                 w13_scale=(E, 2 * N // 64, K // FP8_GROUP, SCALE_TILE_BYTES),
@@ -214,8 +219,8 @@ def check_w4a8_layout(op: str, w13, w13_scale, w2, w2_scale, hint: str = "") -> 
                           f"{tuple(w13.shape)}")
     E, rt, kc, _ = w13.shape
     N, K = rt * 32, kc * FP8_GROUP
-    if N % TILE_ROWS:
-        raise C.error(op, f"the intermediate size N = 2 * 32 * w13.shape[1] = {N} must be a multiple of 64{hint}")
+    if N % N_MULTIPLE:  # never: N = 32 * w13.shape[1]; kept as the C++ check's twin
+        raise C.error(op, f"the intermediate size N = 32 * w13.shape[1] = {N} must be a multiple of {N_MULTIPLE}{hint}")
     want = w4a8_shapes(E, N, K)
     for name, t in (("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
         C.shape(op, name, t, want[name], f" (the prepared layout for E = {E}, N = {N}, K = {K}){hint}")

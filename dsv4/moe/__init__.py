@@ -99,8 +99,10 @@ def prepare_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, *,
         w2: uint8 [E, K, N/2]; w2_scale: e8m0 [E, K, N/32].
         activation: "fp8" (W4A8, vLLM's Hopper numerics) or "bf16" (W4A16).
 
-    N is padded to a multiple of 64 (the kernels' tile) with zero rows and columns, which
-    add exactly nothing (V4.1-Flash at TP 8: 288 -> 320, as vLLM's Humming path pads it).
+    N is padded with zero rows and columns, which add exactly nothing, to a multiple of 64
+    for "bf16" (the NVFP4 kernels' tile; V4.1-Flash at TP 8: 288 -> 320, as vLLM's Humming
+    path pads it) and of 32 for "fp8" (dsv4.formats.mxfp4_w4a8.N_MULTIPLE: 288 stays 288,
+    nine 64-row GEMM1 tiles instead of ten).
     "bf16": the NVFP4 layout of the same values (dsv4.formats.mxfp4.mxfp4_to_nvfp4), prepared for
     the bf16 kernels. "fp8": every block fitted to the FP8 operand rule
     (dsv4.formats.mxfp4.fit_fp8_operand), then tiled for the W4A8 kernels
@@ -120,7 +122,8 @@ def prepare_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, *,
     if activation == "fp8" and K % mxfp4_format.FP8_GROUP:
         raise C.error(op, f"the hidden size K = {K} must be a multiple of {mxfp4_format.FP8_GROUP} for activation "
                           "\"fp8\" (the W4A8 kernels' K chunk, the activations' FP8 group)")
-    p = mxfp4_format.pad_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, multiple=TILE)
+    p = mxfp4_format.pad_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale,
+                                           multiple=TILE if activation == "bf16" else mxfp4_w4a8.N_MULTIPLE)
     Np = p["w2"].shape[2] * 2
     total = (2 * Np * K + K * Np) // mxfp4_format.MXFP4_BLOCK * E
     if activation == "bf16":

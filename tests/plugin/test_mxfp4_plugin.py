@@ -7,7 +7,8 @@ model's name mapping and vLLM's MXFP4 scale loader, vLLM's router, against vLLM'
 W4A8 numerics (its torch functions: the fp4 / e8m0 decoders, QuantFP8's native
 per-128 activation quantizer, Humming's reference input quantizer) and, for W4A16, an
 independent float32 computation. The per-rank intermediate size is 96, which dsv4's
-prepare pads to its 64-wide tile (as V4.1-Flash's 288 at tensor parallel 8)."""
+prepare pads to the NVFP4 kernels' 64-wide tile for W4A16 and keeps for W4A8 (its
+granularity is 32: V4.1-Flash's 288 at tensor parallel 8 stays 288 there)."""
 
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def test_mxfp4_w4a8_end_to_end_matches_vllm_numerics(plugin, tmp_path, monkeypat
     experts = _experts(model)
     assert experts.dsv4_ue8m0 is True
     assert (experts.weights.format, experts.weights.activation) == ("mxfp4", "fp8")
-    assert experts.weights.report["N_padded"] == 128 and experts.weights.report["inexact_blocks"] == 0
+    assert experts.weights.report["N_padded"] == 96 and experts.weights.report["inexact_blocks"] == 0
     x, input_ids = mm.tokens(8, M)
     ue8m0, fp32 = _vllm_w4a8_quantizers(True), _vllm_w4a8_quantizers(False)
     check_layers(cfg, model, ckpt, "mxfp4", x, input_ids, moe.DSV4Mxfp4FusedMoE, quantize=ue8m0)
