@@ -165,19 +165,25 @@ class _HummingMoe:
         self.activation = _clamped_swiglu(swiglu_limit)
         self._mul_sum = None  # vLLM's moe_fused_mul_sum, loaded at the first indexed apply_plan
 
+    def _buffers(self, ids: torch.Tensor) -> dict:
+        """What both calls' plans hold for one input set: the shapes, vLLM's
+        ``estimate_local_valid_shape_m``, GEMM1's input (and its scales) as vLLM's prepare
+        step writes it, and GEMM1's output, GEMM2's input and output per route."""
+        M, k = ids.shape
+        dev, rows = ids.device, ids.numel()
+        return dict(M=M, k=k, valid_m=math.ceil(rows * self.E / self.E_global),
+                    gate_up=torch.empty(rows, 2 * self.N, dtype=torch.bfloat16, device=dev),
+                    act=torch.empty(rows, self.N, dtype=self._act_dtype, device=dev),
+                    down=torch.empty(rows, self.K, dtype=torch.bfloat16, device=dev), **self._input_buffers(M, dev))
+
     def plan(self, ids: torch.Tensor, emap: torch.Tensor) -> dict:
         """Routing prep and buffers for one input set (vLLM redoes the routing prep every
         forward; here it is built once per input set, outside the timed region)."""
-        M, k = ids.shape
-        valid_m = math.ceil(M * k * self.E / self.E_global)  # vLLM's estimate_local_valid_shape_m
-        align = {name: align_routes(ids, emap, self.E, _block_for(self.tuning[name], valid_m))
-                 for name in ("w13", "w2")}
-        dev = ids.device
-        return dict(M=M, k=k, valid_m=valid_m, align=align,
-                    gate_up=torch.empty(M * k, 2 * self.N, dtype=torch.bfloat16, device=dev),
-                    act=torch.empty(M * k, self.N, dtype=self._act_dtype, device=dev),
-                    down=torch.empty(M * k, self.K, dtype=torch.bfloat16, device=dev),
-                    local=(emap.long()[ids.long()] >= 0))
+        p = self._buffers(ids)
+        p.update(align={name: align_routes(ids, emap, self.E, _block_for(self.tuning[name], p["valid_m"]))
+                        for name in ("w13", "w2")},
+                 local=(emap.long()[ids.long()] >= 0))
+        return p
 
     _act_dtype = torch.bfloat16  # GEMM2's input as Humming's input processing writes it
 
@@ -231,13 +237,8 @@ class _HummingMoe:
         has no expert map without it). ``anchors`` locates vLLM's weighted sum (indexed path)."""
         M, k = ids.shape
         dev, rows = ids.device, ids.numel()
-        p = dict(M=M, k=k, ids=ids, emap=emap if self.ep else None,
-                 valid_m=math.ceil(rows * self.E / self.E_global),  # estimate_local_valid_shape_m
-                 gate_up=torch.empty(rows, 2 * self.N, dtype=torch.bfloat16, device=dev),
-                 act=torch.empty(rows, self.N, dtype=self._act_dtype, device=dev),
-                 down=torch.empty(rows, self.K, dtype=torch.bfloat16, device=dev),
-                 out=torch.empty(M, self.K, dtype=torch.bfloat16, device=dev))
-        p.update(self._input_buffers(M, dev))
+        p = self._buffers(ids)
+        p.update(ids=ids, emap=emap if self.ep else None, out=torch.empty(M, self.K, dtype=torch.bfloat16, device=dev))
         if self.ep:
             # MoEPermuteScratch (moe_permute_unpermute.py), reserved for M * k rows; GEMM1's
             # input in expert order ("quanted_gate_up_input", M * k rows in grouped mode)
@@ -420,11 +421,6 @@ class HummingW4A8(_HummingMoe):
         super().__init__(subs, BaseWeightSchema.from_config({"quant_method": "mxfp4"}), block_fp8, E, N, K,
                          E_global, swiglu_limit, w["w13"].device)
         self.ue8m0 = bool(ue8m0)
-
-    def plan(self, ids: torch.Tensor, emap: torch.Tensor) -> dict:
-        p = super().plan(ids, emap)
-        p.update(self._input_buffers(ids.shape[0], ids.device))
-        return p
 
     def experts(self, x: torch.Tensor, plan: dict) -> torch.Tensor:
         """GEMM1's input quantization (vLLM's kernel), GEMM1 (gate|up) with ``top_k``, the
