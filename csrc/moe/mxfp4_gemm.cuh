@@ -258,18 +258,18 @@ __global__ void __launch_bounds__(256) mxfp4_route_quant_kernel(const MoeParams 
   __shared__ int s_bad, s_num_tiles;
   auto route = [&] {
     const int tid = threadIdx.x, S = p.M * p.topk, BN = p.block_n;
-    // The slots' local experts (routing.cuh resolve_experts' rules: an id out of range or
-    // a map entry out of range marks the call bad and the slot not local).
+    // The slots' local experts (params.cuh's rules, as routing.cuh resolve_experts: an id
+    // or a map entry out of range marks the call bad and the slot not local).
     if (tid == 0) s_bad = 0;
     __syncthreads();
     if (tid < S) {
-      const int n_ids = rp.expert_map != nullptr ? rp.E_global : rp.E;
+      const int n_ids = expert_id_bound(rp);
       const int id = __ldg(rp.topk_ids + tid);
       bool bad = id < 0 || id >= n_ids;
       int ev = bad ? -1 : id;
       if (rp.expert_map != nullptr && ev >= 0) {
         ev = __ldg(rp.expert_map + ev);
-        if (ev < -1 || ev >= rp.E) {
+        if (map_entry_bad(rp, ev)) {
           bad = true;
           ev = -1;
         }

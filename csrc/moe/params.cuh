@@ -115,6 +115,15 @@ struct MoeParams {
   __nv_bfloat16* out;// [M, K]
 };
 
+// The routing's rules for one slot (routing.cuh resolve_experts, mxfp4_gemm.cuh
+// mxfp4_route_quant_kernel): an expert id is valid in [0, expert_id_bound); a map entry
+// is a local expert in [0, E) or -1 (not on this rank). Anything else marks the call bad
+// and the slot not local.
+__device__ __forceinline__ int expert_id_bound(const MoeParams& p) {
+  return p.expert_map != nullptr ? p.E_global : p.E;  // ids index the map, else the local experts
+}
+__device__ __forceinline__ bool map_entry_bad(const MoeParams& p, int ev) { return ev < -1 || ev >= p.E; }
+
 // 64-wide K steps and 64-row weight tiles of GEMM1 (w13: 2N rows over K) or GEMM2
 // (w2: K rows over N).
 template <bool kGemm1>

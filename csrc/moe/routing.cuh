@@ -30,7 +30,7 @@ __device__ __forceinline__ void resolve_experts(const MoeParams& p, int base, in
     const int i = base + j * kRouteThreads + lane;
     id[j] = i < S ? __ldg(p.topk_ids + i) : 0;
   }
-  const int n_ids = p.expert_map != nullptr ? p.E_global : p.E;
+  const int n_ids = expert_id_bound(p);
   bool bad = false;
 #pragma unroll
   for (int j = 0; j < kRouteBatch; ++j) {
@@ -43,7 +43,7 @@ __device__ __forceinline__ void resolve_experts(const MoeParams& p, int base, in
     for (int j = 0; j < kRouteBatch; ++j) ev[j] = ev[j] >= 0 ? __ldg(p.expert_map + ev[j]) : -1;
 #pragma unroll
     for (int j = 0; j < kRouteBatch; ++j) {
-      if (ev[j] < -1 || ev[j] >= p.E) {
+      if (map_entry_bad(p, ev[j])) {
         bad = true;
         ev[j] = -1;
       }
