@@ -25,7 +25,7 @@ res -> DSV4_MOE_GEMM2_RESIDENT: 0 fetches GEMM2's token tile per weight tile; fr
 DSV4_MOE_FUSED_ROUTE: 0 keeps MXFP4 W4A8's routing kernel at decode sizes;
 README.md, "Environment variables"). The library reads them once per
 process, so each variant runs in a child process of its own and the rows are merged.
---profile prints per-kernel device times (torch.profiler) of the decode sizes.
+--profile prints per-kernel device times (torch.profiler, CUDA-graph replays, warm L2) of every size.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="prefill M, comma-separated (default 2048,8192,16384; --quick 8192); '' = none")
     ap.add_argument("--variants", default="", help="';'-separated sets of k=v switches, e.g. 'sk=0,pdl=0;sk=1,pdl=1' "
                                                    f"(k one of {', '.join(SWITCHES)}; v 0 or 1, bn: a token tile)")
-    ap.add_argument("--profile", action="store_true", help="per-kernel device times at decode sizes")
+    ap.add_argument("--profile", action="store_true", help="per-kernel device times at every size")
     ap.add_argument("--vs", choices=["vllm"], default=None,
                     help="side by side with vLLM 0.33.0's Humming W4A16 (NVFP4) and W4A8 (MXFP4) MoE instead: runs "
                          "the compare routine's MoE section (--anchors / DSV4_ANCHORS)")
@@ -290,7 +290,7 @@ def _model_rows(args, m, fmt, acts, decode, prefill, variant, copy_tbps, gemm_tf
                 rows.append(row)
                 print(row, flush=True)
     if args.profile:
-        for M in decode:
+        for M in decode + prefill:
             inp = moe_routing(m, M, torch.Generator().manual_seed(0), "cuda")
             out = torch.empty(M, K, dtype=torch.bfloat16, device="cuda")
             act = acts[0]
