@@ -119,6 +119,19 @@ def _installed_version(dist: str) -> Optional[str]:
         return None
 
 
+def _candidates(folders: list[str], rel: str, dist: str, version: str, why: list[str]):
+    """The anchor folders, in order, that hold ``rel`` and whose manifest names ``dist``
+    ``version``; a folder whose manifest names another adds its reason to ``why``."""
+    for d in folders:
+        if not os.path.exists(os.path.join(d, rel)):
+            continue
+        bad = _manifest_ok(d, dist, version)
+        if bad:
+            why.append(bad)
+            continue
+        yield d
+
+
 def find_anchors(paths=None, *, load: bool = True) -> Anchors:
     """Looks for the incumbents (see the module docstring) and, with ``load``, loads them.
 
@@ -139,14 +152,8 @@ def find_anchors(paths=None, *, load: bool = True) -> Anchors:
     libs = {"flashmla": FLASHMLA_FILES[0], "moe_c": MOE_C_FILES[0], "vllm_c": VLLM_C_FILES[0]}
     for name, rel in libs.items():
         why = []
-        for d in folders:
+        for d in _candidates(folders, rel, "vllm", VLLM_VERSION, why):
             path = os.path.join(d, rel)
-            if not os.path.exists(path):
-                continue
-            bad = _manifest_ok(d, "vllm", VLLM_VERSION)
-            if bad:
-                why.append(bad)
-                continue
             err = _load_library(path) if load else None
             if err:
                 why.append(err)
@@ -180,13 +187,7 @@ def _find_vllm_python(a: Anchors, folders: list[str]) -> None:
     a manifest naming vllm 0.33.0), else the installed vllm==0.33.0. Only located (sys.path
     untouched): the incumbents load single modules from it by path (:func:`vllm_module`)."""
     why = []
-    for d in folders:
-        if not os.path.isfile(os.path.join(d, "vllm", "__init__.py")):
-            continue
-        bad = _manifest_ok(d, "vllm", VLLM_VERSION)
-        if bad:
-            why.append(bad)
-            continue
+    for d in _candidates(folders, os.path.join("vllm", "__init__.py"), "vllm", VLLM_VERSION, why):
         a.vllm_py = a.sources["vllm_py"] = os.path.join(d, "vllm")
         return
     ver = _installed_version("vllm")
@@ -226,13 +227,7 @@ def vllm_module(a: Anchors, rel: str, name: str):
 
 def _find_humming(a: Anchors, folders: list[str], load: bool) -> None:
     why = []
-    for d in folders:
-        if not os.path.isdir(os.path.join(d, "humming")):
-            continue
-        bad = _manifest_ok(d, "humming-kernels", HUMMING_VERSION)
-        if bad:
-            why.append(bad)
-            continue
+    for d in _candidates(folders, "humming", "humming-kernels", HUMMING_VERSION, why):
         if d not in sys.path:
             sys.path.insert(0, d)
         break
