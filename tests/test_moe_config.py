@@ -495,7 +495,7 @@ PRINT_CASES = [  # (model, M, activation, cta_mode, expert_map?)
 
 
 def _expected_config(c: dict) -> dict:
-    M, topk, E, Eg, K, N = c["M"], c["topk"], c["E"], c["E_global"], c["K"], c["N"]
+    M, topk, E, Eg, N = c["M"], c["topk"], c["E"], c["E_global"], c["N"]
     S, per_expert = M * topk, M * topk / Eg
     bn = 8 if per_expert <= 4 else 16 if per_expert <= 24 else 64
     touched = E * (1 - (1 - 1 / E) ** (S * E / Eg))

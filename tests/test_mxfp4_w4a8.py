@@ -31,7 +31,6 @@ differ by 1e-7 on these cases, so the reference's own order is not it). The bina
 cases therefore take 2e-2, the chunk-uniform ones 5e-3; a case of 6 tokens (opcheck) takes
 2e-2 too, where one flipped h element moves a token by ~1e-2."""
 
-import math
 import os
 import re
 import subprocess
@@ -42,7 +41,7 @@ import torch
 
 from dsv4 import reference
 from dsv4.formats import mxfp4, mxfp4_w4a8 as L
-from dsv4.formats.nvfp4 import E2M1_VALUES, pack_fp4, unpack_fp4
+from dsv4.formats.nvfp4 import E2M1_VALUES
 from dsv4.moe import prepare_moe_weights, routed_moe
 
 MX = ("w13", "w13_scale", "w2", "w2_scale")
@@ -356,7 +355,7 @@ def _emulate(x, ids, tw, prepared, limit, ue8m0, emap=None, BN=8, P=None):
     w13, s13, w2, s2 = prepared
     M, K = x.shape
     E, RT1, KC1, _ = w13.shape
-    N, RT2, G2 = RT1 * 32, w2.shape[1], w2.shape[2]
+    RT2, G2 = w2.shape[1], w2.shape[2]
     topk = ids.shape[1]
     slot_pos, row_slot, tile_expert = _route(ids, emap, E, BN)
     tiles = len(tile_expert)
