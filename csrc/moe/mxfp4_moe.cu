@@ -80,8 +80,6 @@ Mxfp4MoeShape check_inputs(const at::Tensor& x, const at::Tensor& topk_ids, cons
               "K/128, 4096]", prep, ", got shape ", w13.sizes());
   const int64_t E = w13.size(0), N = w13.size(1) * 32, G2 = (N + 127) / 128;
   TORCH_CHECK(w13.size(2) * 128 == K, "dsv4: w13 has K/128 = ", w13.size(2), " chunks but x has K = ", K);
-  TORCH_CHECK(N % 32 == 0, "dsv4: the intermediate size N = 32 * w13.shape[1] = ", N,
-              " must be a multiple of 32", prep);
   auto check_shape = [&](const at::Tensor& t, const char* name, int64_t d1, int64_t d2, int64_t d3) {
     TORCH_CHECK(t.size(0) == E && t.size(1) == d1 && t.size(2) == d2 && t.size(3) == d3, "dsv4: ", name,
                 " must have shape [", E, ", ", d1, ", ", d2, ", ", d3, "] (the prepared layout for E = ", E, ", N = ",

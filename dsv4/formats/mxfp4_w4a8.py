@@ -218,9 +218,7 @@ def check_w4a8_layout(op: str, w13, w13_scale, w2, w2_scale, hint: str = "") -> 
         raise C.error(op, f"w13 must be the prepared layout [E, 2N/64, K/128, {CODE_TILE_BYTES}]{hint}, got shape "
                           f"{tuple(w13.shape)}")
     E, rt, kc, _ = w13.shape
-    N, K = rt * 32, kc * FP8_GROUP
-    if N % N_MULTIPLE:  # never: N = 32 * w13.shape[1]; kept as the C++ check's twin
-        raise C.error(op, f"the intermediate size N = 32 * w13.shape[1] = {N} must be a multiple of {N_MULTIPLE}{hint}")
+    N, K = rt * 32, kc * FP8_GROUP  # N = 32 * w13.shape[1] is a multiple of N_MULTIPLE by construction
     want = w4a8_shapes(E, N, K)
     for name, t in (("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
         C.shape(op, name, t, want[name], f" (the prepared layout for E = {E}, N = {N}, K = {K}){hint}")
