@@ -77,6 +77,17 @@ the model is built:
 4. torch 2.11 vs vLLM's pinned 2.14: none needed at import (every engine, worker and
    DeepSeek V4 module imports on 2.11 with the carried wheels); any found at run time is
    added to :func:`apply_workarounds` and listed here.
+5. ``VLLM_DEEP_GEMM_WARMUP=skip`` (:func:`child_env`): vLLM's default warmup JIT-compiles
+   576 DeepGEMM kernels with the machine's nvcc before the first request; on the H200 the
+   first configuration spent its whole 240 s in it (2026-12-05) while the later ones found
+   the cache warm. Skipped, each kernel compiles at its first use, the same for every
+   configuration.
+6. ``language_model_only=True``: the V4.1 model is vLLM's vision-language class, whose
+   multimodal processor requires a tokenizer (``skip_tokenizer_init`` raised "requires a
+   tokenizer" on the H200); the examples have none, and the smoke sends token ids only.
+   vLLM's own switch (``--language-model-only``: every modality limit 0) builds no
+   processor; it does not change the language model. Harmless for V4 (no multimodal
+   config).
 
 The engine: ``vllm.LLM`` (the engine ``vllm serve`` runs), in-process engine core
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), dummy weights (``load_format="dummy"``, seeded),
@@ -178,6 +189,7 @@ def child_env(extra: dict | None = None) -> dict:
         "CUTE_DSL_CACHE_DIR": os.path.join(cache, "cute_dsl"),
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
         "VLLM_USE_FLASHINFER_SAMPLER": "0",  # FlashInfer is not carried: workaround 3 of the module docstring
+        "VLLM_DEEP_GEMM_WARMUP": "skip",  # workaround 5 of the module docstring
     })
     if not env.get("CUDA_HOME"):
         nvcc = shutil.which("nvcc")
@@ -675,6 +687,7 @@ def cmd_one(args) -> int:
                   max_model_len=2048, max_num_seqs=4, max_num_batched_tokens=2048, gpu_memory_utilization=0.25,
                   enforce_eager=not cfg["graphs"], attention_backend=cfg["backend"],
                   kernel_config={"enable_jit_warmup": False},
+                  language_model_only=True,  # workaround 6 of the module docstring
                   compilation_config=_compilation(cfg["graphs"], args.no_compile))
         result["startup_s"] = round(time.time() - t, 1)
         result["stage"] = "layers"
@@ -689,8 +702,10 @@ def cmd_one(args) -> int:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts()], sp, use_tqdm=False)
         result["generate_s"] = round(time.time() - t, 2)
         result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
-        result["first_logprobs"] = [{str(k): v.logprob for k, v in (o.outputs[0].logprobs or [{}])[0].items()}
-                                    for o in outs]
+        # the top LOGPROBS of every step (the chosen token among them), per prompt
+        result["step_logprobs"] = [[{str(k): v.logprob for k, v in step.items()} for step in (o.outputs[0].logprobs
+                                                                                               or [])] for o in outs]
+        result["first_logprobs"] = [steps[0] if steps else {} for steps in result["step_logprobs"]]
         result["stage"] = "done"
     except BaseException as e:
         import traceback
@@ -706,20 +721,37 @@ def cmd_one(args) -> int:
 # ----------------------------------------------------------------------------- driver and comparison
 
 
+def _margin(step: dict, chosen: int, other: int) -> float | None:
+    """How much more likely ``chosen`` was than ``other`` at one step (logprob difference),
+    None where ``other`` is not among the step's top LOGPROBS."""
+    lc, lo = step.get(str(chosen)), step.get(str(other))
+    return None if lc is None or lo is None else round(lc - lo, 4)
+
+
 def agreement(a: dict, b: dict) -> dict:
+    """Greedy tokens of two configurations on the same prompts and dummy weights. At each
+    prompt's first divergence, the margin by which each run preferred its own token over
+    the other's: with random weights the top logits lie within ~0.01 of each other, so a
+    divergence whose margins are below the logprob differences the two runs show
+    elsewhere is a near-tie (an fp8/bf16 rounding order decides it), not a defect."""
     same = total = 0
-    first_div = []
-    for ta, tb in zip(a["tokens"], b["tokens"]):
+    first_div, margins = [], []
+    for p, (ta, tb) in enumerate(zip(a["tokens"], b["tokens"])):
         n = min(len(ta), len(tb))
         total += max(len(ta), len(tb))
         same += sum(x == y for x, y in zip(ta[:n], tb[:n]))
-        first_div.append(next((i for i in range(n) if ta[i] != tb[i]), None))
+        i = next((i for i in range(n) if ta[i] != tb[i]), None)
+        first_div.append(i)
+        sa, sb = (r.get("step_logprobs", [[]] * (p + 1))[p] for r in (a, b))
+        if i is not None and i < len(sa) and i < len(sb):
+            margins.append({"prompt": p, "step": i, "tokens": [ta[i], tb[i]],
+                            "margin_a": _margin(sa[i], ta[i], tb[i]), "margin_b": _margin(sb[i], tb[i], ta[i])})
     diffs = []
     for la, lb in zip(a["first_logprobs"], b["first_logprobs"]):
         common = set(la) & set(lb)
         diffs += [abs(la[k] - lb[k]) for k in common]
     return {"same_tokens": round(same / max(total, 1), 3), "first_divergence": first_div,
-            "first_step_logprob_maxdiff": round(max(diffs), 4) if diffs else None}
+            "first_step_logprob_maxdiff": round(max(diffs), 4) if diffs else None, "divergence_margins": margins}
 
 
 PAIRS = (("dsv4-eager", "flashmla-eager"), ("dsv4-graphs", "flashmla-graphs"), ("dsv4-graphs", "dsv4-eager"),
@@ -781,6 +813,9 @@ def cmd_run(args) -> int:
     print("\ncomparison                                  same tokens  first divergence  first-step logprob max|diff|")
     for k, v in comps.items():
         print(f"  {k:<42} {v['same_tokens']:>10}  {str(v['first_divergence']):>16}  {v['first_step_logprob_maxdiff']}")
+        for m in v.get("divergence_margins", []):
+            print(f"      prompt {m['prompt']} step {m['step']}: tokens {m['tokens']}, each run's preference for its "
+                  f"own token: {m['margin_a']} / {m['margin_b']} (logprob; None: not in the other's top {LOGPROBS})")
     print("\nconfiguration                 status      startup s  generate s")
     for n, r in results.items():
         st = "ok" if r.get("stage") == "done" else f"FAIL@{r.get('stage')}"

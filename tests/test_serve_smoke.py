@@ -128,7 +128,14 @@ def test_agreement():
     a = {"tokens": [[1, 2, 3], [4, 5, 6]], "first_logprobs": [{"1": -0.1, "7": -2.0}, {"4": -0.5}]}
     b = {"tokens": [[1, 2, 9], [4, 5, 6]], "first_logprobs": [{"1": -0.12, "8": -2.0}, {"4": -0.45}]}
     assert smoke.agreement(a, b) == {"same_tokens": 0.833, "first_divergence": [2, None],
-                                     "first_step_logprob_maxdiff": 0.05}
+                                     "first_step_logprob_maxdiff": 0.05, "divergence_margins": []}
+    # with every step's top logprobs: the margin of each run's own token over the other's at the divergence
+    a["step_logprobs"] = [[{"1": -0.1}, {"2": -0.2}, {"3": -1.0, "9": -1.004}], [{"4": -0.5}, {"5": -1}, {"6": -1}]]
+    b["step_logprobs"] = [[{"1": -0.1}, {"2": -0.2}, {"9": -1.001, "3": -1.003}], [{"4": -0.5}, {"5": -1}, {"6": -1}]]
+    assert smoke.agreement(a, b)["divergence_margins"] == [
+        {"prompt": 0, "step": 2, "tokens": [3, 9], "margin_a": 0.004, "margin_b": 0.002}]
+    b["step_logprobs"][0][2] = {"9": -1.0}  # a's token not among b's top logprobs
+    assert smoke.agreement(a, b)["divergence_margins"][0]["margin_b"] is None
 
 
 def test_stage_keeps_the_image_s_own_distributions(parts, capsys, monkeypatch):
@@ -148,6 +155,26 @@ def test_every_vllm_process_gets_the_smoke_plugin():
     assert os.path.join(smoke.ROOT, "scripts") in env["PYTHONPATH"].split(os.pathsep)
     assert callable(smoke.vllm_plugin)
     assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"  # FlashInfer is not carried
+    assert env["VLLM_DEEP_GEMM_WARMUP"] == "skip"  # its JIT warmup took a whole configuration's time on the H200
+
+
+def test_v41_example_meets_vllm_s_decoder_replay_rule():
+    """vLLM's V4.1 CUDA model (vllm/models/deepseek_v41/nvidia/model.py, DeepseekV41Model:
+    the decoder SWA bounded replay of eager prefill) asserts that the last KV-source layer
+    has compress ratio <= 1 when layers follow it; on the H200 the example's first topology
+    (ratios 0, 1, 1, 2, 2, last source layer 3 at ratio 2) failed that assertion at model
+    build. The CPU platform never builds the replay, so only this check catches it here.
+    Consumers share their source's ratio (vllm/models/deepseek_v41/attention.py: a layer
+    reads the latest source at or below it)."""
+    cfg = json.load(open(os.path.join(smoke.ROOT, "examples", "dsv41-tiny-nvfp4", "config.json")))["text_config"]
+    ratios, sources, n = cfg["compress_ratios"], cfg["kv_source_layer_ids"], cfg["num_hidden_layers"]
+    cut = max(sources)
+    assert cut == n - 1 or ratios[cut] <= 1, (ratios, sources)
+    for layer in range(n):
+        if ratios[layer] > 0:
+            src = max(s for s in sources if s <= layer)
+            assert ratios[src] == ratios[layer], (layer, src, ratios)
+    assert {1, 2} <= set(ratios[:n])  # both compressed-cache kinds stay covered
 
 
 def test_smoke_plugin_patches_before_dsv4_registers(monkeypatch):

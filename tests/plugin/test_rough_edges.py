@@ -339,3 +339,6 @@ def test_readme_serve_commands_work_offline(plugin, doc, monkeypatch):
         cfg = AsyncEngineArgs.from_cli_args(args).create_engine_config()
         assert cfg.attention_config.backend is AttentionBackendEnum["DSV4"]
         assert cfg.model_config.skip_tokenizer_init
+        # without a tokenizer vLLM cannot build a multimodal processor: the V4.1 commands
+        # need --language-model-only (the H200 run failed with "requires a tokenizer")
+        assert not (cfg.model_config.is_multimodal_model and cfg.model_config.supports_multimodal_inputs), argv
