@@ -869,8 +869,8 @@ def test_gpu_single_block_caches(block):
 needs_ext = pytest.mark.skipif(not dsv4._ops.HAS_CUDA_EXTENSION, reason="needs the dsv4 CUDA extension")
 
 
-def _splits(base_ctas, max_tiles, sms=132, priced=True):
-    return torch.ops.dsv4_testing.sparse_mqa_num_splits(base_ctas, max_tiles, sms, priced)
+def _splits(base_ctas, max_tiles, sms=132, priced=True, forced=None):
+    return torch.ops.dsv4_testing.sparse_mqa_num_splits(base_ctas, max_tiles, sms, priced, forced)
 
 
 # The benchmark's decode cases (dsv4.bench.inputs): per layer type, the index widths in
@@ -921,6 +921,28 @@ def test_split_count_rules():
         _splits(0, 4)
 
 
+@needs_ext
+def test_forced_split_count():
+    """DSV4_ATTN_SPLITS (the op's `forced`): that count, clamped to [1, tile pairs], at any
+    batch (also past one wave, where the rule never splits), whatever the rule or `priced`."""
+    for priced in (True, False):
+        for sms in (1, 132):
+            for base in (1, 7, 131, 132, 500):
+                for tiles in (0, 1, 2, 3, 4, 5, 9, 10, 18, 33, 200):
+                    assert _splits(base, tiles, sms, priced, None) == _splits(base, tiles, sms, priced)
+                    for f in range(1, 17):  # DSV4_ATTN_SPLITS's values are among them
+                        want = max(1, min(f, (tiles + 1) // 2))
+                        assert _splits(base, tiles, sms, priced, f) == want, (base, tiles, sms, priced, f)
+    # the benchmark's cases: V4-Pro CSA (18 tiles) splits at most 9 ways, HCA 4K 2, SWA never
+    assert [_splits(512, 18, forced=f) for f in (1, 8, 9, 10, 16)] == [1, 8, 9, 9, 9]
+    assert [_splits(2, 4, forced=f) for f in (1, 2, 3)] == [1, 2, 2]
+    assert _splits(2, 2, forced=16) == 1
+    assert _splits(1, 200, forced=64) == 64
+    for bad in (0, -1, 65):
+        with pytest.raises(RuntimeError, match="dsv4: sparse_mqa_num_splits takes forced"):
+            _splits(1, 4, forced=bad)
+
+
 # ----------------------------------------------------------------------------------------
 # GPU: the development switches of csrc/common/env.h (read once per process, so each
 # setting runs in a child process) keep every result right
@@ -953,9 +975,10 @@ def child_switch_cases() -> None:
 @pytest.mark.parametrize("env", [{"DSV4_ATTN_PRICED_SPLITS": "0"}, {"DSV4_ATTN_PDL": "0"},
                                  {"DSV4_ATTN_SPECIALIZE": "0"}, {"DSV4_ATTN_MAIN_PDL": "0"},
                                  {"DSV4_ATTN_COOP_ROUND": "0"}, {"DSV4_ATTN_PRODUCER_AHEAD": "0"},
-                                 {"DSV4_ATTN_COOP_PREFETCH": "0"}, {"DSV4_ATTN_FIRST_PV_INIT": "0"}],
+                                 {"DSV4_ATTN_COOP_PREFETCH": "0"}, {"DSV4_ATTN_FIRST_PV_INIT": "0"},
+                                 {"DSV4_ATTN_SPLITS": "3"}, {"DSV4_ATTN_SPLITS": "16"}],
                          ids=["splits0", "pdl0", "specialize0", "main_pdl0", "coop0", "producer_ahead0",
-                              "coop_prefetch0", "first_pv_init0"])
+                              "coop_prefetch0", "first_pv_init0", "forced_splits3", "forced_splits16"])
 def test_development_switches_keep_results(env):
     proc = _child(env, "child_switch_cases()")
     assert proc.returncode == 0 and "switch cases passed" in proc.stdout, \

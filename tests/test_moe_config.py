@@ -37,7 +37,8 @@ CHOICES = {"DSV4_MOE_BLOCK_N": "`8`, `16`, `64`", "DSV4_MOE_GEMM2_ROWS": "`1`, `
 ATTN_OVERRIDES = ("DSV4_ATTN_PRICED_SPLITS", "DSV4_ATTN_PDL", "DSV4_ATTN_SPECIALIZE", "DSV4_ATTN_MAIN_PDL",
                   "DSV4_ATTN_COOP_ROUND", "DSV4_ATTN_PRODUCER_AHEAD", "DSV4_ATTN_COOP_PREFETCH",
                   "DSV4_ATTN_FIRST_PV_INIT")  # csrc/attention (tests/test_attention.py)
-VARIABLES = OVERRIDES + tuple(CHOICES) + ("DSV4_PRINT_CONFIG",) + ATTN_OVERRIDES
+ATTN_CHOICES = {"DSV4_ATTN_SPLITS": "`1`, `2`, `3`, `4`, `5`, `6`, `7`, `8`, `9`, `10`, `12`, `16`"}
+VARIABLES = OVERRIDES + tuple(CHOICES) + ("DSV4_PRINT_CONFIG",) + ATTN_OVERRIDES + tuple(ATTN_CHOICES)
 
 
 # ---------------------------------------------------------------- CPU ---------
@@ -64,9 +65,9 @@ def test_env_h_and_readme_list_the_same_variables():
     assert sorted(rows) == sorted(VARIABLES)
     for name, cells in rows.items():
         assert len(cells) == 3 and all(cells), f"README row {name}: values | default | effect, got {cells}"
-        values = CHOICES.get(name, "`0`, `1`")
+        values = {**CHOICES, **ATTN_CHOICES}.get(name, "`0`, `1`")
         assert cells[0] == values, f"README row {name}: env.h takes {values}, the row says {cells[0]}"
-    for name, values in CHOICES.items():  # env.h's list of values is the README's
+    for name, values in {**CHOICES, **ATTN_CHOICES}.items():  # env.h's list of values is the README's
         listed = re.search(rf'parse_int_choice\("{name}", [^{{]*\{{([^}}]*)\}}', env_h).group(1)
         assert ", ".join(f"`{v.strip()}`" for v in listed.split(",")) == values
 
@@ -467,7 +468,9 @@ def test_bad_value_is_an_error(name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,allowed,bad", [("DSV4_MOE_BLOCK_N", "8, 16, 64", b) for b in ("yes", "32", "064", " 64", "-1")]
-                         + [("DSV4_MOE_GEMM2_ROWS", "1, 2, 4, 8", b) for b in ("3", "16", "0")])
+                         + [("DSV4_MOE_GEMM2_ROWS", "1, 2, 4, 8", b) for b in ("3", "16", "0")]
+                         + [("DSV4_ATTN_SPLITS", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16", b)
+                            for b in ("0", "11", "32", "08", " 4", "auto")])
 def test_bad_choice_is_an_error(name, allowed, bad):
     out = _child({name: bad}, "child_bad_value")
     msg = f'ERROR: dsv4: environment variable {name} must be one of {allowed} (or unset), got "{bad}"'

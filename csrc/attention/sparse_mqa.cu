@@ -199,7 +199,7 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
     // the ordered combine, in which empty splits add nothing), so that a token's result
     // depends on its own lists only: not on the batch size, the other sequences, the
     // list widths or the GPU's SM count.
-    const int64_t max_pairs = (max_tiles + 1) / 2;
+    const int64_t max_pairs = attention::tile_pairs(max_tiles);
     const int64_t splits = (max_pairs + attention::kInvariantPairsPerSplit - 1) / attention::kInvariantPairsPerSplit;
     TORCH_CHECK(splits <= attention::kMaxSplits, "dsv4: batch_invariant decode takes index lists of at most ",
                 attention::kMaxSplits * attention::kInvariantPairsPerSplit * 2 * attention::kTileKeys,
@@ -207,8 +207,10 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
     p.pairs_per_split = attention::kInvariantPairsPerSplit;
     p.num_splits = static_cast<int>(std::max<int64_t>(2, splits));
   } else {
+    // The cost model's count (sparse_mqa_splits.h), or DSV4_ATTN_SPLITS's, clamped to the tile pairs.
     p.pairs_per_split = 0;
-    p.num_splits = attention::pick_splits(base, max_tiles, sms, env::switches().attn_priced_splits.value_or(true));
+    p.num_splits = attention::choose_splits(base, max_tiles, sms, env::switches().attn_priced_splits.value_or(true),
+                                            env::switches().attn_splits);
   }
   p.splits_div = FastDivmod(static_cast<uint32_t>(p.num_splits));
   p.sq_div = FastDivmod(static_cast<uint32_t>(s_q));
@@ -239,7 +241,7 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   // consumers alone, the producer starting on round 1 at once (its cold path, index, scale and
   // row loads overlap round 0); one-round items (SWA, small splits) keep all three warpgroups
   // on round 0. DSV4_ATTN_PRODUCER_AHEAD=0: all three always.
-  const int64_t all_pairs = (max_tiles + 1) / 2;
+  const int64_t all_pairs = attention::tile_pairs(max_tiles);
   const int64_t split_pairs = p.pairs_per_split > 0 ? std::min<int64_t>(p.pairs_per_split, all_pairs)
                                                     : (all_pairs + p.num_splits - 1) / p.num_splits;
   const bool ahead = split_pairs > 1 && env::switches().attn_producer_ahead.value_or(true);
@@ -325,12 +327,18 @@ TORCH_LIBRARY_IMPL(dsv4, CUDA, m) {
 }
 
 // Test-only (dsv4_testing, tests/test_attention.py): the split count a default-mode call
-// gets, without a GPU. No tensor argument: the function is the op's only kernel.
+// gets, without a GPU: `priced` stands for DSV4_ATTN_PRICED_SPLITS, `forced` for
+// DSV4_ATTN_SPLITS (None: unset; any count >= 1 here), both given, never read from the
+// environment. No tensor argument: the function is the op's only kernel.
 TORCH_LIBRARY_FRAGMENT(dsv4_testing, m) {
-  m.def("sparse_mqa_num_splits(int base_ctas, int max_tiles, int sms, bool priced) -> int",
-        [](int64_t base_ctas, int64_t max_tiles, int64_t sms, bool priced) -> int64_t {
+  m.def("sparse_mqa_num_splits(int base_ctas, int max_tiles, int sms, bool priced, int? forced=None) -> int",
+        [](int64_t base_ctas, int64_t max_tiles, int64_t sms, bool priced, std::optional<int64_t> forced) -> int64_t {
           TORCH_CHECK(base_ctas > 0 && max_tiles >= 0 && sms > 0, "dsv4: sparse_mqa_num_splits takes base_ctas > 0, "
                       "max_tiles >= 0, sms > 0, got ", base_ctas, ", ", max_tiles, ", ", sms);
-          return dsv4::attention::pick_splits(base_ctas, max_tiles, static_cast<int>(sms), priced);
+          TORCH_CHECK(!forced.has_value() || (*forced >= 1 && *forced <= dsv4::attention::kMaxSplits),
+                      "dsv4: sparse_mqa_num_splits takes forced in [1, ", dsv4::attention::kMaxSplits, "] or None, got ",
+                      forced.value_or(0));
+          const std::optional<int> f = forced.has_value() ? std::optional<int>(static_cast<int>(*forced)) : std::nullopt;
+          return dsv4::attention::choose_splits(base_ctas, max_tiles, static_cast<int>(sms), priced, f);
         });
 }

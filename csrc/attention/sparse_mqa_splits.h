@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 
 #include "attention/sparse_mqa_params.cuh"
 
@@ -36,12 +37,15 @@ constexpr double kSplitCombineUs = 3.0;
 constexpr double kSplitPartialBytesPerUs = 5.0e6;
 constexpr double kSplitPartialBytes = 2.0 * kHeadDim * 4;  // per (token, head, split): fp32 out + in
 
+// Pairs of 64-key tiles (the kernel's rounds) in `tiles` tiles: a split's unit.
+inline int64_t tile_pairs(int64_t tiles) { return (tiles + 1) / 2; }
+
 // Split count for `base_ctas` (token, head block) work items whose longest index lists hold
 // `max_tiles` 64-key tiles in all, on `sms` SMs. `priced`: the cost model above; otherwise
 // the earlier rule, which counted a CTA's tiles plus one and nothing for a split itself
 // (kept for the A/B through DSV4_ATTN_PRICED_SPLITS=0).
 inline int pick_splits(int64_t base_ctas, int64_t max_tiles, int sms, bool priced = true) {
-  const int64_t max_pairs = (max_tiles + 1) / 2;
+  const int64_t max_pairs = tile_pairs(max_tiles);
   if (base_ctas >= sms || max_pairs <= 1) return 1;
   int best = 1;
   double best_cost = 1e30;
@@ -65,6 +69,22 @@ inline int pick_splits(int64_t base_ctas, int64_t max_tiles, int sms, bool price
     }
   }
   return best;
+}
+
+// DSV4_ATTN_SPLITS (csrc/common/env.h) takes counts up to 16.
+static_assert(kMaxSplits >= 16, "DSV4_ATTN_SPLITS allows 16 splits: shorten its list in csrc/common/env.h");
+
+// The split count of a default-mode call (not batch-invariant): pick_splits's, or with
+// `forced` (DSV4_ATTN_SPLITS, a development override for sweeps of the rule) that count,
+// clamped to [1, max_pairs] (and kMaxSplits): a split takes whole tile pairs, and the kernel cuts a token's
+// pairs into equal parts (floor(pairs * s / splits), sparse_mqa_schedule.cuh), so with at most
+// max_pairs splits no split of the longest token is empty, and a call of at most one pair
+// (or no keys) runs unsplit. Unlike pick_splits, a forced count also splits calls of one wave
+// of work items or more (base_ctas >= sms), and DSV4_ATTN_PRICED_SPLITS then has no effect.
+inline int choose_splits(int64_t base_ctas, int64_t max_tiles, int sms, bool priced, std::optional<int> forced) {
+  if (!forced.has_value()) return pick_splits(base_ctas, max_tiles, sms, priced);
+  const int64_t cap = std::min<int64_t>(tile_pairs(max_tiles), kMaxSplits);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(*forced, cap)));
 }
 
 }  // namespace attention

@@ -55,6 +55,8 @@ struct Switches {
   bool print_config;                 // DSV4_PRINT_CONFIG=1: each MoE call prints its config to stderr
   // Sparse MQA attention (csrc/attention/sparse_mqa.cu); unset: the library's rule.
   std::optional<bool> attn_priced_splits;  // DSV4_ATTN_PRICED_SPLITS: 0 = the earlier split-count rule
+  std::optional<int> attn_splits;  // DSV4_ATTN_SPLITS: this split count instead of the rule's (sweeps), clamped to
+                                   // the call's tile pairs (attention::choose_splits, sparse_mqa_splits.h)
   std::optional<bool> attn_pdl;            // DSV4_ATTN_PDL: 0 = the combine launched without PDL
   std::optional<bool> attn_specialize;     // DSV4_ATTN_SPECIALIZE: 0 = the general kernel instance for all
   std::optional<bool> attn_main_pdl;       // DSV4_ATTN_MAIN_PDL: 0 = the main kernel launched without PDL
@@ -77,6 +79,9 @@ inline Switches read_switches() {
   s.moe_fused_route = get("DSV4_MOE_FUSED_ROUTE");
   s.print_config = get("DSV4_PRINT_CONFIG").value_or(false);
   s.attn_priced_splits = get("DSV4_ATTN_PRICED_SPLITS");
+  // Counts up to 16, all within attention::kMaxSplits (sparse_mqa_splits.h asserts it).
+  s.attn_splits = parse_int_choice("DSV4_ATTN_SPLITS", std::getenv("DSV4_ATTN_SPLITS"),
+                                   {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16});
   s.attn_pdl = get("DSV4_ATTN_PDL");
   s.attn_specialize = get("DSV4_ATTN_SPECIALIZE");
   s.attn_main_pdl = get("DSV4_ATTN_MAIN_PDL");
