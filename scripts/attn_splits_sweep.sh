@@ -11,7 +11,7 @@ set -u
 cd "$(git rev-parse --show-toplevel 2>/dev/null || pwd)"
 export DSV4_ANCHORS=${DSV4_ANCHORS:-.anchors}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-unset DSV4_ATTN_SPLITS
+unset DSV4_ATTN_SPLITS DSV4_ATTN_PRICED_SPLITS
 PY=${PYTHON:-python}
 S=scripts/attn_splits_sweep.py
 O=${OUT:-/tmp}/splits
