@@ -573,26 +573,36 @@ __device__ __forceinline__ void promote_chunk(float (&acc)[BN / 2], float (&part
   }
 }
 
-// One 128-chunk: the A fragments of its 4 k32 steps (16 words: this thread's codes of rows
-// g and g + 8 at w_rd and w_rd + 2048, their scale words at s_rd), 4 wgmmas into part, then
-// the promotion into acc (token scales at sx). B: the chunk's BN token rows, K-major,
-// 128-byte swizzled (8-row groups 1024 bytes apart; desc); a k32 step advances 32 bytes
-// (2 in the descriptor's address field). gemm_segment's two-deep K loop (kDepth = 2) runs
-// the same parts with two chunks' wgmmas in flight.
+// A 128-chunk's A fragments of its 4 k32 steps (16 words: this thread's codes of rows g and
+// g + 8 at w_rd and w_rd + 2048, their scale words at s_rd, returned in sw for the
+// promotion), then its 4 wgmmas into part, committed as one group. B: the chunk's BN token
+// rows, K-major, 128-byte swizzled (8-row groups 1024 bytes apart; desc); a k32 step
+// advances 32 bytes (2 in the descriptor's address field). The fragments a stay live until
+// the group completes.
 template <int BN>
-__device__ __forceinline__ void chunk_mma(float (&acc)[BN / 2], float (&part)[BN / 2], uint32_t w_rd, uint32_t s_rd,
-                                          uint32_t lut_base, uint32_t rot, uint64_t desc, const uint8_t* sx, int t) {
+__device__ __forceinline__ void issue_chunk(float (&part)[BN / 2], uint32_t (&a)[4][4], uint2& sw, uint32_t w_rd,
+                                            uint32_t s_rd, uint32_t lut_base, uint32_t rot, uint64_t desc) {
   const uint4 c_lo = lds_v4(w_rd);         // row g: steps 0..3
   const uint4 c_hi = lds_v4(w_rd + 2048);  // row g + 8
-  const uint2 sw = lds_v2(s_rd);
+  sw = lds_v2(s_rd);
   const uint2 t_lo = lds_v2(lut_base + lut_offset(sw.x, rot));
   const uint2 t_hi = lds_v2(lut_base + lut_offset(sw.y, rot));
-  uint32_t a[4][4];
   convert_chunk(c_lo, c_hi, t_lo, t_hi, a);
   wgmma_fence();
 #pragma unroll
   for (int s = 0; s < 4; ++s) WgmmaRsE4m3<BN>::mma(part, a[s], desc + 2 * s, s);
   wgmma_commit();
+}
+
+// One 128-chunk: issued, waited for, promoted into acc (token scales at sx).
+// gemm_segment's two-deep K loop (kDepth = 2) runs the same parts with two chunks' wgmmas
+// in flight.
+template <int BN>
+__device__ __forceinline__ void chunk_mma(float (&acc)[BN / 2], float (&part)[BN / 2], uint32_t w_rd, uint32_t s_rd,
+                                          uint32_t lut_base, uint32_t rot, uint64_t desc, const uint8_t* sx, int t) {
+  uint32_t a[4][4];
+  uint2 sw;
+  issue_chunk<BN>(part, a, sw, w_rd, s_rd, lut_base, rot, desc);
   wgmma_wait<0>();
   promote_chunk<BN>(acc, part, sw, sx, t);
 }
@@ -705,18 +715,10 @@ __device__ __forceinline__ void gemm_segment(const W4A8Params& p, uint8_t* smem,
     float part2[BN / 2];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) part2[i] = 0.0f;
-    // chunk c's fragments and scale words, then its wgmmas into pt
     auto issue = [&](float (&pt)[BN / 2], uint32_t (&a)[4][4], uint2& sw, int c) {
       const int st = st_of(c);
-      const uint32_t w_rd = sW_rd + st * kCodeTile;
-      const uint4 c_lo = lds_v4(w_rd), c_hi = lds_v4(w_rd + 2048);
-      sw = lds_v2(sS_rd + st * kScaleTile);
-      convert_chunk(c_lo, c_hi, lds_v2(lut_base + lut_offset(sw.x, rot)), lds_v2(lut_base + lut_offset(sw.y, rot)),
-                    a);
-      wgmma_fence();
-#pragma unroll
-      for (int s = 0; s < 4; ++s) WgmmaRsE4m3<BN>::mma(pt, a[s], desc0 + uint32_t(st * (S::kB >> 4)) + 2 * s, s);
-      wgmma_commit();
+      issue_chunk<BN>(pt, a, sw, sW_rd + st * kCodeTile, sS_rd + st * kScaleTile, lut_base, rot,
+                      desc0 + uint32_t(st * (S::kB >> 4)));
     };
     // Chunk c + 1 issued into pn (after its step's bytes arrived, when it opens a step)
     // while chunk c runs in pc; then chunk c complete (wait_group 1) and promoted; at the
