@@ -99,11 +99,16 @@ x {CUDA graphs (default), ``enforce_eager``}, then dsv4 with ``DSV4_MOE=0`` (vLL
 then the V4 example with MXFP4 experts (:func:`example_dir`) through dsv4's W4A8
 (``DSV4_MOE_MXFP4=1``) and through vLLM's (``0``), each in its own process. Output: token
 ids per configuration, agreement between pairs (identical tokens, first-step logprob max
-|diff| over the tokens both top-5 sets hold), a summary table, ``$OUT/serve_smoke.json`` and ``$OUT/serve_logs.txt``.
+|diff| over the tokens both top-5 sets hold, and at each prompt's first divergence each
+run's logprob margin for its own token over the other's), a summary table,
+``$OUT/serve_smoke.json`` and ``$OUT/serve_logs.txt``. A configuration takes 40-110 s on
+the H200 (engine start 43-110 s, the first one of a machine the longest: JIT caches);
+``--jobs 2`` runs two engines at once on the GPU (each takes a quarter of its memory),
+not yet tried there.
 
     python3 scripts/gpu_serve_smoke.py stage DIR      # copy DIR's parts to /tmp; unpack when complete
     python3 scripts/gpu_serve_smoke.py probe --out $OUT
-    python3 scripts/gpu_serve_smoke.py run --out $OUT [--only NAME,...] [--budget 500]
+    python3 scripts/gpu_serve_smoke.py run --out $OUT [--only NAME,...] [--budget 500] [--jobs 1|2|3]
 """
 
 from __future__ import annotations
@@ -759,43 +764,65 @@ PAIRS = (("dsv4-eager", "flashmla-eager"), ("dsv4-graphs", "flashmla-graphs"), (
          ("dsv4-eager-vllmmoe", "flashmla-eager"), ("dsv4-eager-dsv4moe", "dsv4-eager-vllmmoe"))
 
 
+def _run_config(c: dict, args, left: float) -> tuple[dict, str, str]:
+    """One configuration in its own process (``one``), at most ``left`` seconds: its result
+    (the child's SMOKE_JSON line, or "crashed" with the last stderr line), stdout, stderr."""
+    t = time.time()
+    try:
+        cmd = [sys.executable, os.path.abspath(__file__), "one", "--config", c["name"]]
+        p = subprocess.run(cmd + (["--no-compile"] if args.no_compile else []), env=child_env(c["env"]),
+                           cwd=ROOT, capture_output=True, text=True, timeout=min(left - 10, args.per_config))
+        out, err = p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = (e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")) + "\n[timed out]"
+    line = [x for x in out.splitlines() if x.startswith("SMOKE_JSON ")]
+    r = json.loads(line[-1][11:]) if line else {"name": c["name"], "stage": "crashed",
+                                                 "error": (err.strip().splitlines() or ["?"])[-1]}
+    r["wall_s"] = round(time.time() - t, 1)
+    return r, out, err
+
+
 def cmd_run(args) -> int:
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
     start = time.time()
     os.makedirs(args.out, exist_ok=True)
     chosen = [c for c in configs() if not args.only or c["name"] in args.only.split(",")]
-    results, logs = {}, []
-    for c in chosen:
+    results, logs = {}, {}
+    lock, stop = threading.Lock(), threading.Event()
+
+    def work(c: dict) -> None:
         left = args.budget - (time.time() - start)
-        if left < 60:
-            results[c["name"]] = {"name": c["name"], "stage": "skipped", "error": "time budget spent"}
-            continue
-        env = child_env(c["env"])
-        t = time.time()
-        try:
-            cmd = [sys.executable, os.path.abspath(__file__), "one", "--config", c["name"]]
-            p = subprocess.run(cmd + (["--no-compile"] if args.no_compile else []), env=env,
-                               cwd=ROOT, capture_output=True, text=True, timeout=min(left - 10, args.per_config))
-            out, err = p.stdout, p.stderr
-        except subprocess.TimeoutExpired as e:
-            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            err = (e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")) + "\n[timed out]"
-        line = [x for x in out.splitlines() if x.startswith("SMOKE_JSON ")]
-        r = json.loads(line[-1][11:]) if line else {"name": c["name"], "stage": "crashed",
-                                                     "error": (err.strip().splitlines() or ["?"])[-1]}
-        r["wall_s"] = round(time.time() - t, 1)
-        results[c["name"]] = r
+        if stop.is_set() or left < 60:
+            why = "the run stopped (see above)" if stop.is_set() else "time budget spent"
+            with lock:
+                results[c["name"]] = {"name": c["name"], "stage": "skipped", "error": why}
+            return
+        r, out, err = _run_config(c, args, left)
         status = "ok" if r.get("stage") == "done" else f"FAILED at {r.get('stage')}: {r.get('error')}"
-        print(f"[{time.time() - start:5.0f} s] {c['name']}: {status}", flush=True)
-        if r.get("tokens"):
-            print(f"    tokens {r['tokens']}", flush=True)
         out_log = [x for x in out.splitlines() if not x.startswith("SMOKE_JSON ")]  # vLLM logs to stdout
-        logs.append(f"===== {c['name']} ({status})\n--- stdout\n" + "\n".join(out_log[-150:]) +
-                    "\n--- stderr\n" + "\n".join(err.splitlines()[-120:]) + ("\n" + r.get("traceback", "")))
-        with open(os.path.join(args.out, "serve_smoke.json"), "w") as f:  # partial results survive a kill
-            json.dump({"results": results}, f, indent=1)
-        if r.get("missing_module") or r.get("stage") == "workarounds":  # every configuration would stop there
-            print("stopping: every configuration imports the same modules first", flush=True)
-            break
+        with lock:
+            results[c["name"]] = r
+            print(f"[{time.time() - start:5.0f} s] {c['name']}: {status}", flush=True)
+            if r.get("tokens"):
+                print(f"    tokens {r['tokens']}", flush=True)
+            logs[c["name"]] = (f"===== {c['name']} ({status})\n--- stdout\n" + "\n".join(out_log[-150:]) +
+                               "\n--- stderr\n" + "\n".join(err.splitlines()[-120:]) +
+                               ("\n" + r.get("traceback", "")))
+            with open(os.path.join(args.out, "serve_smoke.json"), "w") as f:  # partial results survive a kill
+                json.dump({"results": results}, f, indent=1)
+            if r.get("missing_module") or r.get("stage") == "workarounds":  # every configuration would stop there
+                print("stopping: every configuration imports the same modules first", flush=True)
+                stop.set()
+
+    # --jobs engines at once on the one GPU (each takes gpu_memory_utilization 0.25 of it);
+    # configurations start in configs() order
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        list(pool.map(work, chosen))
+    results = {c["name"]: results[c["name"]] for c in chosen if c["name"] in results}
+    logs = [logs[n] for n in results if n in logs]
     comps = {}
     for model in ("v4", "v41", "v4mx"):
         for x, y in PAIRS:
@@ -837,6 +864,8 @@ def main(argv=None) -> int:
     s.add_argument("--budget", type=float, default=500, help="seconds; no configuration starts past it")
     s.add_argument("--per-config", type=float, default=240, help="seconds one configuration may take")
     s.add_argument("--no-compile", action="store_true", help="CUDA graphs without torch.compile")
+    s.add_argument("--jobs", type=int, default=1, choices=(1, 2, 3),
+                   help="configurations run at once on the GPU (each engine takes a quarter of its memory)")
     s = sub.add_parser("one", help="one configuration in this process (run starts these)")
     s.add_argument("--config", required=True)
     s.add_argument("--no-compile", action="store_true")

@@ -8,6 +8,7 @@ import lzma
 import os
 import sys
 import tarfile
+import time
 import zipfile
 
 import pytest
@@ -327,3 +328,40 @@ def test_stage_redoes_what_another_pack_staged(parts, capsys):
     assert "python ready, libraries ready" in capsys.readouterr().out
     cutlass = os.path.join(smoke.SITE, "nvidia_cutlass_dsl", "dsl_packages", "cutlass", "__init__.py")
     assert open(cutlass).read() == "STAND_IN = 2\n"
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_run_collects_every_configuration_in_order(tmp_path, monkeypatch, capsys, jobs):
+    """cmd_run with the engine stubbed: each configuration's result lands under its name, in
+    configs() order whatever the order they finish in (--jobs 2 runs two at once), the
+    comparisons pair dsv4 with FlashMLA, and a crash without a result line is reported."""
+    import threading
+    import types
+
+    names = [c["name"] for c in smoke.configs()]
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def fake_run_config(c, args, left):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.05 if c["name"].endswith("eager") else 0.01)
+        with lock:
+            running[0] -= 1
+        if c["name"] == "v41-dsv4-graphs":
+            return {"name": c["name"], "stage": "crashed", "error": "boom", "wall_s": 0.0}, "", "boom"
+        steps = [[{"5": -1.0, "6": -1.2}] * 2] * 3
+        r = {"name": c["name"], "stage": "done", "tokens": [[5, 5]] * 3, "step_logprobs": steps,
+             "first_logprobs": [st[0] for st in steps], "wall_s": 0.0}
+        return r, "SMOKE_JSON " + json.dumps(r), ""
+
+    monkeypatch.setattr(smoke, "_run_config", fake_run_config)
+    args = types.SimpleNamespace(out=str(tmp_path), only="", budget=600, per_config=100, no_compile=False, jobs=jobs)
+    smoke.cmd_run(args)
+    data = json.load(open(tmp_path / "serve_smoke.json"))
+    assert list(data["results"]) == names
+    assert data["results"]["v41-dsv4-graphs"]["stage"] == "crashed"
+    assert data["comparisons"]["v4: dsv4-eager vs flashmla-eager"]["same_tokens"] == 1.0
+    assert "v41: dsv4-graphs vs flashmla-graphs" not in data["comparisons"]
+    assert peak[0] == jobs
+    assert "FAILED at crashed: boom" in capsys.readouterr().out
