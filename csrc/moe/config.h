@@ -224,9 +224,10 @@ inline int pick_gemm2_rows(int64_t G2, int64_t row_tiles) {
 // split-K by splitk_by_items with this op's occupancy (decode tiles only), PDL on; at
 // 64-token tiles on the classic grid, one chunk of wgmmas in flight and GEMM2 CTAs of
 // pick_gemm2_rows weight tiles; DSV4_MOE_SPLITK, DSV4_MOE_PDL, DSV4_MOE_MMA_DEPTH,
-// DSV4_MOE_GEMM2_ROWS and DSV4_MOE_GEMM2_RESIDENT (the last three there only) override. At decode sizes (at most kFusedRouteSlots slots on 8- or 16-row tiles)
-// the routing and GEMM1's input quantization run as one kernel (one kernel boundary less
-// before GEMM1; DSV4_MOE_FUSED_ROUTE=0 keeps the two).
+// DSV4_MOE_GEMM2_ROWS and DSV4_MOE_GEMM2_RESIDENT (the last three there only) override.
+// At decode sizes (at most kFusedRouteSlots slots on 8- or 16-row tiles) the routing and
+// GEMM1's input quantization run as one kernel (one kernel boundary less before GEMM1;
+// DSV4_MOE_FUSED_ROUTE=0 keeps the two).
 inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceFacts& d, const env::Switches& o) {
   Mxfp4MoeConfig cfg{};
   const int64_t S = c.M * c.topk;
