@@ -786,7 +786,7 @@ __device__ __forceinline__ void gemm_segment(const W4A8Params& p, uint8_t* smem,
     for (int si = 0; si < full_slots; ++si) {
       enter_slot(si);
       const int st = kSteps * ring;
-  #pragma unroll
+#pragma unroll
       for (int q = 0; q < kSteps; ++q) chunk_at(st + q);
       next_slot();
     }
