@@ -35,6 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from dsv4.formats.kv_cache import HEAD_DIM  # noqa: E402
 
 # (model, kind, context, batches): V4-Pro CSA / HCA at 4K and 128K over the compare's batches,
 # V4-Pro SWA, V4-Flash HCA 4K and CSA 4K at a few batches.
@@ -49,7 +50,6 @@ GROUPS = [
     ("flash", "csa", 4096, (8, 16, 32)),
 ]
 TILE_KEYS = 64  # csrc/attention/sparse_mqa_params.cuh kTileKeys
-HEAD_DIM = 512
 
 
 def cases():
@@ -83,21 +83,26 @@ def geometry(s):
 
 
 def clamp(forced, tiles):
-    """DSV4_ATTN_SPLITS's clamp (attention::choose_splits): only a fallback where the build's
-    test-only op has no `forced` argument."""
+    """DSV4_ATTN_SPLITS's clamp (attention::choose_splits), for the CPU plan (cpu-check runs
+    without the extension; a GPU run asks the build's test-only op)."""
     return max(1, min(forced, (tiles + 1) // 2, 64))
 
 
+def timed_under(forced, used, sweep):
+    """The smaller swept value that already times the count `forced` clamps to (`used`),
+    or None where `forced` is the first to reach it: each count is timed once per case."""
+    lower = [v for v in sweep if v < forced]
+    if used < forced and lower and lower[-1] >= used:
+        return min(v for v in sweep if v >= used)
+    return None
+
+
 def splits_used(base, tiles, sms, priced, forced):
+    """The count the launcher picks (attn_splits_sweep.sh checked that the build's op takes
+    `forced`)."""
     import torch
 
-    op = torch.ops.dsv4_testing.sparse_mqa_num_splits
-    if forced is None:
-        return int(op(base, tiles, sms, priced)), "op"
-    try:
-        return int(op(base, tiles, sms, priced, forced)), "op"
-    except Exception:  # a build without the forced argument: the knob is not in it either
-        return clamp(forced, tiles), "python"
+    return int(torch.ops.dsv4_testing.sparse_mqa_num_splits(base, tiles, sms, priced, forced))
 
 
 def splits_seen(call, tokens, heads):
@@ -188,15 +193,13 @@ def cmd_run(args) -> int:
         try:
             sets = build_sets(pools, mkey, kind, ctx, b, N_SETS, dev)
             base, tiles = geometry(sets[0])
-            used, how = splits_used(base, tiles, sms, priced, forced)
-            rec.update(base_ctas=base, max_tiles=tiles, pairs=(tiles + 1) // 2, splits_used=used, used_from=how)
-            if forced is not None and used < forced:
-                lower = [v for v in sweep if v < forced]
-                if lower and lower[-1] >= used:  # a smaller swept value reaches the same count
-                    owner = min(v for v in sweep if v >= used)
-                    rec["skipped"] = f"clamped to {used}: timed under DSV4_ATTN_SPLITS={owner}"
-                    emit(rec)
-                    continue
+            used = splits_used(base, tiles, sms, priced, forced)
+            rec.update(base_ctas=base, max_tiles=tiles, pairs=(tiles + 1) // 2, splits_used=used)
+            owner = None if forced is None else timed_under(forced, used, sweep)
+            if owner is not None:
+                rec["skipped"] = f"clamped to {used}: timed under DSV4_ATTN_SPLITS={owner}"
+                emit(rec)
+                continue
             outs = [torch.empty_like(s["q"]) for s in sets]
             heads = sets[0]["q"].shape[2]
             rec["splits_seen"] = splits_seen(lambda: dsv4_decode(sets[0], outs[0]), b, heads)
@@ -350,8 +353,7 @@ def cmd_cpu_check(args) -> int:
         plan = []
         for v in sweep:
             used = clamp(v, tiles)
-            lower = [w for w in sweep if w < v]
-            if not (used < v and lower and lower[-1] >= used):
+            if timed_under(v, used, sweep) is None:
                 plan.append(used)
         timed_total += len(plan) + 1
         assert s["q"].dtype == torch.bfloat16 and s["q"].shape == (b, 1, 128 if mkey == "pro" else 64, HEAD_DIM)
