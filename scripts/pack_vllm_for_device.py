@@ -135,7 +135,7 @@ LEFT_OUT = ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/vllm_flash_attn/_v
 CALL_LIMIT = 64 * 2**20  # what one device call carries: the working tree and the carry list
 TREE_BUDGET = 8 * 2**20  # the repo's tracked files (~2.8 MB) and untracked ones, with room
 PART_BUDGET = CALL_LIMIT - TREE_BUDGET  # one call's parts (56 MiB)
-SO_BUDGET = 15 * 2**20  # the dsv4 extension the last call also carries (~14 MB)
+SO_BUDGET = 20 * 2**20  # the dsv4 extension the last call also carries (15.7 MB at 9dee17b), with room to grow
 
 
 def layout(small_size: int, lib_size: int, part_budget: int = PART_BUDGET, so_budget: int = SO_BUDGET) -> list[int]:
