@@ -25,7 +25,7 @@ What is carried (``pack_vllm_for_device.py`` prints the exact calls):
   packages and quack); ``stage`` unpacks only those whose distribution the image does not
   already have; transformers, tokenizers, huggingface_hub, safetensors, numpy, triton,
   cuda-bindings are the image's own;
-* the dsv4 extension ``dsv4/_C.abi3.so`` (~14 MB, built by the lead with /work/dvenv),
+* the dsv4 extension ``dsv4/_C.abi3.so`` (~16 MB, built by the lead with /work/dvenv),
   with the last call.
 
 Four calls (``pack_vllm_for_device.layout``), back to back: ``stage p1 && probe`` (vLLM's
