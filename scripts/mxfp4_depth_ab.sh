@@ -25,7 +25,7 @@ if [ -n "$ALT_SO" ]; then
 fi
 cat > /tmp/mxfp4_one.py <<'PY'
 import sys, torch
-sys.path.insert(0, "tests")
+sys.path[:0] = [".", "tests"]  # a script run by path: the repo root is not on sys.path
 import test_mxfp4_w4a8 as t
 from dsv4.moe import routed_moe
 w, p = t._gpu_model("flash")

@@ -880,12 +880,12 @@ SPLIT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SPLIT_CASES = {  # name: (H, max_tiles, priced, earlier)
     "V4-Flash SWA": (64, 2, (1,) * 9, None),
     "V4-Flash CSA": (64, 10, (5, 5, 5, 5, 5, 3, 2, 1, 1), None),
-    "V4-Flash HCA 4K": (64, 4, (2, 2, 2, 2, 2, 1, 1, 1, 1), (2, 2, 2, 2, 2, 2, 2, 1, 1)),
+    "V4-Flash HCA 4K": (64, 4, (2, 2, 2, 2, 2, 2, 1, 1, 1), (2, 2, 2, 2, 2, 2, 2, 1, 1)),
     "V4-Flash HCA 32K": (64, 6, (3, 3, 3, 3, 3, 3, 1, 1, 1), (3, 3, 3, 3, 3, 3, 2, 1, 1)),
     "V4-Flash HCA 128K": (64, 18, (9, 9, 9, 9, 5, 3, 2, 1, 1), None),
     "V4-Pro SWA": (128, 2, (1,) * 9, None),
     "V4-Pro CSA": (128, 18, (9, 9, 9, 5, 3, 2, 1, 1, 1), None),
-    "V4-Pro HCA 4K": (128, 4, (2, 2, 2, 2, 1, 1, 1, 1, 1), (2, 2, 2, 2, 2, 2, 1, 1, 1)),
+    "V4-Pro HCA 4K": (128, 4, (2, 2, 2, 2, 2, 1, 1, 1, 1), (2, 2, 2, 2, 2, 2, 1, 1, 1)),
     "V4-Pro HCA 32K": (128, 6, (3, 3, 3, 3, 3, 1, 1, 1, 1), (3, 3, 3, 3, 3, 2, 1, 1, 1)),
 }
 
@@ -912,11 +912,12 @@ def test_split_count_rules():
                     if base >= sms or pairs <= 1:
                         assert s == 1, (base, tiles, sms, priced, s)
     # priced: two tile pairs are not split once the partials outweigh the round saved
-    # (tokens x heads >= 1856 on 132 SMs), never into a second wave
-    assert _splits(28, 4) == 2 and _splits(29, 4) == 1
-    for base in range(1, 132):
-        s = _splits(base, 18)
-        assert base * s <= 132 or s == 1, (base, s)
+    # (tokens x heads >= 2944 on 132 SMs), never into a second wave
+    assert _splits(45, 4) == 2 and _splits(46, 4) == 1
+    for tiles in (4, 6, 10, 18, 33, 200):
+        for base in range(1, 132):
+            s = _splits(base, tiles)
+            assert base * s <= 132 or s == 1, (base, tiles, s)
     with pytest.raises(RuntimeError, match="dsv4: sparse_mqa_num_splits takes"):
         _splits(0, 4)
 

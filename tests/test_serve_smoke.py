@@ -365,3 +365,42 @@ def test_run_collects_every_configuration_in_order(tmp_path, monkeypatch, capsys
     assert "v41: dsv4-graphs vs flashmla-graphs" not in data["comparisons"]
     assert peak[0] == jobs
     assert "FAILED at crashed: boom" in capsys.readouterr().out
+
+
+def test_run_retries_alone_what_the_shared_gpu_broke(tmp_path, monkeypatch, capsys):
+    """With --jobs 2 an engine that fails at start from the other engine's memory traffic
+    (SHARED_GPU_ERRORS: seen on an H100, 2026-12-05) runs again alone after the others, its
+    first error kept; any other failure is final, and with --jobs 1 nothing is retried."""
+    import types
+
+    calls = []
+
+    def fake_run_config(c, args, left):
+        calls.append(c["name"])
+        first = calls.count(c["name"]) == 1
+        if c["name"] == "v4-flashmla-eager" and first:
+            err = "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`"
+            return {"name": c["name"], "stage": "engine", "error": err, "wall_s": 0.0}, "", ""
+        if c["name"] == "v41-flashmla-eager":  # the same words at another stage: its own failure
+            return {"name": c["name"], "stage": "generate", "error": "Error in memory profiling", "wall_s": 0.0}, "", ""
+        steps = [[{"5": -1.0}] * 2] * 3
+        r = {"name": c["name"], "stage": "done", "tokens": [[5, 5]] * 3, "step_logprobs": steps,
+             "first_logprobs": [st[0] for st in steps], "wall_s": 0.0}
+        return r, "", ""
+
+    monkeypatch.setattr(smoke, "_run_config", fake_run_config)
+    only = "v4-dsv4-eager,v4-flashmla-eager,v41-flashmla-eager"
+    args = types.SimpleNamespace(out=str(tmp_path), only=only, budget=600, per_config=100, no_compile=False, jobs=2)
+    assert smoke.cmd_run(args) == 1  # v41-flashmla-eager failed for good
+    assert calls.count("v4-flashmla-eager") == 2 and calls[-1] == "v4-flashmla-eager"
+    assert calls.count("v41-flashmla-eager") == 1
+    data = json.load(open(tmp_path / "serve_smoke.json"))
+    assert list(data["results"]) == only.split(",")
+    r = data["results"]["v4-flashmla-eager"]
+    assert r["stage"] == "done" and "No available memory" in r["shared_gpu_error"]
+    assert "run again alone at the end" in capsys.readouterr().out
+    calls.clear()
+    args.jobs = 1
+    smoke.cmd_run(args)
+    assert calls.count("v4-flashmla-eager") == 1
+    assert json.load(open(tmp_path / "serve_smoke.json"))["results"]["v4-flashmla-eager"]["stage"] == "engine"

@@ -27,14 +27,18 @@ namespace attention {
 //  * a split at all: the combine's launch and run (2.9-4.2 us in
 //    docs/perf-history/2026-12-02-small-batch-profile.md), 3 us;
 //  * the partials: 4 KB per (token, head, split) written by the main kernel and read by the
-//    combine (most of it from L2), 5 MB per us. Fits V4-Pro HCA 4K B=32 (2 splits: 34.3 us,
-//    against ~29 us unsplit = SWA 24.2 + one round) and V4-Flash CSA 4K B=32 (4 splits:
-//    37.6 us against ~43 us unsplit).
-// docs/perf-history/2026-12-04-attention-fixed-cost.md has the decisions it makes.
+//    combine (most of it from L2), 8 MB per us: where two tile pairs stop being split, from
+//    the forced-split sweep on an H100 (scripts/attn_splits_sweep.sh, 21cfeae): a second
+//    split saves 1.9-2.0 us at 32 work items (V4-Pro HCA 4K B=16, V4-Flash HCA 4K B=32) and
+//    costs 2.5-3.0 us at 64 (V4-Pro HCA 4K B=32, V4-Flash HCA 4K B=64), so the break-even
+//    lies near 46 items: 3 us = 2 * 46 * 64 * 4 KB / rate. (The first fit, 5 MB per us, put
+//    it at 28 and left those two B=16/32 cases unsplit, 1.09x slower than split.)
+// docs/perf-history/2026-12-04-attention-fixed-cost.md has the decisions it makes,
+// docs/perf-history/2026-12-05-attention-splits-sweep.md the sweep.
 constexpr double kSplitRoundUs = 6.0;
 constexpr double kSplitItemUs = 7.0;
 constexpr double kSplitCombineUs = 3.0;
-constexpr double kSplitPartialBytesPerUs = 5.0e6;
+constexpr double kSplitPartialBytesPerUs = 8.0e6;
 constexpr double kSplitPartialBytes = 2.0 * kHeadDim * 4;  // per (token, head, split): fp32 out + in
 
 // Pairs of 64-key tiles (the kernel's rounds) in `tiles` tiles: a split's unit.
@@ -51,6 +55,11 @@ inline int pick_splits(int64_t base_ctas, int64_t max_tiles, int sms, bool price
   double best_cost = 1e30;
   const int64_t limit = std::min<int64_t>(max_pairs, kMaxSplits);
   for (int s = 1; s <= limit; ++s) {
+    // Never into a second wave: every such split of the sweep lost 7-13 us to the one-wave
+    // count below it (V4-Pro CSA 4K B=8 9 splits 41.2 us against 8 splits 34.1, B=16 5
+    // splits 50.6 against 4 splits 38.8, B=32 3 splits 67.0 against 2 splits 53.8; V4-Flash CSA
+    // 4K B=32 5 splits 43.0 against 4 splits 35.2), which the wave term alone underprices.
+    if (priced && s > 1 && base_ctas * s > sms) break;
     const double waves = std::ceil(double(base_ctas * s) / sms);
     const double rounds = std::ceil(double(max_pairs) / s);
     double cost;
