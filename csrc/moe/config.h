@@ -253,7 +253,8 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
   cfg.gemm2_rows = 1;
   if (!cfg.splitk && cfg.block_n == 64) {
     // Two chunks of wgmmas in flight in the classic GEMM1 and the classic / rows GEMM2 (not
-    // the resident one): 1 until measured against 2 on the H200 (DSV4_MOE_MMA_DEPTH)
+    // the resident one, DSV4_MOE_MMA_DEPTH=2): 4-20% slower than one at every prefill size on
+    // an H100 (docs/perf-history/2026-12-05-mxfp4-w4a8-overlap-wg.md), so 1
     cfg.mma_depth = o.moe_mma_depth.value_or(1);
     const int64_t row_tiles = c.K / 64, G2 = (c.N + 127) / 128;  // GEMM2's K chunks of 128
     cfg.gemm2_rows = o.moe_gemm2_rows.value_or(pick_gemm2_rows(G2, row_tiles));

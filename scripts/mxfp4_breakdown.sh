@@ -1,0 +1,31 @@
+#!/bin/bash
+# Issue 33: where the MXFP4 W4A8 op's time goes at prefill, one GPU call from the repo root
+# (docs/perf-history/2026-12-05-mxfp4-w4a8-overlap-wg.md, the H100 look-back): ncu
+# SpeedOfLight + Occupancy of every dsv4 MoE kernel of one mxfp4_moe call (after warm
+# calls), the test suite's V4-Flash weights (16 experts) with its expert map (16 of 256
+# local: ~3 token tiles per local expert at M = 8192, as the benchmark's EP8 cases) at
+# M = 2048 and 8192, and without it (every slot local: 48 tiles per expert) at 8192.
+# Carry dsv4/_C.abi3.so. Results under ${OUT:-/tmp}; the per-kernel lines printed.
+set -u
+cd "$(git rev-parse --show-toplevel 2>/dev/null || pwd)"
+O=${OUT:-/tmp}
+cat > /tmp/moe_one.py <<'PY'
+import sys, torch
+sys.path[:0] = [".", "tests"]
+import test_mxfp4_w4a8 as t
+from dsv4.moe import routed_moe
+M, use_map = int(sys.argv[1]), sys.argv[2] == "map"
+w, p = t._gpu_model("flash")
+x, ids, tw, emap = t._gpu_case("flash", M, seed=5, use_map=use_map)
+kw = {} if emap is None else {"expert_map": emap}
+for _ in range(3):
+    routed_moe(x, ids, tw, p, **kw)
+torch.cuda.synchronize()
+PY
+for c in "8192 map" "2048 map" "8192 nomap"; do
+  f=$O/ncu_moe_${c// /_}.txt
+  timeout 100 ncu --clock-control none -k regex:"mxfp4|moe_" --launch-skip 8 --launch-count 8 \
+    --section SpeedOfLight --section Occupancy python /tmp/moe_one.py $c > "$f" 2>&1
+  echo "== $c rc=$?"
+  grep -E "^  [a-z_ ]*(void )?[a-z_0-9]+(<|\()|Duration|Compute \(SM\) Thr|DRAM Thr|L2 Cache Thr|Achieved Occ" "$f" | head -60
+done
