@@ -33,8 +33,7 @@ TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 OVERRIDES = ("DSV4_MOE_WS", "DSV4_MOE_SPLITK", "DSV4_MOE_DIRECT_X", "DSV4_MOE_PDL", "DSV4_MOE_GEMM2_RESIDENT",
              "DSV4_MOE_FUSED_ROUTE")
-CHOICES = {"DSV4_MOE_BLOCK_N": "`8`, `16`, `64`", "DSV4_MOE_MMA_DEPTH": "`1`, `2`",
-           "DSV4_MOE_GEMM2_ROWS": "`1`, `2`, `4`, `8`"}  # -> README's values
+CHOICES = {"DSV4_MOE_BLOCK_N": "`8`, `16`, `64`", "DSV4_MOE_GEMM2_ROWS": "`1`, `2`, `4`, `8`"}  # -> README's values
 ATTN_OVERRIDES = ("DSV4_ATTN_PRICED_SPLITS", "DSV4_ATTN_PDL", "DSV4_ATTN_SPECIALIZE", "DSV4_ATTN_MAIN_PDL",
                   "DSV4_ATTN_COOP_ROUND", "DSV4_ATTN_PRODUCER_AHEAD", "DSV4_ATTN_COOP_PREFETCH",
                   "DSV4_ATTN_FIRST_PV_INIT")  # csrc/attention (tests/test_attention.py)
@@ -301,7 +300,7 @@ MX_BLOCK_NS = (8, 16, 64)
 
 
 def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=None, block_n=None, rows=None,
-                    resident=None, fused=None, depth=None):
+                    resident=None, fused=None):
     """mxfp4_moe's get_best_config, written out (csrc/moe/config.h)."""
     S, per_expert = M * topk, M * topk / Eg
     bn = block_n or (8 if per_expert <= 4 else 16 if per_expert <= 24 else 64)
@@ -310,9 +309,8 @@ def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=Non
     touched = E * (1 - (1 - 1 / E) ** (S * E / Eg))
     sk = bn <= 16 and touched * (2 * N // 64) < occ[2] * device[0] if splitk is None else splitk
     g1, g2 = (occ[0] * device[0], occ[1] * device[0]) if sk else (0, 0)
-    r, d = 1, 1
+    r = 1
     if bn == 64 and not sk:  # GEMM2 CTAs of 8 weight tiles at <= 4 K chunks, else 4, dividing K / 64
-        d = depth or 1  # one chunk of wgmmas in flight unless overridden
         r = 8 if -(-N // 128) <= 4 else 4
         while (K // 64) % r:
             r //= 2
@@ -323,13 +321,13 @@ def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=Non
     # routing and GEMM1's input in one kernel at <= 128 slots on 8- / 16-row tiles (<= 2048 padded rows)
     fr = int(S <= 128 and bn <= 16 and tiles * bn <= 2048 and (fused is None or bool(fused)))
     return [bn, tiles, int(S > 8192), int(sk), g1, g2, max(g1, g2),
-            1 if pdl is None else int(pdl), max(1, min((M * (K // 128) + 7) // 8, device[0] * 8)), r, res, fr, d]
+            1 if pdl is None else int(pdl), max(1, min((M * (K // 128) + 7) // 8, device[0] * 8)), r, res, fr]
 
 
 @needs_extension
 def test_mxfp4_config():
-    def config(shape, device, overrides):  # overrides not given are unset (the last: DSV4_MOE_MMA_DEPTH)
-        return torch.ops.dsv4_testing.mxfp4_moe_config(shape, device, list(overrides) + [-1] * (7 - len(overrides)))
+    def config(shape, device, overrides):  # overrides not given are unset (the last: DSV4_MOE_FUSED_ROUTE)
+        return torch.ops.dsv4_testing.mxfp4_moe_config(shape, device, list(overrides) + [-1] * (6 - len(overrides)))
 
     shapes = [(9, 256, 128, 4, 4, 2), (1, 4096, 2048, 32, 256, 6), (1, 7168, 3072, 48, 384, 6),
               (64, 4096, 2048, 32, 256, 6), (512, 5120, 2304, 48, 384, 6), (512, 5120, 320, 384, 384, 6),
@@ -386,14 +384,6 @@ def test_mxfp4_config():
     assert [config([M] + v41[1:], MX_DEVICE, [])[11] for M in (1, 21, 22)] == [1, 1, 0]
     assert config([16, 5120, 2304, 48, 384, 6], MX_DEVICE, [-1, -1, 64])[11] == 0  # not on 64-row tiles
     assert config([1, 4096, 2048, 32, 256, 6], MX_DEVICE, [-1, -1, -1, -1, -1, 0])[11] == 0
-    # two chunks of wgmmas in flight: only on the classic grid at 64-token tiles, where asked
-    for d in (1, 2):
-        for shape in (tp8, ep8):
-            assert config(shape, MX_DEVICE, [-1] * 6 + [d]) == _mxfp4_expected(*shape, depth=d)
-        assert config(ep8, MX_DEVICE, [-1, -1, 16] + [-1] * 3 + [d])[12] == 1  # not at 16-token tiles
-        assert config(ep8, MX_DEVICE, [1, -1, 64] + [-1] * 3 + [d])[12] == 1  # nor on the split-K grid
-    with pytest.raises(RuntimeError, match="the mma_depth override is 1, 2 or -1, got 3"):
-        config(ep8, MX_DEVICE, [-1] * 6 + [3])
 
 
 # ---------------------------------------------------- GPU / extension ---------
@@ -448,8 +438,8 @@ def child_read_once() -> None:
 def test_switches_are_read_once_per_process():
     out = _child({"DSV4_MOE_WS": "1", "DSV4_MOE_PDL": "0", "DSV4_PRINT_CONFIG": "1"}, "child_read_once")
     first, again = json.loads(out.stdout.strip().splitlines()[-1])
-    # ..., PRINT_CONFIG, BLOCK_N, GEMM2_ROWS, GEMM2_RESIDENT, FUSED_ROUTE, MMA_DEPTH
-    assert first == again == [1, -1, -1, 0, 1, -1, -1, -1, -1, -1]
+    # ..., PRINT_CONFIG, BLOCK_N, GEMM2_ROWS, GEMM2_RESIDENT, FUSED_ROUTE
+    assert first == again == [1, -1, -1, 0, 1, -1, -1, -1, -1]
 
 
 def child_bad_value() -> None:
@@ -479,7 +469,6 @@ def test_bad_value_is_an_error(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,allowed,bad", [("DSV4_MOE_BLOCK_N", "8, 16, 64", b) for b in ("yes", "32", "064", " 64", "-1")]
                          + [("DSV4_MOE_GEMM2_ROWS", "1, 2, 4, 8", b) for b in ("3", "16", "0")]
-                         + [("DSV4_MOE_MMA_DEPTH", "1, 2", b) for b in ("0", "3", "02")]
                          + [("DSV4_ATTN_SPLITS", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16", b)
                             for b in ("0", "11", "32", "08", " 4", "auto")])
 def test_bad_choice_is_an_error(name, allowed, bad):

@@ -677,31 +677,6 @@ def test_gpu_gemm2_rows_bitwise(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(outs["1", "0"], outs[key])), key
 
 
-def _child_mma_depth(path: str) -> None:
-    """ROWS_CASES (64-token tiles on the classic grid: GEMM2 of 1, 4 and 8 weight tiles per
-    CTA, the resident kernel at TP8 when GEMM2_ROWS > 1) at this process's
-    DSV4_MOE_MMA_DEPTH, each against the reference; the outputs saved to ``path``."""
-    torch.save([_check(name, M, seed=M + 83, use_map=um).cpu() for name, M, um in ROWS_CASES], path)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", ["1", ""])
-def test_gpu_mma_depth_bitwise(tmp_path, rows):
-    """Two chunks of wgmmas in flight (mxfp4_gemm_deep_kernel, mxfp4_gemm2_rows_deep_kernel):
-    the same chunk sums promoted in the same order, so the outputs are bitwise those of one
-    chunk in flight; rows = "1": the classic GEMM2, else the multi-tile one."""
-    outs = {}
-    for depth in ("1", "2"):
-        path = tmp_path / f"depth{depth}.pt"
-        env = dict(DSV4_MOE_BLOCK_N="64", DSV4_MOE_SPLITK="0", DSV4_MOE_MMA_DEPTH=depth, DSV4_MOE_GEMM2_ROWS=rows,
-                   DSV4_PRINT_CONFIG="1")
-        r = _run_child(env, f"_child_mma_depth({str(path)!r})")
-        printed = re.findall(r"^dsv4 config mxfp4_moe: .* mma_depth=(\d+)", r.stderr, re.M)
-        assert printed and set(printed) == {depth}, printed  # the override in effect on every call
-        outs[depth] = torch.load(path)
-    assert all(torch.equal(a, b) for a, b in zip(outs["1"], outs["2"]))
-
-
 # decode sizes (<= 128 slots), with and without an expert map, split-K (1-17 tokens) and not
 # (21 tokens on the classic grid), a token of one slot per expert and 21 * 6 = 126 slots
 FUSED_CASES = (("flash", 1, True), ("v41", 3, False), ("pro", 8, True), ("v41_tp8", 17, False), ("flash", 21, True))

@@ -49,7 +49,6 @@ struct Switches {
   std::optional<bool> moe_direct_x;  // DSV4_MOE_DIRECT_X: 0 keeps the gather kernel in bf16 decode
   std::optional<bool> moe_pdl;       // DSV4_MOE_PDL: programmatic dependent launches
   std::optional<int> moe_block_n;    // DSV4_MOE_BLOCK_N: mxfp4_moe's token tile (8, 16 or 64)
-  std::optional<int> moe_mma_depth;  // DSV4_MOE_MMA_DEPTH: mxfp4_moe's chunks of wgmmas in flight at 64-token tiles (1, 2)
   std::optional<int> moe_gemm2_rows;  // DSV4_MOE_GEMM2_ROWS: mxfp4_moe's 64-row weight tiles per GEMM2 CTA (1, 2, 4, 8)
   std::optional<bool> moe_gemm2_resident;  // DSV4_MOE_GEMM2_RESIDENT: 0 = GEMM2's token tile fetched per weight tile
   std::optional<bool> moe_fused_route;  // DSV4_MOE_FUSED_ROUTE: 0 = mxfp4_moe's routing kernel at decode sizes too
@@ -75,7 +74,6 @@ inline Switches read_switches() {
   s.moe_direct_x = get("DSV4_MOE_DIRECT_X");
   s.moe_pdl = get("DSV4_MOE_PDL");
   s.moe_block_n = parse_int_choice("DSV4_MOE_BLOCK_N", std::getenv("DSV4_MOE_BLOCK_N"), {8, 16, 64});
-  s.moe_mma_depth = parse_int_choice("DSV4_MOE_MMA_DEPTH", std::getenv("DSV4_MOE_MMA_DEPTH"), {1, 2});
   s.moe_gemm2_rows = parse_int_choice("DSV4_MOE_GEMM2_ROWS", std::getenv("DSV4_MOE_GEMM2_ROWS"), {1, 2, 4, 8});
   s.moe_gemm2_resident = get("DSV4_MOE_GEMM2_RESIDENT");
   s.moe_fused_route = get("DSV4_MOE_FUSED_ROUTE");

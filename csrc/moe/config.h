@@ -199,7 +199,6 @@ struct Mxfp4MoeConfig {
   int gemm1_ctas, gemm2_ctas, sk_ctas;  // split-K: the two grids and their bound (else 0)
   bool pdl;              // programmatic dependent launches
   int quant_ctas;        // mxfp4_quant_x_kernel's grid
-  int mma_depth;         // chunks of wgmmas in flight per warpgroup (mxfp4_gemm.cuh, gemm_segment's kDepth)
   int gemm2_rows;        // 64-row weight tiles per GEMM2 CTA (mxfp4_gemm2_rows_kernel when > 1)
   bool gemm2_resident;   // ... with the token tile resident (mxfp4_gemm2_resident_kernel)
   bool fused_route;      // routing + GEMM1's input in one kernel (mxfp4_route_quant_kernel)
@@ -222,12 +221,13 @@ inline int pick_gemm2_rows(int64_t G2, int64_t row_tiles) {
 // 128 rows measured slower than 64 at every prefill size of the three models,
 // docs/perf-history/2026-12-04-mxfp4-w4a8-token-tiles.md; DSV4_MOE_BLOCK_N overrides),
 // split-K by splitk_by_items with this op's occupancy (decode tiles only), PDL on; at
-// 64-token tiles on the classic grid, one chunk of wgmmas in flight and GEMM2 CTAs of
-// pick_gemm2_rows weight tiles; DSV4_MOE_SPLITK, DSV4_MOE_PDL, DSV4_MOE_MMA_DEPTH,
-// DSV4_MOE_GEMM2_ROWS and DSV4_MOE_GEMM2_RESIDENT (the last three there only) override.
-// At decode sizes (at most kFusedRouteSlots slots on 8- or 16-row tiles) the routing and
-// GEMM1's input quantization run as one kernel (one kernel boundary less before GEMM1;
-// DSV4_MOE_FUSED_ROUTE=0 keeps the two).
+// 64-token tiles on the classic grid, GEMM2 CTAs of pick_gemm2_rows weight tiles (and one
+// chunk of wgmmas in flight per warpgroup: two, at 3 CTAs per SM, measured 4-20% slower at
+// every prefill size, docs/perf-history/2026-12-05-mxfp4-w4a8-overlap-wg.md);
+// DSV4_MOE_SPLITK, DSV4_MOE_PDL, DSV4_MOE_GEMM2_ROWS and DSV4_MOE_GEMM2_RESIDENT (there
+// only) override. At decode sizes (at most kFusedRouteSlots slots on 8- or 16-row tiles)
+// the routing and GEMM1's input quantization run as one kernel (one kernel boundary less
+// before GEMM1; DSV4_MOE_FUSED_ROUTE=0 keeps the two).
 inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceFacts& d, const env::Switches& o) {
   Mxfp4MoeConfig cfg{};
   const int64_t S = c.M * c.topk;
@@ -249,13 +249,8 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
   cfg.pdl = o.moe_pdl.value_or(true);
   const int64_t groups = c.M * (c.K / 128);  // one warp each, 8 per CTA
   cfg.quant_ctas = int(std::max<int64_t>(1, std::min<int64_t>((groups + 7) / 8, int64_t(d.sms) * 8)));
-  cfg.mma_depth = 1;
   cfg.gemm2_rows = 1;
   if (!cfg.splitk && cfg.block_n == 64) {
-    // Two chunks of wgmmas in flight in the classic GEMM1 and the classic / rows GEMM2 (not
-    // the resident one, DSV4_MOE_MMA_DEPTH=2): 4-20% slower than one at every prefill size on
-    // an H100 (docs/perf-history/2026-12-05-mxfp4-w4a8-overlap-wg.md), so 1
-    cfg.mma_depth = o.moe_mma_depth.value_or(1);
     const int64_t row_tiles = c.K / 64, G2 = (c.N + 127) / 128;  // GEMM2's K chunks of 128
     cfg.gemm2_rows = o.moe_gemm2_rows.value_or(pick_gemm2_rows(G2, row_tiles));
     TORCH_CHECK(row_tiles % cfg.gemm2_rows == 0, "dsv4: DSV4_MOE_GEMM2_ROWS=", cfg.gemm2_rows,
@@ -276,7 +271,7 @@ inline void print_config(const Mxfp4MoeShape& c, const Mxfp4DeviceFacts& d, cons
       " topk=", c.topk, " activation=fp8 sms=", d.sms, " classic1=", d.occupancy(cfg.block_n).classic1,
       " -> block_n=", cfg.block_n, " max_tiles=", cfg.max_tiles, " multi_cta_route=", int(cfg.multi_cta_route),
       " splitk=", int(cfg.splitk), " sk_ctas=", cfg.sk_ctas, " pdl=", int(cfg.pdl), " quant_ctas=", cfg.quant_ctas,
-      " mma_depth=", cfg.mma_depth, " gemm2_rows=", cfg.gemm2_rows, " gemm2_resident=", int(cfg.gemm2_resident),
+      " gemm2_rows=", cfg.gemm2_rows, " gemm2_resident=", int(cfg.gemm2_resident),
       " fused_route=", int(cfg.fused_route),
       " workspace_bytes=", workspace_bytes);
   std::fprintf(stderr, "%s\n", line.c_str());

@@ -541,26 +541,35 @@ __device__ __forceinline__ void gemm2_wait_h(const W4A8Params& p, int tile) {
   __syncthreads();  // reconverge: the K loop's ring bookkeeping stays on the uniform datapath
 }
 
-// The A fragments of a 128-chunk's 4 k32 steps from this thread's codes of rows g (w_lo)
-// and g + 8 (w_hi) and their shift tables, all 16 words computed before the first wgmma
-// (else ptxas splits the group to re-fence registers written between the wgmmas, C7519).
-__device__ __forceinline__ void convert_chunk(const uint4& c_lo, const uint4& c_hi, uint2 t_lo, uint2 t_hi,
-                                              uint32_t (&a)[4][4]) {
+// One 128-chunk: the A fragments of its 4 k32 steps (16 words: this thread's codes of rows
+// g and g + 8 at w_rd and w_rd + 2048, their scale words at s_rd), 4 wgmmas into part, then
+// the promotion into acc (acc += part * 2^b[row] * s_x[token], token scales at sx). B: the
+// chunk's BN token rows, K-major, 128-byte swizzled (8-row groups 1024 bytes apart; desc);
+// a k32 step advances 32 bytes (2 in the descriptor's address field).
+template <int BN>
+__device__ __forceinline__ void chunk_mma(float (&acc)[BN / 2], float (&part)[BN / 2], uint32_t w_rd, uint32_t s_rd,
+                                          uint32_t lut_base, uint32_t rot, uint64_t desc, const uint8_t* sx, int t) {
+  const uint4 c_lo = lds_v4(w_rd);         // row g: steps 0..3
+  const uint4 c_hi = lds_v4(w_rd + 2048);  // row g + 8
+  const uint2 sw = lds_v2(s_rd);
+  const uint2 t_lo = lds_v2(lut_base + lut_offset(sw.x, rot));
+  const uint2 t_hi = lds_v2(lut_base + lut_offset(sw.y, rot));
   const uint32_t w_lo[4] = {c_lo.x, c_lo.y, c_lo.z, c_lo.w}, w_hi[4] = {c_hi.x, c_hi.y, c_hi.z, c_hi.w};
+  uint32_t a[4][4];
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     e2m1x8_to_e4m3(w_lo[s], t_lo, a[s][0], a[s][2]);
     e2m1x8_to_e4m3(w_hi[s], t_hi, a[s][1], a[s][3]);
   }
+  // All 16 A words computed before the first wgmma (else ptxas splits the group to
+  // re-fence registers written between the wgmmas, C7519).
 #pragma unroll
   for (int s = 0; s < 4; ++s) fence_regs(a[s]);
-}
-
-// The promotion of a chunk's complete sums: acc += part * 2^b[row] * s_x[token] (the rows'
-// scale words sw, token scales at sx).
-template <int BN>
-__device__ __forceinline__ void promote_chunk(float (&acc)[BN / 2], float (&part)[BN / 2], uint2 sw, const uint8_t* sx,
-                                              int t) {
+  wgmma_fence();
+#pragma unroll
+  for (int s = 0; s < 4; ++s) WgmmaRsE4m3<BN>::mma(part, a[s], desc + 2 * s, s);
+  wgmma_commit();
+  wgmma_wait<0>();
   fence_regs(part);
   const float f_lo = chunk_base(sw.x), f_hi = chunk_base(sw.y);
 #pragma unroll
@@ -573,40 +582,6 @@ __device__ __forceinline__ void promote_chunk(float (&acc)[BN / 2], float (&part
   }
 }
 
-// A 128-chunk's A fragments of its 4 k32 steps (16 words: this thread's codes of rows g and
-// g + 8 at w_rd and w_rd + 2048, their scale words at s_rd, returned in sw for the
-// promotion), then its 4 wgmmas into part, committed as one group. B: the chunk's BN token
-// rows, K-major, 128-byte swizzled (8-row groups 1024 bytes apart; desc); a k32 step
-// advances 32 bytes (2 in the descriptor's address field). The fragments a stay live until
-// the group completes.
-template <int BN>
-__device__ __forceinline__ void issue_chunk(float (&part)[BN / 2], uint32_t (&a)[4][4], uint2& sw, uint32_t w_rd,
-                                            uint32_t s_rd, uint32_t lut_base, uint32_t rot, uint64_t desc) {
-  const uint4 c_lo = lds_v4(w_rd);         // row g: steps 0..3
-  const uint4 c_hi = lds_v4(w_rd + 2048);  // row g + 8
-  sw = lds_v2(s_rd);
-  const uint2 t_lo = lds_v2(lut_base + lut_offset(sw.x, rot));
-  const uint2 t_hi = lds_v2(lut_base + lut_offset(sw.y, rot));
-  convert_chunk(c_lo, c_hi, t_lo, t_hi, a);
-  wgmma_fence();
-#pragma unroll
-  for (int s = 0; s < 4; ++s) WgmmaRsE4m3<BN>::mma(part, a[s], desc + 2 * s, s);
-  wgmma_commit();
-}
-
-// One 128-chunk: issued, waited for, promoted into acc (token scales at sx).
-// gemm_segment's two-deep K loop (kDepth = 2) runs the same parts with two chunks' wgmmas
-// in flight.
-template <int BN>
-__device__ __forceinline__ void chunk_mma(float (&acc)[BN / 2], float (&part)[BN / 2], uint32_t w_rd, uint32_t s_rd,
-                                          uint32_t lut_base, uint32_t rot, uint64_t desc, const uint8_t* sx, int t) {
-  uint32_t a[4][4];
-  uint2 sw;
-  issue_chunk<BN>(part, a, sw, w_rd, s_rd, lut_base, rot, desc);
-  wgmma_wait<0>();
-  promote_chunk<BN>(acc, part, sw, sx, t);
-}
-
 // K chunks [kb, ke) of item (tile, rt) (chunk `chunk` of `splits`, item index `item`),
 // then its epilogue (GEMM2 without kCombine: the y stores only, the caller combines);
 // split-K fixup as nvfp4_gemm.cuh's gemm_segment (the CTA that completes the item's count
@@ -615,7 +590,7 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[BN / 2], float (&part)[BN
 // prepared layout, token rows and their scales in the tiled activation layout), so a
 // slot comes in by four bulk copies counted on its mbarrier; no thread copies, and
 // nothing written through the generic proxy is read by the wgmmas.
-template <int BN, int CHUNKS, bool kGemm1, bool kCombine = true, int kDepth = 1, typename BeforeTokens>
+template <int BN, int CHUNKS, bool kGemm1, bool kCombine = true, typename BeforeTokens>
 __device__ __forceinline__ void gemm_segment(const W4A8Params& p, uint8_t* smem, uint64_t* full, const uint8_t* lut,
                                              int& ring, uint32_t& phase, int tile, int rt, int kb, int ke, int item,
                                              int splits, int chunk, int tid, BeforeTokens before_tokens) {
@@ -696,106 +671,38 @@ __device__ __forceinline__ void gemm_segment(const W4A8Params& p, uint8_t* smem,
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) part[i] = 0.0f;
 
-  if constexpr (kDepth == 2) {
-    // Two chunks' wgmmas in flight (config.h's mma_depth; DSV4_MOE_MMA_DEPTH): chunk c + 1
-    // is converted and issued into the other sums before the wait for chunk c
-    // (wgmma.wait_group 1), and c is promoted while c + 1 runs; the promotions keep chunk
-    // order, so acc is bitwise the one-deep loop's. With one chunk in flight the warps wait
-    // at every chunk (GEMM1 at M = 8192: tensor pipe 27% busy, 3.5 warps per scheduler and
-    // none eligible half the time, docs/perf-history/2026-12-05-mxfp4-w4a8-overlap-wg.md).
-    // Step si (kSteps chunks) lives in ring slot (ring + si) % 2 with mbarrier parity
-    // phase ^ ((ring + si) / 2 % 2). The first chunk of step si + 1 goes in flight while the
-    // last of step si runs, so a slot is refilled (with step si + 2) only after the barrier
-    // that follows step si's last promotion, and step si + 1's bytes are waited for before
-    // its first conversion.
-    static_assert(kSlots == 2, "the slot and parity arithmetic below");
-    auto slot_of = [&](int si) { return (ring + si) & 1; };
-    auto parity_of = [&](int si) { return phase ^ (uint32_t((ring + si) >> 1) & 1u); };
-    auto st_of = [&](int c) { return kSteps * slot_of(c / kSteps) + c % kSteps; };
-    float part2[BN / 2];
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) part2[i] = 0.0f;
-    auto issue = [&](float (&pt)[BN / 2], uint32_t (&a)[4][4], uint2& sw, int c) {
-      const int st = st_of(c);
-      issue_chunk<BN>(pt, a, sw, sW_rd + st * kCodeTile, sS_rd + st * kScaleTile, lut_base, rot,
-                      desc0 + uint32_t(st * (S::kB >> 4)));
-    };
-    // Chunk c + 1 issued into pn (after its step's bytes arrived, when it opens a step)
-    // while chunk c runs in pc; then chunk c complete (wait_group 1) and promoted; at the
-    // end of a step, the slot refilled.
-    auto next = [&](int c, float (&pc)[BN / 2], uint2 swc, float (&pn)[BN / 2], uint32_t (&an)[4][4], uint2& swn) {
-      const int si = c / kSteps;
-      const bool step_end = c % kSteps == kSteps - 1;
-      if (step_end) mbar_wait(full + slot_of(si + 1), parity_of(si + 1));
-      issue(pn, an, swn, c + 1);
-      wgmma_wait<1>();
-      promote_chunk<BN>(acc, pc, swc, sX + st_of(c) * S::kSx, t);
-      if (step_end) {
-        __syncthreads();
-        load_weights(si + 2, slot_of(si));
-        load_tokens(si + 2, slot_of(si));
-      }
-    };
-    if (nk > 0) {
-      __syncthreads();
-      load_weights(1, slot_of(1));
-      load_tokens(1, slot_of(1));
-      mbar_wait(full + slot_of(0), parity_of(0));
-      uint32_t a0[4][4], a1[4][4];  // by chunk parity: the loop takes two chunks at a time
-      uint2 sw0, sw1;
-      issue(part, a0, sw0, 0);
-      int c = 0;
-#pragma unroll 1
-      for (; c + 2 < nk; c += 2) {  // chunk c in flight in part
-        next(c, part, sw0, part2, a1, sw1);
-        next(c + 1, part2, sw1, part, a0, sw0);
-      }
-      if (c + 1 < nk) {  // two chunks left
-        next(c, part, sw0, part2, a1, sw1);
-        wgmma_wait<0>();
-        promote_chunk<BN>(acc, part2, sw1, sX + st_of(c + 1) * S::kSx, t);
-      } else {
-        wgmma_wait<0>();
-        promote_chunk<BN>(acc, part, sw0, sX + st_of(c) * S::kSx, t);
-      }
-      ring += nslots;
-      phase ^= uint32_t(ring >> 1) & 1u;
-      ring &= 1;
-    }
-  } else {
-    auto chunk_at = [&](int st) {
-      chunk_mma<BN>(acc, part, sW_rd + st * kCodeTile, sS_rd + st * kScaleTile, lut_base, rot,
-                    desc0 + uint32_t(st * (S::kB >> 4)), sX + st * S::kSx, t);
-    };
+  auto chunk_at = [&](int st) {
+    chunk_mma<BN>(acc, part, sW_rd + st * kCodeTile, sS_rd + st * kScaleTile, lut_base, rot,
+                  desc0 + uint32_t(st * (S::kB >> 4)), sX + st * S::kSx, t);
+  };
 
-    // Slot step si ready: everyone is done with the slot refilled next, the slot's bytes arrived.
-    auto enter_slot = [&](int si) {
-      __syncthreads();
-      load_weights(si + kAhead, slot_after(ring, kAhead));
-      load_tokens(si + kAhead, slot_after(ring, kAhead));
-      mbar_wait(full + ring, phase);
-    };
-    auto next_slot = [&] {
-      if (++ring == kSlots) {
-        ring = 0;
-        phase ^= 1;
-      }
-    };
+  // Slot step si ready: everyone is done with the slot refilled next, the slot's bytes arrived.
+  auto enter_slot = [&](int si) {
+    __syncthreads();
+    load_weights(si + kAhead, slot_after(ring, kAhead));
+    load_tokens(si + kAhead, slot_after(ring, kAhead));
+    mbar_wait(full + ring, phase);
+  };
+  auto next_slot = [&] {
+    if (++ring == kSlots) {
+      ring = 0;
+      phase ^= 1;
+    }
+  };
 
-    const int full_slots = nk / kSteps;
-    for (int si = 0; si < full_slots; ++si) {
-      enter_slot(si);
-      const int st = kSteps * ring;
+  const int full_slots = nk / kSteps;
+  for (int si = 0; si < full_slots; ++si) {
+    enter_slot(si);
+    const int st = kSteps * ring;
 #pragma unroll
-      for (int q = 0; q < kSteps; ++q) chunk_at(st + q);
-      next_slot();
-    }
-    if (const int rest = nk - full_slots * kSteps) {  // the last 1 .. kSteps - 1 chunks
-      enter_slot(full_slots);
-      const int st = kSteps * ring;
-      for (int q = 0; q < rest; ++q) chunk_at(st + q);
-      next_slot();
-    }
+    for (int q = 0; q < kSteps; ++q) chunk_at(st + q);
+    next_slot();
+  }
+  if (const int rest = nk - full_slots * kSteps) {  // the last 1 .. kSteps - 1 chunks
+    enter_slot(full_slots);
+    const int st = kSteps * ring;
+    for (int q = 0; q < rest; ++q) chunk_at(st + q);
+    next_slot();
   }
   __syncthreads();
 
@@ -836,10 +743,6 @@ __device__ __forceinline__ void gemm_segment(const W4A8Params& p, uint8_t* smem,
   }
 }
 
-// CTAs per SM the two-deep kernels are compiled for (a register cap of 168): the second
-// chunk sums and fragments take them from ~110 to ~175 registers, which would leave 2.
-constexpr int kDepthTwoCtasPerSm = 3;
-
 // The ring's mbarriers and the shift tables (all threads), then one barrier.
 template <int NBARS>
 __device__ __forceinline__ void init_cta(uint64_t (&full)[NBARS], uint8_t* lut) {
@@ -862,10 +765,9 @@ __device__ __forceinline__ void gemm_grid_dependencies() {
 }
 
 // Classic grid: x = 64-row weight tile (fastest, so a token tile's h completes early),
-// y = token tile; CTAs past *num_tiles exit at once. kDepth: chunks of wgmmas in flight
-// (gemm_segment).
-template <int BN, int CHUNKS, bool kGemm1, int kDepth>
-__device__ __forceinline__ void gemm_cta(const W4A8Params& p) {
+// y = token tile; CTAs past *num_tiles exit at once.
+template <int BN, int CHUNKS, bool kGemm1>
+__global__ void __launch_bounds__(kThreads) mxfp4_gemm_kernel(const W4A8Params p) {
   gemm_grid_dependencies<kGemm1>();
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = align_smem_1024(smem_raw);
@@ -877,22 +779,10 @@ __device__ __forceinline__ void gemm_cta(const W4A8Params& p) {
   int ring = 0;
   uint32_t phase = 0;
   const int KT = kGemm1 ? p.K / kChunk : p.G2;
-  gemm_segment<BN, CHUNKS, kGemm1, true, kDepth>(p, smem, full, lut, ring, phase, tile, blockIdx.x, 0, KT, 0, 1, 0,
-                                                 threadIdx.x, [&] {
-                                                   if constexpr (!kGemm1) gemm2_wait_h(p, tile);
-                                                 });
-}
-
-template <int BN, int CHUNKS, bool kGemm1>
-__global__ void __launch_bounds__(kThreads) mxfp4_gemm_kernel(const W4A8Params p) {
-  gemm_cta<BN, CHUNKS, kGemm1, 1>(p);
-}
-
-// The same with two chunks of wgmmas in flight (gemm_segment's kDepth = 2), compiled for
-// kDepthTwoCtasPerSm CTAs per SM.
-template <int BN, int CHUNKS, bool kGemm1>
-__global__ void __launch_bounds__(kThreads, kDepthTwoCtasPerSm) mxfp4_gemm_deep_kernel(const W4A8Params p) {
-  gemm_cta<BN, CHUNKS, kGemm1, 2>(p);
+  gemm_segment<BN, CHUNKS, kGemm1>(p, smem, full, lut, ring, phase, tile, blockIdx.x, 0, KT, 0, 1, 0, threadIdx.x,
+                                   [&] {
+                                     if constexpr (!kGemm1) gemm2_wait_h(p, tile);
+                                   });
 }
 
 // GEMM2 on a classic grid whose CTA covers R consecutive 64-row weight tiles of one token
@@ -906,8 +796,8 @@ __global__ void __launch_bounds__(kThreads, kDepthTwoCtasPerSm) mxfp4_gemm_deep_
 // are paid once per R tiles; the ring runs on across the tiles (the token rows come in
 // again per tile, from L2), and the tiles' y are combined together. Each tile's sums and
 // y are the classic kernel's, so the outputs are bitwise the same for every R.
-template <int BN, int CHUNKS, int R, int kDepth>
-__device__ __forceinline__ void gemm2_rows_cta(const W4A8Params& p) {
+template <int BN, int CHUNKS, int R>
+__global__ void __launch_bounds__(kThreads) mxfp4_gemm2_rows_kernel(const W4A8Params p) {
   gemm_grid_dependencies<false>();
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = align_smem_1024(smem_raw);
@@ -921,27 +811,16 @@ __device__ __forceinline__ void gemm2_rows_cta(const W4A8Params& p) {
   const int rt0 = blockIdx.x * R;
 #pragma unroll 1
   for (int r = 0; r < R; ++r) {
-    gemm_segment<BN, CHUNKS, false, false, kDepth>(p, smem, full, lut, ring, phase, tile, rt0 + r, 0, p.G2, 0, 1, 0,
-                                                   threadIdx.x, [&] {
-                                                     if (r == 0) gemm2_wait_h(p, tile);
-                                                   });
+    gemm_segment<BN, CHUNKS, false, false>(p, smem, full, lut, ring, phase, tile, rt0 + r, 0, p.G2, 0, 1, 0,
+                                           threadIdx.x, [&] {
+                                             if (r == 0) gemm2_wait_h(p, tile);
+                                           });
     if (r + 1 < R) {  // the y staging smem is the next tile's ring, refilled by bulk copies
       fence_proxy_async_smem();
       __syncthreads();
     }
   }
   gemm2_combine<BN, R>(p, tile, rt0, threadIdx.x);
-}
-
-template <int BN, int CHUNKS, int R>
-__global__ void __launch_bounds__(kThreads) mxfp4_gemm2_rows_kernel(const W4A8Params p) {
-  gemm2_rows_cta<BN, CHUNKS, R, 1>(p);
-}
-
-// The same with two chunks of wgmmas in flight, as mxfp4_gemm_deep_kernel.
-template <int BN, int CHUNKS, int R>
-__global__ void __launch_bounds__(kThreads, kDepthTwoCtasPerSm) mxfp4_gemm2_rows_deep_kernel(const W4A8Params p) {
-  gemm2_rows_cta<BN, CHUNKS, R, 2>(p);
 }
 
 // Shared memory of mxfp4_gemm2_resident_kernel for G2 K chunks: the token tile's G2 chunks

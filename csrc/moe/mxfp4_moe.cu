@@ -130,12 +130,7 @@ GemmOccupancy gemm_setup() {
   for (auto k : {c1, c2}) C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
   if constexpr (BN == 64) {
     for (auto k : {w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 2>, w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 4>,
-                   w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 8>,
-                   w4a8::mxfp4_gemm2_rows_deep_kernel<BN, kClassicChunks, 2>,
-                   w4a8::mxfp4_gemm2_rows_deep_kernel<BN, kClassicChunks, 4>,
-                   w4a8::mxfp4_gemm2_rows_deep_kernel<BN, kClassicChunks, 8>})
-      C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
-    for (auto k : {w4a8::mxfp4_gemm_deep_kernel<BN, kClassicChunks, true>, w4a8::mxfp4_gemm_deep_kernel<BN, kClassicChunks, false>})
+                   w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 8>})
       C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
     using RS = w4a8::ResidentSmem<BN>;
     for (auto k : {w4a8::mxfp4_gemm2_resident_kernel<BN, 2>, w4a8::mxfp4_gemm2_resident_kernel<BN, 4>,
@@ -217,14 +212,11 @@ void launch_gemms(const Mxfp4MoeConfig& cfg, const w4a8::W4A8Params& p, cudaStre
     return;
   }
   using S = w4a8::Smem<BN, kClassicChunks>;
-  const dim3 grid1(unsigned(p.N / 32), unsigned(cfg.max_tiles)), grid2(unsigned(p.K / 64), unsigned(cfg.max_tiles));
-  // config.h: two chunks of wgmmas in flight, GEMM2 rows (and the resident variant, which
-  // implies them) only at 64-token tiles on the classic grid
+  launch_kernel(w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, true>, dim3(unsigned(p.N / 32), unsigned(cfg.max_tiles)),
+                block, S::kBytes, stream, cfg.pdl, p);
+  // config.h: GEMM2 rows (and the resident variant, which implies them) only at 64-token
+  // tiles on the classic grid
   if constexpr (BN == 64) {
-    const bool deep = cfg.mma_depth == 2;
-    launch_kernel(deep ? w4a8::mxfp4_gemm_deep_kernel<BN, kClassicChunks, true>
-                       : w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, true>,
-                  grid1, block, S::kBytes, stream, cfg.pdl, p);
     if (cfg.gemm2_rows > 1) {
       const dim3 grid(unsigned(p.K / 64 / cfg.gemm2_rows), unsigned(cfg.max_tiles));
       if (cfg.gemm2_resident) {
@@ -234,22 +226,15 @@ void launch_gemms(const Mxfp4MoeConfig& cfg, const w4a8::W4A8Params& p, cudaStre
         launch_kernel(k, grid, block, w4a8::ResidentSmem<BN>::bytes(p.G2), stream, cfg.pdl, p);
         return;
       }
-      auto k = cfg.gemm2_rows == 2 ? (deep ? w4a8::mxfp4_gemm2_rows_deep_kernel<BN, kClassicChunks, 2>
-                                           : w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 2>)
-               : cfg.gemm2_rows == 4 ? (deep ? w4a8::mxfp4_gemm2_rows_deep_kernel<BN, kClassicChunks, 4>
-                                             : w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 4>)
-                                     : (deep ? w4a8::mxfp4_gemm2_rows_deep_kernel<BN, kClassicChunks, 8>
-                                             : w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 8>);
+      auto k = cfg.gemm2_rows == 2   ? w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 2>
+               : cfg.gemm2_rows == 4 ? w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 4>
+                                     : w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 8>;
       launch_kernel(k, grid, block, S::kBytes, stream, cfg.pdl, p);
       return;
     }
-    launch_kernel(deep ? w4a8::mxfp4_gemm_deep_kernel<BN, kClassicChunks, false>
-                       : w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, false>,
-                  grid2, block, S::kBytes, stream, cfg.pdl, p);
-  } else {
-    launch_kernel(w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, true>, grid1, block, S::kBytes, stream, cfg.pdl, p);
-    launch_kernel(w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, false>, grid2, block, S::kBytes, stream, cfg.pdl, p);
   }
+  launch_kernel(w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, false>, dim3(unsigned(p.K / 64), unsigned(cfg.max_tiles)),
+                block, S::kBytes, stream, cfg.pdl, p);
 }
 
 void mxfp4_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights, const at::Tensor& w13,

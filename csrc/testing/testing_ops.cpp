@@ -34,13 +34,12 @@ int64_t parse_env_switch(c10::string_view name, std::optional<c10::string_view> 
 
 // [DSV4_MOE_WS, DSV4_MOE_SPLITK, DSV4_MOE_DIRECT_X, DSV4_MOE_PDL] as this process read
 // them once (-1: unset), then DSV4_PRINT_CONFIG (0 or 1), then DSV4_MOE_BLOCK_N,
-// DSV4_MOE_GEMM2_ROWS, DSV4_MOE_GEMM2_RESIDENT, DSV4_MOE_FUSED_ROUTE and DSV4_MOE_MMA_DEPTH
-// (-1: unset).
+// DSV4_MOE_GEMM2_ROWS, DSV4_MOE_GEMM2_RESIDENT and DSV4_MOE_FUSED_ROUTE (-1: unset).
 std::vector<int64_t> env_switches() {
   const env::Switches& s = env::switches();
   return {as_int(s.moe_ws), as_int(s.moe_splitk), as_int(s.moe_direct_x), as_int(s.moe_pdl),
           int64_t(s.print_config), int64_t(s.moe_block_n.value_or(-1)), int64_t(s.moe_gemm2_rows.value_or(-1)),
-          as_int(s.moe_gemm2_resident), as_int(s.moe_fused_route), int64_t(s.moe_mma_depth.value_or(-1))};
+          as_int(s.moe_gemm2_resident), as_int(s.moe_fused_route)};
 }
 
 // get_best_config of dsv4::nvfp4_moe.
@@ -76,13 +75,12 @@ std::vector<int64_t> nvfp4_moe_config(c10::IntArrayRef shape, bool nvfp4, int64_
 //   device: [sms, then per token tile 8, 16, 64 the resident split-K GEMM1, split-K GEMM2
 //     and classic GEMM1 CTAs per SM] (10 values, Mxfp4DeviceFacts);
 //   overrides: [DSV4_MOE_SPLITK, DSV4_MOE_PDL, DSV4_MOE_BLOCK_N, DSV4_MOE_GEMM2_ROWS,
-//     DSV4_MOE_GEMM2_RESIDENT, DSV4_MOE_FUSED_ROUTE, DSV4_MOE_MMA_DEPTH], -1 = unset.
+//     DSV4_MOE_GEMM2_RESIDENT, DSV4_MOE_FUSED_ROUTE], -1 = unset.
 // Returns [block_n, max_tiles, multi_cta_route, splitk, gemm1_ctas, gemm2_ctas, sk_ctas,
-// pdl, quant_ctas, gemm2_rows, gemm2_resident, fused_route, mma_depth] (Mxfp4MoeConfig's
-// fields in order, mma_depth last).
+// pdl, quant_ctas, gemm2_rows, gemm2_resident, fused_route] (Mxfp4MoeConfig's fields in order).
 std::vector<int64_t> mxfp4_moe_config(c10::IntArrayRef shape, c10::IntArrayRef device, c10::IntArrayRef overrides) {
-  TORCH_CHECK(shape.size() == 6 && device.size() == 10 && overrides.size() == 7,
-              "dsv4_testing::mxfp4_moe_config: shape has 6 values, device 10, overrides 7");
+  TORCH_CHECK(shape.size() == 6 && device.size() == 10 && overrides.size() == 6,
+              "dsv4_testing::mxfp4_moe_config: shape has 6 values, device 10, overrides 6");
   const moe::Mxfp4MoeShape c{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5]};
   moe::Mxfp4DeviceFacts d{};
   d.sms = int(device[0]);
@@ -103,15 +101,9 @@ std::vector<int64_t> mxfp4_moe_config(c10::IntArrayRef shape, c10::IntArrayRef d
   }
   o.moe_gemm2_resident = as_switch(overrides[4]);
   o.moe_fused_route = as_switch(overrides[5]);
-  if (overrides[6] >= 0) {
-    TORCH_CHECK(overrides[6] == 1 || overrides[6] == 2,
-                "dsv4_testing::mxfp4_moe_config: the mma_depth override is 1, 2 or -1, got ", overrides[6]);
-    o.moe_mma_depth = int(overrides[6]);
-  }
   const moe::Mxfp4MoeConfig g = moe::get_best_config(c, d, o);
   return {g.block_n,    g.max_tiles, g.multi_cta_route, g.splitk,     g.gemm1_ctas,     g.gemm2_ctas,
-          g.sk_ctas,    g.pdl,       g.quant_ctas,      g.gemm2_rows, g.gemm2_resident, g.fused_route,
-          g.mma_depth};
+          g.sk_ctas,    g.pdl,       g.quant_ctas,      g.gemm2_rows, g.gemm2_resident, g.fused_route};
 }
 
 }  // namespace

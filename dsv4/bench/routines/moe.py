@@ -20,7 +20,6 @@ split-K persistent GEMM grid off/on; pdl -> DSV4_MOE_PDL: programmatic dependent
 off/on; dx -> DSV4_MOE_DIRECT_X: bf16 decode GEMM1 reading x itself instead of a gather
 kernel; ws -> DSV4_MOE_WS: 0 runs the one-warpgroup prefill GEMMs instead of the
 warp-specialized ones; bn -> DSV4_MOE_BLOCK_N: the MXFP4 W4A8 token tile, 8, 16 or 64;
-depth -> DSV4_MOE_MMA_DEPTH: the MXFP4 W4A8 chunks of wgmmas in flight at 64-token tiles, 1 or 2;
 rows -> DSV4_MOE_GEMM2_ROWS: the MXFP4 W4A8 GEMM2 weight tiles per CTA, 1, 2, 4 or 8;
 res -> DSV4_MOE_GEMM2_RESIDENT: 0 fetches GEMM2's token tile per weight tile; fr ->
 DSV4_MOE_FUSED_ROUTE: 0 keeps MXFP4 W4A8's routing kernel at decode sizes;
@@ -49,9 +48,9 @@ from ..report import Table, print_tables, to_markdown
 
 SUMMARY = "routed-expert MoE (NVFP4, MXFP4) rates against a bf16 grouped-GEMM baseline and the same-run ceilings"
 SWITCHES = {"sk": "DSV4_MOE_SPLITK", "pdl": "DSV4_MOE_PDL", "dx": "DSV4_MOE_DIRECT_X", "ws": "DSV4_MOE_WS",
-            "bn": "DSV4_MOE_BLOCK_N", "depth": "DSV4_MOE_MMA_DEPTH", "rows": "DSV4_MOE_GEMM2_ROWS", "res": "DSV4_MOE_GEMM2_RESIDENT",
+            "bn": "DSV4_MOE_BLOCK_N", "rows": "DSV4_MOE_GEMM2_ROWS", "res": "DSV4_MOE_GEMM2_RESIDENT",
             "fr": "DSV4_MOE_FUSED_ROUTE"}
-VALUES = {"bn": ("8", "16", "64"), "depth": ("1", "2"), "rows": ("1", "2", "4", "8")}  # the others: "0", "1"
+VALUES = {"bn": ("8", "16", "64"), "rows": ("1", "2", "4", "8")}  # the others: "0", "1"
 N_SETS = 4
 
 
