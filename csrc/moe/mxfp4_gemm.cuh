@@ -683,12 +683,6 @@ __device__ __forceinline__ void gemm_segment(const W4A8Params& p, uint8_t* smem,
     load_tokens(si + kAhead, slot_after(ring, kAhead));
     mbar_wait(full + ring, phase);
   };
-  auto next_slot = [&] {
-    if (++ring == kSlots) {
-      ring = 0;
-      phase ^= 1;
-    }
-  };
 
   const int full_slots = nk / kSteps;
   for (int si = 0; si < full_slots; ++si) {
@@ -696,13 +690,13 @@ __device__ __forceinline__ void gemm_segment(const W4A8Params& p, uint8_t* smem,
     const int st = kSteps * ring;
 #pragma unroll
     for (int q = 0; q < kSteps; ++q) chunk_at(st + q);
-    next_slot();
+    ring_advance<kSlots>(ring, phase);
   }
   if (const int rest = nk - full_slots * kSteps) {  // the last 1 .. kSteps - 1 chunks
     enter_slot(full_slots);
     const int st = kSteps * ring;
     for (int q = 0; q < rest; ++q) chunk_at(st + q);
-    next_slot();
+    ring_advance<kSlots>(ring, phase);
   }
   __syncthreads();
 

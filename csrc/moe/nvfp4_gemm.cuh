@@ -340,12 +340,6 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
     load_tokens(si + kAhead, slot_after(ring, kAhead));
     mbar_wait(full + ring, phase);
   };
-  auto next_slot = [&] {
-    if (++ring == kSlots) {
-      ring = 0;
-      phase ^= 1;
-    }
-  };
 
   const int full_slots = nk / kSteps;
   for (int si = 0; si < full_slots; ++si) {
@@ -370,7 +364,7 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
       wgmma_wait<0>();
       fence_regs(acc);
     }
-    next_slot();
+    ring_advance<kSlots>(ring, phase);
   }
   if (const int rest = nk - full_slots * kSteps) {  // the last 1 .. kSteps - 1 steps
     enter_slot(full_slots);
@@ -386,7 +380,7 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
         fence_regs(acc);
       }
     }
-    next_slot();
+    ring_advance<kSlots>(ring, phase);
   }
   cp_async_wait<0>();
   __syncthreads();

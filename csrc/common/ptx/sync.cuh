@@ -51,6 +51,16 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
+// A ring of kSlots mbarrier-guarded slots: the next slot, and the parity its mbarrier
+// completes with next (it flips each time the ring wraps).
+template <int kSlots>
+__device__ __forceinline__ void ring_advance(int& slot, uint32_t& phase) {
+  if (++slot == kSlots) {
+    slot = 0;
+    phase ^= 1;
+  }
+}
+
 // ---- proxy fences ----------------------------------------------------------------
 // Generic-proxy smem writes -> visible to wgmma and bulk copies (async proxy).
 __device__ __forceinline__ void fence_proxy_async_smem() {
