@@ -787,8 +787,8 @@ def _run_config(c: dict, args, left: float) -> tuple[dict, str, str]:
 # What vLLM raises at engine start when another engine on the same GPU allocates or frees
 # memory while this one profiles (vllm/v1/worker/gpu_worker.py's profiling check,
 # vllm/v1/core/kv_cache_planning.py's KV-cache sizing). With --jobs 2 on an H100 (2026-12-05)
-# three configurations failed so, and all three ran alone (docs/plugin.md, "Tested on a GPU"). Such a
-# configuration is run again alone after the others.
+# three configurations failed so, and all three ran alone (docs/plugin.md, "Every
+# configuration through the engine"). Such a configuration is run again alone after the others.
 SHARED_GPU_ERRORS = ("Error in memory profiling", "No available memory for the cache blocks")
 
 
@@ -813,6 +813,8 @@ def cmd_run(args) -> int:
             why = "the run stopped (see above)" if stop.is_set() else "time budget spent"
             with lock:
                 results[c["name"]] = {"name": c["name"], "stage": "skipped", "error": why}
+                if alone:  # its failure beside another engine stays on record
+                    results[c["name"]]["shared_gpu_error"] = next(e for x, e in again if x is c)
             return
         r, out, err = _run_config(c, args, left)
         if not alone and args.jobs > 1 and shared_gpu_failure(r):
