@@ -807,24 +807,25 @@ def cmd_run(args) -> int:
     results, logs, again = {}, {}, []
     lock, stop = threading.Lock(), threading.Event()
 
-    def work(c: dict, alone: bool = False) -> None:
+    def work(c: dict, shared_gpu_error: str | None = None) -> None:
+        alone = shared_gpu_error is not None  # the retry of a failure beside another engine
         left = args.budget - (time.time() - start)
         if stop.is_set() or left < 60:
             why = "the run stopped (see above)" if stop.is_set() else "time budget spent"
             with lock:
                 results[c["name"]] = {"name": c["name"], "stage": "skipped", "error": why}
                 if alone:  # its failure beside another engine stays on record
-                    results[c["name"]]["shared_gpu_error"] = next(e for x, e in again if x is c)
+                    results[c["name"]]["shared_gpu_error"] = shared_gpu_error
             return
         r, out, err = _run_config(c, args, left)
         if not alone and args.jobs > 1 and shared_gpu_failure(r):
             with lock:
-                again.append((c, r.get("error")))
+                again.append((c, str(r.get("error"))))
                 print(f"[{time.time() - start:5.0f} s] {c['name']}: {r.get('error')!s:.90} "
                       "(the GPU is shared with another engine: run again alone at the end)", flush=True)
             return
         if alone:
-            r["shared_gpu_error"] = next(e for x, e in again if x is c)
+            r["shared_gpu_error"] = shared_gpu_error
         status = "ok" if r.get("stage") == "done" else f"FAILED at {r.get('stage')}: {r.get('error')}"
         out_log = [x for x in out.splitlines() if not x.startswith("SMOKE_JSON ")]  # vLLM logs to stdout
         with lock:
@@ -845,8 +846,8 @@ def cmd_run(args) -> int:
     # configurations start in configs() order
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         list(pool.map(work, chosen))
-    for c, _ in list(again):
-        work(c, alone=True)
+    for c, error in again:
+        work(c, shared_gpu_error=error)
     results = {c["name"]: results[c["name"]] for c in chosen if c["name"] in results}
     logs = [logs[n] for n in results if n in logs]
     comps = {}
