@@ -1018,27 +1018,31 @@ COOP_CASES = [
 ]
 
 
-def coop_outputs():
+def _fp8_case_output(case, batch_invariant=False):
+    """(out, lse) on the CPU of one decode case (B, s_q, H, topk, extra_topk or None,
+    block_size, ragged) over fp8 caches, its output buffer poisoned with NaN."""
     dev = "cuda"
-    outs = []
-    for case in COOP_CASES:
-        b, s_q, h, topk, topk2, bs, ragged = case
-        g = _gen(zlib.crc32(str(case).encode()))
-        nb = max(4, (max(topk, topk2 or 0) * 2) // bs + 1)
-        cache, _ = make_cache("fp8", nb, bs, dev, 13)
-        q = (torch.randn(b, s_q, h, 512, generator=g) * 3).bfloat16().to(dev)
-        idx = make_indices(b, s_q, topk, nb * bs, g).to(dev)
-        lens = make_lengths(b, topk, g, ragged)
-        lens = None if lens is None else lens.to(dev)
-        sink = make_sink("finite", h, g).to(dev)
-        extra = (None, None, None)
-        if topk2 is not None:
-            cache2, _ = make_cache("fp8", 8, 16, dev, 14)
-            lens2 = make_lengths(b, topk2, g, ragged)
-            extra = (cache2, make_indices(b, s_q, topk2, 128, g).to(dev), None if lens2 is None else lens2.to(dev))
-        o, lse = sparse_mqa_decode(q, cache, idx, lens, sink, SCALE, *extra)
-        outs.append((o.cpu(), lse.cpu()))
-    return outs
+    b, s_q, h, topk, topk2, bs, ragged = case
+    g = _gen(zlib.crc32(str(case).encode()))
+    nb = max(4, (max(topk, topk2 or 0) * 2) // bs + 1)
+    cache, _ = make_cache("fp8", nb, bs, dev, 13)
+    q = (torch.randn(b, s_q, h, 512, generator=g) * 3).bfloat16().to(dev)
+    idx = make_indices(b, s_q, topk, nb * bs, g).to(dev)
+    lens = make_lengths(b, topk, g, ragged)
+    lens = None if lens is None else lens.to(dev)
+    sink = make_sink("finite", h, g).to(dev)
+    extra = (None, None, None)
+    if topk2 is not None:
+        cache2, _ = make_cache("fp8", 8, 16, dev, 14)
+        lens2 = make_lengths(b, topk2, g, ragged)
+        extra = (cache2, make_indices(b, s_q, topk2, 128, g).to(dev), None if lens2 is None else lens2.to(dev))
+    out = torch.full((b, s_q, h, 512), float("nan"), dtype=torch.bfloat16, device=dev)
+    o, lse = sparse_mqa_decode(q, cache, idx, lens, sink, SCALE, *extra, out=out, batch_invariant=batch_invariant)
+    return o.cpu(), lse.cpu()
+
+
+def coop_outputs():
+    return [_fp8_case_output(case) for case in COOP_CASES]
 
 
 def child_save(outputs, path):
@@ -1133,28 +1137,7 @@ CROSSOVER_CASES = [
 
 
 def crossover_outputs():
-    dev = "cuda"
-    outs = []
-    for invariant in (False, True):
-        for case in CROSSOVER_CASES:
-            b, s_q, h, topk, topk2, bs, ragged = case
-            g = _gen(zlib.crc32(str(case).encode()))
-            nb = max(4, (max(topk, topk2 or 0) * 2) // bs + 1)
-            cache, _ = make_cache("fp8", nb, bs, dev, 13)
-            q = (torch.randn(b, s_q, h, 512, generator=g) * 3).bfloat16().to(dev)
-            idx = make_indices(b, s_q, topk, nb * bs, g).to(dev)
-            lens = make_lengths(b, topk, g, ragged)
-            lens = None if lens is None else lens.to(dev)
-            sink = make_sink("finite", h, g).to(dev)
-            extra = (None, None, None)
-            if topk2 is not None:
-                cache2, _ = make_cache("fp8", 8, 16, dev, 14)
-                lens2 = make_lengths(b, topk2, g, ragged)
-                extra = (cache2, make_indices(b, s_q, topk2, 128, g).to(dev), None if lens2 is None else lens2.to(dev))
-            out = torch.full((b, s_q, h, 512), float("nan"), dtype=torch.bfloat16, device=dev)
-            o, lse = sparse_mqa_decode(q, cache, idx, lens, sink, SCALE, *extra, out=out, batch_invariant=invariant)
-            outs.append((o.cpu(), lse.cpu()))
-    return outs
+    return [_fp8_case_output(case, invariant) for invariant in (False, True) for case in CROSSOVER_CASES]
 
 
 @pytest.mark.gpu

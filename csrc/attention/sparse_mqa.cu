@@ -148,29 +148,13 @@ void launch_main(const SparseMqaParams& p, int64_t grid, cudaStream_t stream, bo
 template <int kNumSrc>
 int pair_ctas(int sms) {
   static std::atomic<int> cached[kMaxDevices];
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  TORCH_CHECK(dev >= 0 && dev < kMaxDevices, "dsv4: CUDA device ", dev, " is past the ", kMaxDevices,
-              " devices dsv4 supports in one process");
+  const int dev = current_device();
   int n = cached[dev].load(std::memory_order_acquire);
   if (n > 0) return n;
   constexpr auto kernel = attention::sparse_mqa_fwd_kernel<true, kNumSrc, 0, true>;
   ensure_max_dynamic_smem<kernel>(attention::kSmemBytes);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(sms & ~1));
-  cfg.blockDim = dim3(attention::kThreads);
-  cfg.dynamicSmemBytes = attention::kSmemBytes;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 2;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  int clusters = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
-  TORCH_CHECK(clusters > 0, "dsv4: the device runs no two-CTA cluster of the sparse MQA kernel (DSV4_ATTN_CROSSOVER=1)");
-  n = 2 * clusters;
+  n = max_cluster_ctas(kernel, sms, attention::kThreads, attention::kSmemBytes, 2);
+  TORCH_CHECK(n > 0, "dsv4: the device runs no two-CTA cluster of the sparse MQA kernel (DSV4_ATTN_CROSSOVER=1)");
   cached[dev].store(n, std::memory_order_release);
   return n;
 }
