@@ -35,18 +35,19 @@ for n in names:
         runs[n] = {r["case"]: r for r in map(json.loads, open(f"{out}/{n}/forced_auto.jsonl")) if "dsv4_us" in r}
     except OSError:
         runs[n] = {}
-cases = [c for c in runs[names[0]]]
-head = "case".ljust(28) + "".join(f"{n + ' us':>16s}{'FlashMLA/' + n:>18s}" for n in names)
+cases = list(runs[names[0]])
+w = max(len(n) for n in names) + 11  # room for "FlashMLA/<name>" and a space
+head = "case".ljust(28) + "".join(f"{n + ' us':>16s}{'FlashMLA/' + n:>{w}s}" for n in names)
 print(head)
 for c in cases:
     row = c.ljust(28)
     for n in names:
         r = runs[n].get(c)
         if r is None:
-            row += f"{'-':>16s}{'-':>18s}"
+            row += f"{'-':>16s}{'-':>{w}s}"
             continue
         fm = r.get("flashmla_us")
-        row += f"{r['dsv4_us']:16.1f}" + (f"{fm / r['dsv4_us']:18.2f}" if fm else f"{'-':>18s}")
+        row += f"{r['dsv4_us']:16.1f}" + (f"{fm / r['dsv4_us']:{w}.2f}" if fm else f"{'-':>{w}s}")
     print(row)
 PY
 cat "$S"
