@@ -320,8 +320,11 @@ def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=Non
     tiles = max(1, (S + min(E, S) * (bn - 1)) // bn)
     # routing and GEMM1's input in one kernel at <= 128 slots on 8- / 16-row tiles (<= 2048 padded rows)
     fr = int(S <= 128 and bn <= 16 and tiles * bn <= 2048 and (fused is None or bool(fused)))
+    # GEMM1's input: fused, a warp per 128-group (8 CTAs per SM); else a warp per 8 groups (4 per SM)
+    units = M * (K // 128 if fr else -(-(K // 128) // 8))
+    qctas = max(1, min((units + 7) // 8, device[0] * (8 if fr else 4)))
     return [bn, tiles, int(S > 8192), int(sk), g1, g2, max(g1, g2),
-            1 if pdl is None else int(pdl), max(1, min((M * (K // 128) + 7) // 8, device[0] * 8)), r, res, fr]
+            1 if pdl is None else int(pdl), qctas, r, res, fr]
 
 
 @needs_extension

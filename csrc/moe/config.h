@@ -198,7 +198,7 @@ struct Mxfp4MoeConfig {
   bool splitk;           // split-K persistent grid (mxfp4_gemm_splitk_kernel)
   int gemm1_ctas, gemm2_ctas, sk_ctas;  // split-K: the two grids and their bound (else 0)
   bool pdl;              // programmatic dependent launches
-  int quant_ctas;        // mxfp4_quant_x_kernel's grid
+  int quant_ctas;        // the grid of GEMM1's input quantization (mxfp4_quant_x_kernel or the fused one)
   int gemm2_rows;        // 64-row weight tiles per GEMM2 CTA (mxfp4_gemm2_rows_kernel when > 1)
   bool gemm2_resident;   // ... with the token tile resident (mxfp4_gemm2_resident_kernel)
   bool fused_route;      // routing + GEMM1's input in one kernel (mxfp4_route_quant_kernel)
@@ -247,8 +247,6 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
                 cfg.max_tiles, " (M * k = ", S, " slots); call it on fewer tokens at a time");
   }
   cfg.pdl = o.moe_pdl.value_or(true);
-  const int64_t groups = c.M * (c.K / 128);  // one warp each, 8 per CTA
-  cfg.quant_ctas = int(std::max<int64_t>(1, std::min<int64_t>((groups + 7) / 8, int64_t(d.sms) * 8)));
   cfg.gemm2_rows = 1;
   if (!cfg.splitk && cfg.block_n == 64) {
     const int64_t row_tiles = c.K / 64, G2 = (c.N + 127) / 128;  // GEMM2's K chunks of 128
@@ -261,6 +259,11 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
   }
   cfg.fused_route = S <= kFusedRouteSlots && cfg.block_n <= 16 &&
                     int64_t(cfg.max_tiles) * cfg.block_n <= kFusedRouteRows && o.moe_fused_route.value_or(true);
+  // GEMM1's input, 8 warps per CTA: fused, one warp per 128-group (up to 8 CTAs per SM);
+  // else one warp per step of 8 groups of a token, at most one wave of the 4 CTAs per SM
+  // that mxfp4_quant_x_kernel's launch bounds keep resident (each warp a contiguous range).
+  const int64_t G1 = c.K / 128, units = c.M * (cfg.fused_route ? G1 : (G1 + 7) / 8);
+  cfg.quant_ctas = int(std::max<int64_t>(1, std::min<int64_t>((units + 7) / 8, int64_t(d.sms) * (cfg.fused_route ? 8 : 4))));
   return cfg;
 }
 
