@@ -16,6 +16,7 @@ override against the reference on the cases of tests/test_moe.py.
 
 from __future__ import annotations
 
+import math
 import json
 import os
 import re
@@ -323,8 +324,12 @@ def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=Non
     # GEMM1's input: fused, a warp per 128-group (8 CTAs per SM); else a warp per 8 groups (4 per SM)
     units = M * (K // 128 if fr else -(-(K // 128) // 8))
     qctas = max(1, min((units + 7) // 8, device[0] * (8 if fr else 4)))
+    # the classic GEMM grids' rows at 64-row tiles: expected tiles under uniform routing (full
+    # tiles of the local slots plus one per touched expert) with a quarter more, at most the bound
+    local = S * E / Eg
+    grid = min(tiles, math.ceil(1.25 * (math.ceil(local / bn) + touched)) + 1) if bn == 64 else tiles
     return [bn, tiles, int(S > 8192), int(sk), g1, g2, max(g1, g2),
-            1 if pdl is None else int(pdl), qctas, r, res, fr]
+            1 if pdl is None else int(pdl), qctas, r, res, fr, grid]
 
 
 @needs_extension
@@ -385,6 +390,10 @@ def test_mxfp4_config():
             ov = [-1, -1, -1, -1, -1, -1 if fused is None else fused]
             assert config(shape, MX_DEVICE, ov) == _mxfp4_expected(*shape, fused=fused), (M, fused)
     assert [config([M] + v41[1:], MX_DEVICE, [])[11] for M in (1, 21, 22)] == [1, 1, 0]
+    # the classic grids' rows at V4-Flash EP8, M = 8192: 6144 local slots, 96 full tiles + 32
+    # touched experts, a quarter more: 161 rows, against the bound's 799
+    assert config([8192, 4096, 2048, 32, 256, 6], MX_DEVICE, [])[1:2] + config([8192, 4096, 2048, 32, 256, 6],
+                                                                             MX_DEVICE, [])[12:] == [799, 161]
     assert config([16, 5120, 2304, 48, 384, 6], MX_DEVICE, [-1, -1, 64])[11] == 0  # not on 64-row tiles
     assert config([1, 4096, 2048, 32, 256, 6], MX_DEVICE, [-1, -1, -1, -1, -1, 0])[11] == 0
 

@@ -202,6 +202,7 @@ struct Mxfp4MoeConfig {
   int gemm2_rows;        // 64-row weight tiles per GEMM2 CTA (mxfp4_gemm2_rows_kernel when > 1)
   bool gemm2_resident;   // ... with the token tile resident (mxfp4_gemm2_resident_kernel)
   bool fused_route;      // routing + GEMM1's input in one kernel (mxfp4_route_quant_kernel)
+  int grid_tiles;        // token-tile rows of the classic mxfp4_gemm_kernel grids (its CTAs loop at 64-row tiles)
 };
 
 // GEMM2 weight tiles per CTA on the classic grid at 64-token tiles (a classic CTA's fixed
@@ -210,6 +211,24 @@ struct Mxfp4MoeConfig {
 // chunks (V4.1-Flash at tensor parallel 8, G2 = 3: the op 1.27-1.38x faster than with 1),
 // 4 otherwise (the expert-parallel shapes, G2 = 16-24: 1.04-1.13x; 8 loses there at
 // M = 2048, too few CTAs for the SMs); halved until it divides the K / 64 weight tiles.
+// Rows of token tiles in the classic mxfp4_gemm_kernel grids at 64-row tiles (GEMM1; GEMM2
+// without weight-row groups): the tiles expected under uniform routing
+// over the global experts (the local slots' full tiles plus one partial tile per touched
+// local expert), with a quarter more as margin, at most max_tiles. max_tiles counts every
+// slot as local (the host cannot see the routing), so under expert parallelism it is ~8x
+// the tiles that exist; a grid of that many rows launched mostly CTAs that read the tile
+// count and exit (docs/perf-history/2026-12-05-mxfp4-w4a8-quant-x.md). Routing that makes
+// more tiles than the grid has rows costs time, not correctness: a CTA takes the tiles of
+// its row one after the other (mxfp4_gemm.cuh, mxfp4_gemm_kernel). GEMM2's rows and
+// resident kernels keep max_tiles rows: the same loop there took 37-50 registers more
+// (137-146, 3 CTAs per SM; spills in the K loop when held to 128).
+inline int pick_grid_tiles(int64_t M, int64_t topk, int64_t E, int64_t E_global, int block_n, int max_tiles) {
+  const double local_slots = double(M) * double(topk) * double(E) / double(E_global);
+  const double touched = double(E) * (1.0 - std::pow(1.0 - 1.0 / double(E), local_slots));
+  const double expected = std::ceil(local_slots / double(block_n)) + touched;
+  return int(std::min<double>(double(max_tiles), std::ceil(1.25 * expected) + 1.0));
+}
+
 inline int pick_gemm2_rows(int64_t G2, int64_t row_tiles) {
   int r = G2 <= 4 ? 8 : 4;
   while (row_tiles % r != 0) r /= 2;
@@ -257,6 +276,8 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
     // and a slot holds the y staging: 2 <= G2 <= 4 (mxfp4_gemm.cuh, ResidentSmem).
     cfg.gemm2_resident = cfg.gemm2_rows > 1 && G2 >= 2 && G2 <= 4 && o.moe_gemm2_resident.value_or(true);
   }
+  cfg.grid_tiles =
+      cfg.block_n == 64 ? pick_grid_tiles(c.M, c.topk, c.E, c.E_global, cfg.block_n, cfg.max_tiles) : cfg.max_tiles;
   cfg.fused_route = S <= kFusedRouteSlots && cfg.block_n <= 16 &&
                     int64_t(cfg.max_tiles) * cfg.block_n <= kFusedRouteRows && o.moe_fused_route.value_or(true);
   // GEMM1's input, 8 warps per CTA: fused, one warp per 128-group (up to 8 CTAs per SM);
@@ -275,7 +296,7 @@ inline void print_config(const Mxfp4MoeShape& c, const Mxfp4DeviceFacts& d, cons
       " -> block_n=", cfg.block_n, " max_tiles=", cfg.max_tiles, " multi_cta_route=", int(cfg.multi_cta_route),
       " splitk=", int(cfg.splitk), " sk_ctas=", cfg.sk_ctas, " pdl=", int(cfg.pdl), " quant_ctas=", cfg.quant_ctas,
       " gemm2_rows=", cfg.gemm2_rows, " gemm2_resident=", int(cfg.gemm2_resident),
-      " fused_route=", int(cfg.fused_route),
+      " fused_route=", int(cfg.fused_route), " grid_tiles=", cfg.grid_tiles,
       " workspace_bytes=", workspace_bytes);
   std::fprintf(stderr, "%s\n", line.c_str());
   std::fflush(stderr);

@@ -872,7 +872,14 @@ __device__ __forceinline__ void gemm_grid_dependencies() {
 }
 
 // Classic grid: x = 64-row weight tile (fastest, so a token tile's h completes early),
-// y = token tile; CTAs past *num_tiles exit at once.
+// y = token tile. At 64-token tiles gridDim.y is config.h's grid_tiles, the tiles expected
+// under uniform routing with a margin, not the host's bound max_tiles (every slot local,
+// so ~7 CTAs that only read *num_tiles and exit for each working one at M = 8192 under
+// EP8, docs/perf-history/2026-12-05-mxfp4-w4a8-quant-x.md): a CTA takes the tiles
+// blockIdx.y, + gridDim.y, ... below *num_tiles one after the other, each tile's sums as
+// before. At 8- and 16-token tiles (decode, where the bound is near the tiles that exist)
+// the grid has max_tiles rows and a CTA one tile: there the loop cost 7-34 registers.
+// CTAs past *num_tiles exit at once.
 template <int BN, int CHUNKS, bool kGemm1>
 __global__ void __launch_bounds__(kThreads) mxfp4_gemm_kernel(const W4A8Params p) {
   gemm_grid_dependencies<kGemm1>();
@@ -880,16 +887,30 @@ __global__ void __launch_bounds__(kThreads) mxfp4_gemm_kernel(const W4A8Params p
   uint8_t* smem = align_smem_1024(smem_raw);
   __shared__ uint64_t full[Smem<BN, CHUNKS>::kSlots];
   __shared__ __align__(16) uint8_t lut[kLutBytes];
-  const int tile = blockIdx.y;
-  if (tile >= __ldcg(p.num_tiles)) return;
+  const int num_tiles = __ldcg(p.num_tiles);
+  if (int(blockIdx.y) >= num_tiles) return;
   init_cta(full, lut);
   int ring = 0;
   uint32_t phase = 0;
   const int KT = kGemm1 ? p.K / kChunk : p.G2;
-  gemm_segment<BN, CHUNKS, kGemm1>(p, smem, full, lut, ring, phase, tile, blockIdx.x, 0, KT, 0, 1, 0, threadIdx.x,
-                                   [&] {
-                                     if constexpr (!kGemm1) gemm2_wait_h(p, tile);
-                                   });
+  auto run = [&](int tile) {
+    gemm_segment<BN, CHUNKS, kGemm1>(p, smem, full, lut, ring, phase, tile, blockIdx.x, 0, KT, 0, 1, 0, threadIdx.x,
+                                     [&] {
+                                       if constexpr (!kGemm1) gemm2_wait_h(p, tile);
+                                     });
+  };
+  if constexpr (BN == 64) {
+#pragma unroll 1
+    for (int tile = blockIdx.y; tile < num_tiles; tile += gridDim.y) {
+      run(tile);
+      if (tile + int(gridDim.y) < num_tiles) {  // the epilogue's staging is the next tile's ring
+        fence_proxy_async_smem();
+        __syncthreads();
+      }
+    }
+  } else {
+    run(blockIdx.y);
+  }
 }
 
 // GEMM2 on a classic grid whose CTA covers R consecutive 64-row weight tiles of one token
