@@ -221,7 +221,8 @@ struct Mxfp4MoeConfig {
 // more tiles than the grid has rows costs time, not correctness: a CTA takes the tiles of
 // its row one after the other (mxfp4_gemm.cuh, mxfp4_gemm_kernel). GEMM2's rows and
 // resident kernels keep max_tiles rows: the same loop there took 37-50 registers more
-// (137-146, 3 CTAs per SM; spills in the K loop when held to 128).
+// (137-146, 3 CTAs per SM; spills in the K loop when held to 128; 148 with the loop's
+// addresses recomputed per tile, 154 and 232 bytes of stack with the tile a noinline call).
 inline int pick_grid_tiles(int64_t M, int64_t topk, int64_t E, int64_t E_global, int block_n, int max_tiles) {
   const double local_slots = double(M) * double(topk) * double(E) / double(E_global);
   const double touched = double(E) * (1.0 - std::pow(1.0 - 1.0 / double(E), local_slots));
