@@ -186,7 +186,7 @@ needs_extension = pytest.mark.skipif(not dsv4._ops.HAS_CUDA_EXTENSION,
 
 # dsv4_testing::nvfp4_moe_config's result, in order (Nvfp4MoeConfig's fields, config.h)
 NVFP4_CONFIG_FIELDS = ("block_n", "max_tiles", "multi_cta_route", "splitk", "gemm1_ctas", "gemm2_ctas", "sk_ctas",
-                       "direct_x", "ws", "cluster", "ws_ctas", "pdl", "gather_ctas", "combine_ctas")
+                       "direct_x", "ws", "cluster", "ws_ctas", "pdl", "gather_ctas", "combine_ctas", "grid_tiles")
 OVERRIDE_KEYS = ("ws", "splitk", "direct_x", "pdl")  # the op's override order (DSV4_MOE_WS, ...)
 # Device facts: SMs, per token tile (split-K GEMM1, split-K GEMM2, classic GEMM1) CTAs
 # per SM, CTAs of the 2-CTA prefill grid. Made up, near what an H200 reports, plus a
@@ -226,7 +226,17 @@ def _expected_full(M, K, N, E, E_global, topk, activation, cta_mode, device, **o
     e["ws_ctas"] = 0 if not e["ws"] else device["ws_grid2"] if e["cluster"] == 2 else sms
     e["gather_ctas"] = min(e["max_tiles"] * bn, sms * 8)
     e["combine_ctas"] = min(M, sms * 16)
+    e["grid_tiles"] = _grid_tiles(M, topk, E, E_global, bn, e["max_tiles"]) \
+        if bn == 64 and not e["splitk"] and not e["ws"] else e["max_tiles"]
     return e
+
+
+def _grid_tiles(M, topk, E, E_global, bn, max_tiles):
+    """config.h pick_grid_tiles: the classic grids' rows at 64-row tiles, the tiles expected under
+    uniform routing (full tiles of the local slots plus one per touched expert), a quarter more."""
+    local = M * topk * E / E_global
+    touched = E * (1 - (1 - 1 / E) ** local)
+    return min(max_tiles, math.ceil(1.25 * (math.ceil(local / bn) + touched)) + 1)
 
 
 CONFIG_SHAPES = [  # (K, N, E, E_global, topk): V4-Flash / V4-Pro local shards, one expert, no map
@@ -326,8 +336,7 @@ def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=Non
     qctas = max(1, min((units + 7) // 8, device[0] * (8 if fr else 4)))
     # the classic GEMM grids' rows at 64-row tiles: expected tiles under uniform routing (full
     # tiles of the local slots plus one per touched expert) with a quarter more, at most the bound
-    local = S * E / Eg
-    grid = min(tiles, math.ceil(1.25 * (math.ceil(local / bn) + touched)) + 1) if bn == 64 else tiles
+    grid = _grid_tiles(M, topk, E, Eg, bn, tiles) if bn == 64 else tiles
     return [bn, tiles, int(S > 8192), int(sk), g1, g2, max(g1, g2),
             1 if pdl is None else int(pdl), qctas, r, res, fr, grid]
 

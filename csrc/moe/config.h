@@ -63,6 +63,7 @@ struct Nvfp4MoeConfig {
   int ws_ctas;           // ws: the persistent grid
   bool pdl;              // programmatic dependent launches
   int gather_ctas, combine_ctas;
+  int grid_tiles;        // token-tile rows of the classic grids (pick_grid_tiles at 64-token tiles)
 };
 
 // Token tile of the grouped GEMMs from shapes only: expected tokens per local
@@ -96,6 +97,26 @@ inline bool splitk_by_items(int64_t M, int64_t topk, int64_t E, int64_t E_global
 }
 inline bool splitk_by_shape(const Nvfp4MoeShape& c, int block_n, int classic1_wave) {
   return splitk_by_items(c.M, c.topk, c.E, c.E_global, c.N, block_n, classic1_wave);
+}
+
+// Rows of token tiles of the classic one-warpgroup GEMM grids at 64-row tiles (both ops:
+// nvfp4_gemm.cuh moe_gemm_kernel, mxfp4_gemm.cuh mxfp4_gemm_kernel): the tiles expected
+// under uniform routing over the global experts (the local slots' full tiles plus one
+// partial tile per touched local expert), with a quarter more as margin, at most
+// max_tiles. max_tiles counts every slot as local (the host cannot see the routing), so
+// under expert parallelism it is ~6x the tiles that exist; a grid of that many rows
+// launched mostly CTAs that read the tile count and exit
+// (docs/perf-history/2026-12-05-mxfp4-w4a8-quant-x.md). Routing that makes more tiles than
+// the grid has rows costs time, not correctness: a CTA takes the tiles of its row one
+// after the other. mxfp4_moe's GEMM2 rows and resident kernels keep max_tiles rows: the
+// same loop there took 37-50 registers more (137-146, 3 CTAs per SM; spills in the K loop
+// when held to 128; 148 with the loop's addresses recomputed per tile, 154 and 232 bytes
+// of stack with the tile a noinline call).
+inline int pick_grid_tiles(int64_t M, int64_t topk, int64_t E, int64_t E_global, int block_n, int max_tiles) {
+  const double local_slots = double(M) * double(topk) * double(E) / double(E_global);
+  const double touched = double(E) * (1.0 - std::pow(1.0 - 1.0 / double(E), local_slots));
+  const double expected = std::ceil(local_slots / double(block_n)) + touched;
+  return int(std::min<double>(double(max_tiles), std::ceil(1.25 * expected) + 1.0));
 }
 
 // The prefill kernel (nvfp4_gemm_ws.cuh) runs at the 64-token tile when cta_mode is
@@ -156,6 +177,9 @@ inline Nvfp4MoeConfig get_best_config(const Nvfp4MoeShape& c, int64_t cta_mode, 
   cfg.pdl = o.moe_pdl.value_or(cfg.block_n <= 16);
   cfg.gather_ctas = int(std::min<int64_t>(int64_t(cfg.max_tiles) * cfg.block_n, int64_t(d.sms) * 8));
   cfg.combine_ctas = int(std::min<int64_t>(c.M, int64_t(d.sms) * 16));
+  cfg.grid_tiles = cfg.block_n == 64 && !cfg.splitk && !cfg.ws
+                       ? pick_grid_tiles(c.M, c.topk, c.E, c.E_global, cfg.block_n, cfg.max_tiles)
+                       : cfg.max_tiles;
   return cfg;
 }
 
@@ -168,7 +192,7 @@ inline void print_config(const char* op, const Nvfp4MoeShape& c, int64_t cta_mod
       " classic1=", d.occupancy(cfg.block_n).classic1, " -> block_n=", cfg.block_n, " max_tiles=", cfg.max_tiles,
       " multi_cta_route=", int(cfg.multi_cta_route), " splitk=", int(cfg.splitk), " sk_ctas=", cfg.sk_ctas,
       " direct_x=", int(cfg.direct_x), " ws=", int(cfg.ws), " cluster=", cfg.cluster, " ws_ctas=", cfg.ws_ctas,
-      " pdl=", int(cfg.pdl), " workspace_bytes=", workspace_bytes);
+      " pdl=", int(cfg.pdl), " grid_tiles=", cfg.grid_tiles, " workspace_bytes=", workspace_bytes);
   std::fprintf(stderr, "%s\n", line.c_str());
   std::fflush(stderr);
 }
@@ -211,25 +235,6 @@ struct Mxfp4MoeConfig {
 // chunks (V4.1-Flash at tensor parallel 8, G2 = 3: the op 1.27-1.38x faster than with 1),
 // 4 otherwise (the expert-parallel shapes, G2 = 16-24: 1.04-1.13x; 8 loses there at
 // M = 2048, too few CTAs for the SMs); halved until it divides the K / 64 weight tiles.
-// Rows of token tiles in the classic mxfp4_gemm_kernel grids at 64-row tiles (GEMM1; GEMM2
-// without weight-row groups): the tiles expected under uniform routing
-// over the global experts (the local slots' full tiles plus one partial tile per touched
-// local expert), with a quarter more as margin, at most max_tiles. max_tiles counts every
-// slot as local (the host cannot see the routing), so under expert parallelism it is ~8x
-// the tiles that exist; a grid of that many rows launched mostly CTAs that read the tile
-// count and exit (docs/perf-history/2026-12-05-mxfp4-w4a8-quant-x.md). Routing that makes
-// more tiles than the grid has rows costs time, not correctness: a CTA takes the tiles of
-// its row one after the other (mxfp4_gemm.cuh, mxfp4_gemm_kernel). GEMM2's rows and
-// resident kernels keep max_tiles rows: the same loop there took 37-50 registers more
-// (137-146, 3 CTAs per SM; spills in the K loop when held to 128; 148 with the loop's
-// addresses recomputed per tile, 154 and 232 bytes of stack with the tile a noinline call).
-inline int pick_grid_tiles(int64_t M, int64_t topk, int64_t E, int64_t E_global, int block_n, int max_tiles) {
-  const double local_slots = double(M) * double(topk) * double(E) / double(E_global);
-  const double touched = double(E) * (1.0 - std::pow(1.0 - 1.0 / double(E), local_slots));
-  const double expected = std::ceil(local_slots / double(block_n)) + touched;
-  return int(std::min<double>(double(max_tiles), std::ceil(1.25 * expected) + 1.0));
-}
-
 inline int pick_gemm2_rows(int64_t G2, int64_t row_tiles) {
   int r = G2 <= 4 ? 8 : 4;
   while (row_tiles % r != 0) r /= 2;

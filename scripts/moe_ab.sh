@@ -1,17 +1,18 @@
 #!/bin/bash
-# MXFP4 W4A8 builds side by side, one GPU call from the repo root (issue 33):
-#   BUILDS="main=devrun/main.so branch=dsv4/_C.abi3.so" bash scripts/mxfp4_ab.sh
-# For each build (NAME=PATH of a dsv4/_C.abi3.so, carried): routed_moe's outputs on fixed
-# cases (uniform routing with and without an expert map, skewed routing, ue8m0 off, M = 1 to
-# 8192) compared bit for bit with the first build's, then the dsv4-only benchmark
-# (python -m dsv4.bench moe; BENCH overrides its arguments), one process per build. Results
+# MoE builds side by side, one GPU call from the repo root (issue 33):
+#   BUILDS="main=devrun/main.so branch=dsv4/_C.abi3.so" bash scripts/moe_ab.sh
+# For each build (NAME=PATH of a dsv4/_C.abi3.so, carried): the MXFP4 W4A8 routed_moe's
+# outputs on fixed cases (uniform routing with and without an expert map, skewed routing,
+# ue8m0 off, M = 1 to 8192) compared bit for bit with the first build's, then the dsv4-only
+# benchmark (python -m dsv4.bench moe, MXFP4 W4A8 and NVFP4; BENCH overrides its
+# arguments), one process per build. Results
 # under ${OUT:-/tmp}/ab; summary.txt printed last. Budget: DUMP_S and BENCH_S per process.
 set -u
 cd "$(git rev-parse --show-toplevel 2>/dev/null || pwd)"
 O=${OUT:-/tmp}/ab; mkdir -p "$O"; S=$O/summary.txt; : > "$S"
 BUILDS=${BUILDS:?BUILDS="NAME=PATH ..." names the builds; the first is the reference}
-BENCH=${BENCH:---moe-format mxfp4-w4a8 --models flash,pro,v41flash,v41flash-tp8 --decode 1,8,64,512 --prefill 2048,8192,16384}
-DUMP_S=${DUMP_S:-60}; BENCH_S=${BENCH_S:-150}
+BENCH=${BENCH:---moe-format mxfp4-w4a8,nvfp4 --models flash,pro,v41flash,v41flash-tp8 --decode 1,8,64,512 --prefill 2048,8192,16384}
+DUMP_S=${DUMP_S:-60}; BENCH_S=${BENCH_S:-240}
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader >> "$S"
 git log -1 --format='tree %h %s' 2>/dev/null | cut -c1-100 >> "$S"
