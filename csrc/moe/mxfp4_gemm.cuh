@@ -243,9 +243,9 @@ __device__ __forceinline__ void quantize_x(const W4A8Params& p, Route route, Slo
 // lane writes two 16-byte stores per local slot instead of one 4-byte word per lane and
 // group, the group's amax takes 2 shuffles instead of 5, and the group's scale and the
 // token's slot lookups are paid once per 32 elements of a lane instead of once per 4 (the
-// one-group-per-warp form was bound by those per-group instructions and by its scattered
-// word stores: 112 us at M = 8192 against ~25 us of traffic on the H100,
-// docs/perf-history/2026-12-05-mxfp4-w4a8-quant-x.md). Each warp takes a contiguous range
+// earlier form, a warp per group with 4 elements per lane, took 112 us at M = 8192 for ~25 us
+// of traffic on the H100, docs/perf-history/2026-12-05-mxfp4-w4a8-quant-x.md; decode sizes
+// keep it in the fused kernel, quantize_x). Each warp takes a contiguous range
 // of the M * ceil(G1 / 8) steps, the next step's loads in flight while it converts one;
 // the first step's loads are issued before the routing grid is done (PDL). The warp of a
 // token's first step also writes its combine_left entries and zeroes its output row when
