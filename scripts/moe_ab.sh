@@ -11,7 +11,7 @@ set -u
 cd "$(git rev-parse --show-toplevel 2>/dev/null || pwd)"
 O=${OUT:-/tmp}/ab; mkdir -p "$O"; S=$O/summary.txt; : > "$S"
 BUILDS=${BUILDS:?BUILDS="NAME=PATH ..." names the builds; the first is the reference}
-BENCH=${BENCH:---moe-format mxfp4-w4a8,nvfp4 --models flash,pro,v41flash-tp8 --decode 1,64 --prefill 2048,8192 --iters 20}
+BENCH=${BENCH:---moe-format mxfp4-w4a8,nvfp4 --models flash,pro --decode 1,64 --prefill 2048,8192 --iters 20}
 DUMP_S=${DUMP_S:-60}; BENCH_S=${BENCH_S:-200}  # two builds fit one 600 s call
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader >> "$S"
@@ -68,14 +68,16 @@ def rows(n):
     except (OSError, ValueError):
         return {}
     out = {}
-    for r in data.get("rows", []):  # graph replay where measured (decode rows), else the eager call
-        out[(r["model"], r["M"], r["experts"])] = r["graph_us"] if r.get("graph_us") else r["us"]
+    # graph replay where measured (decode rows), else the eager call; one row per CTA mode
+    # (the NVFP4 rows repeat with cta 1 and 2 beside auto)
+    for r in data.get("rows", []):
+        out[(r["model"], r["M"], r["experts"], str(r.get("cta", "auto")))] = r["graph_us"] if r.get("graph_us") else r["us"]
     return out
 ref = rows(names[0])
 print("dsv4 us, and the first build's time over each build's")
-print("case (model, M, experts)".ljust(34) + "".join(n.rjust(16) for n in names))
+print("case (model, M, experts, cta)".ljust(44) + "".join(n.rjust(16) for n in names))
 for k in sorted(ref, key=str):
-    line = str(k).ljust(34)
+    line = str(k).ljust(44)
     for n in names:
         v = rows(n).get(k)
         line += ("%9.1f %5.2fx" % (v, ref[k] / v) if v else "-".rjust(16))

@@ -365,9 +365,6 @@ GPU_MATRIX = [
     (FLASH, 64, "uniform", True, 10.0, "nvfp4", "auto"),
     (FLASH, 512, "skewed", False, 10.0, "bf16", "auto"),
     (FLASH, 512, "sparse", True, None, "nvfp4", 2),
-    # 64-token tiles on the one-warpgroup grid with ~4x the tiles uniform routing would make:
-    # its CTAs take several tiles of their grid row in turn (config.h pick_grid_tiles)
-    (FLASH, 2048, "sparse", True, 10.0, "bf16", "auto"),
     (FLASH, 4096, "uniform", False, 10.0, "bf16", 1),
     (FLASH, 4096, "uniform", False, 10.0, "nvfp4", 2),
     (FLASH, 16384, "uniform", True, 10.0, "bf16", "auto"),

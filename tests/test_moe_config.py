@@ -186,7 +186,7 @@ needs_extension = pytest.mark.skipif(not dsv4._ops.HAS_CUDA_EXTENSION,
 
 # dsv4_testing::nvfp4_moe_config's result, in order (Nvfp4MoeConfig's fields, config.h)
 NVFP4_CONFIG_FIELDS = ("block_n", "max_tiles", "multi_cta_route", "splitk", "gemm1_ctas", "gemm2_ctas", "sk_ctas",
-                       "direct_x", "ws", "cluster", "ws_ctas", "pdl", "gather_ctas", "combine_ctas", "grid_tiles")
+                       "direct_x", "ws", "cluster", "ws_ctas", "pdl", "gather_ctas", "combine_ctas")
 OVERRIDE_KEYS = ("ws", "splitk", "direct_x", "pdl")  # the op's override order (DSV4_MOE_WS, ...)
 # Device facts: SMs, per token tile (split-K GEMM1, split-K GEMM2, classic GEMM1) CTAs
 # per SM, CTAs of the 2-CTA prefill grid. Made up, near what an H200 reports, plus a
@@ -226,8 +226,6 @@ def _expected_full(M, K, N, E, E_global, topk, activation, cta_mode, device, **o
     e["ws_ctas"] = 0 if not e["ws"] else device["ws_grid2"] if e["cluster"] == 2 else sms
     e["gather_ctas"] = min(e["max_tiles"] * bn, sms * 8)
     e["combine_ctas"] = min(M, sms * 16)
-    e["grid_tiles"] = _grid_tiles(M, topk, E, E_global, bn, e["max_tiles"]) \
-        if bn == 64 and not e["splitk"] and not e["ws"] else e["max_tiles"]
     return e
 
 

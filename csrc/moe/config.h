@@ -63,7 +63,6 @@ struct Nvfp4MoeConfig {
   int ws_ctas;           // ws: the persistent grid
   bool pdl;              // programmatic dependent launches
   int gather_ctas, combine_ctas;
-  int grid_tiles;        // token-tile rows of the classic grids (pick_grid_tiles at 64-token tiles)
 };
 
 // Token tile of the grouped GEMMs from shapes only: expected tokens per local
@@ -99,8 +98,8 @@ inline bool splitk_by_shape(const Nvfp4MoeShape& c, int block_n, int classic1_wa
   return splitk_by_items(c.M, c.topk, c.E, c.E_global, c.N, block_n, classic1_wave);
 }
 
-// Rows of token tiles of the classic one-warpgroup GEMM grids at 64-row tiles (both ops:
-// nvfp4_gemm.cuh moe_gemm_kernel, mxfp4_gemm.cuh mxfp4_gemm_kernel): the tiles expected
+// Rows of token tiles of mxfp4_moe's classic GEMM grids at 64-row tiles (mxfp4_gemm.cuh
+// mxfp4_gemm_kernel): the tiles expected
 // under uniform routing over the global experts (the local slots' full tiles plus one
 // partial tile per touched local expert), with a quarter more as margin, at most
 // max_tiles. max_tiles counts every slot as local (the host cannot see the routing), so
@@ -111,7 +110,9 @@ inline bool splitk_by_shape(const Nvfp4MoeShape& c, int block_n, int classic1_wa
 // after the other. mxfp4_moe's GEMM2 rows and resident kernels keep max_tiles rows: the
 // same loop there took 37-50 registers more (137-146, 3 CTAs per SM; spills in the K loop
 // when held to 128; 148 with the loop's addresses recomputed per tile, 154 and 232 bytes
-// of stack with the tile a noinline call).
+// of stack with the tile a noinline call). nvfp4_moe keeps max_tiles rows: the same loop
+// in its moe_gemm_kernel measured 4% slower at M = 2048 (V4-Flash 310 -> 323 us, V4-Pro
+// 984 -> 1026 on an H100), its empty CTAs being cheaper than a CTA's second tile.
 inline int pick_grid_tiles(int64_t M, int64_t topk, int64_t E, int64_t E_global, int block_n, int max_tiles) {
   const double local_slots = double(M) * double(topk) * double(E) / double(E_global);
   const double touched = double(E) * (1.0 - std::pow(1.0 - 1.0 / double(E), local_slots));
@@ -177,9 +178,6 @@ inline Nvfp4MoeConfig get_best_config(const Nvfp4MoeShape& c, int64_t cta_mode, 
   cfg.pdl = o.moe_pdl.value_or(cfg.block_n <= 16);
   cfg.gather_ctas = int(std::min<int64_t>(int64_t(cfg.max_tiles) * cfg.block_n, int64_t(d.sms) * 8));
   cfg.combine_ctas = int(std::min<int64_t>(c.M, int64_t(d.sms) * 16));
-  cfg.grid_tiles = cfg.block_n == 64 && !cfg.splitk && !cfg.ws
-                       ? pick_grid_tiles(c.M, c.topk, c.E, c.E_global, cfg.block_n, cfg.max_tiles)
-                       : cfg.max_tiles;
   return cfg;
 }
 
@@ -192,7 +190,7 @@ inline void print_config(const char* op, const Nvfp4MoeShape& c, int64_t cta_mod
       " classic1=", d.occupancy(cfg.block_n).classic1, " -> block_n=", cfg.block_n, " max_tiles=", cfg.max_tiles,
       " multi_cta_route=", int(cfg.multi_cta_route), " splitk=", int(cfg.splitk), " sk_ctas=", cfg.sk_ctas,
       " direct_x=", int(cfg.direct_x), " ws=", int(cfg.ws), " cluster=", cfg.cluster, " ws_ctas=", cfg.ws_ctas,
-      " pdl=", int(cfg.pdl), " grid_tiles=", cfg.grid_tiles, " workspace_bytes=", workspace_bytes);
+      " pdl=", int(cfg.pdl), " workspace_bytes=", workspace_bytes);
   std::fprintf(stderr, "%s\n", line.c_str());
   std::fflush(stderr);
 }

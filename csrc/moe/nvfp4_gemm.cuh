@@ -471,12 +471,6 @@ __device__ __forceinline__ void gemm_grid_dependencies() {
   pdl_launch_dependents();
 }
 
-// Classic grid: x = weight-row tile, y = token tile. At 64-token tiles gridDim.y is
-// config.h's grid_tiles (the tiles expected under uniform routing with a margin, not the
-// bound max_tiles that counts every slot local) and a CTA takes the tiles blockIdx.y,
-// + gridDim.y, ... below *num_tiles in turn, as mxfp4_gemm.cuh's mxfp4_gemm_kernel
-// (docs/perf-history/2026-12-05-mxfp4-w4a8-quant-x.md); at 8- and 16-token tiles one tile
-// per CTA on max_tiles rows. CTAs past *num_tiles exit at once.
 template <int BN, int STAGES, bool kGemm1>
 __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
   gemm_grid_dependencies<kGemm1>();
@@ -484,25 +478,14 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
   uint8_t* smem = align_smem_1024(smem_raw);
   __shared__ uint64_t full[GemmSmem<BN, STAGES>::kSlots];
   const int KT = gemm_k_steps<kGemm1>(p);
-  const int num_tiles = __ldcg(p.num_tiles);
-  if (int(blockIdx.y) >= num_tiles) return;
+  const int tile = blockIdx.y;
+  if (tile >= __ldcg(p.num_tiles)) return;
   init_ring(full);
   int ring = 0;
   uint32_t phase = 0;
-  auto run = [&](int tile, int tid) {
-    gemm_segment<BN, STAGES, kGemm1>(p, smem, full, ring, phase, tile, blockIdx.x, 0, KT, 0, 1, 0, tid, [&] {
-      if constexpr (!kGemm1) gemm2_wait_h(p, tile);
-    });
-  };
-  if constexpr (BN == 64) {
-#pragma unroll 1
-    for (int tile = blockIdx.y; tile < num_tiles; tile += gridDim.y) {
-      run(tile, threadIdx.x);
-      if (tile + int(gridDim.y) < num_tiles) __syncthreads();  // the epilogue's staging is the next ring
-    }
-  } else {
-    run(blockIdx.y, threadIdx.x);
-  }
+  gemm_segment<BN, STAGES, kGemm1>(p, smem, full, ring, phase, tile, blockIdx.x, 0, KT, 0, 1, 0, threadIdx.x, [&] {
+    if constexpr (!kGemm1) gemm2_wait_h(p, tile);
+  });
 }
 
 // Register caps of the split-K kernel at decode tiles: without them the unit loop's

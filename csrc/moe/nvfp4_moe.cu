@@ -350,8 +350,8 @@ void launch_gemms(const Nvfp4MoeConfig& cfg, const MoeParams& p, bool gemm2, cud
                              moe::kThreads, SK::kBytes, stream, cfg.pdl, p);
     return;
   }
-  const dim3 g1(unsigned(2 * p.N / moe::kTileRows), unsigned(cfg.grid_tiles));
-  const dim3 g2(unsigned(p.K / moe::kTileRows), unsigned(cfg.grid_tiles));
+  const dim3 g1(unsigned(2 * p.N / moe::kTileRows), unsigned(p.max_tiles));
+  const dim3 g2(unsigned(p.K / moe::kTileRows), unsigned(p.max_tiles));
   launch_kernel(moe::moe_gemm_kernel<BN, STAGES, true>, g1, moe::kThreads, S::kBytes, stream, cfg.pdl, p);
   if (gemm2)
     launch_kernel(moe::moe_gemm_kernel<BN, STAGES, false>, g2, moe::kThreads, S::kBytes, stream, cfg.pdl, p);

@@ -48,9 +48,8 @@ std::vector<int64_t> env_switches() {
 //     and classic GEMM1 CTAs per SM, then ws_grid2] (11 values, DeviceFacts);
 //   overrides: [DSV4_MOE_WS, DSV4_MOE_SPLITK, DSV4_MOE_DIRECT_X, DSV4_MOE_PDL], -1 = unset.
 // Returns [block_n, max_tiles, multi_cta_route, splitk, gemm1_ctas, gemm2_ctas, sk_ctas,
-// direct_x, ws, cluster, ws_ctas, pdl, gather_ctas, combine_ctas, grid_tiles]
-// (Nvfp4MoeConfig's fields in order); an error get_best_config raises comes through as a
-// RuntimeError.
+// direct_x, ws, cluster, ws_ctas, pdl, gather_ctas, combine_ctas] (Nvfp4MoeConfig's
+// fields in order); an error get_best_config raises comes through as a RuntimeError.
 std::vector<int64_t> nvfp4_moe_config(c10::IntArrayRef shape, bool nvfp4, int64_t cta_mode, c10::IntArrayRef device,
                                       c10::IntArrayRef overrides) {
   TORCH_CHECK(shape.size() == 6 && device.size() == 11 && overrides.size() == 4,
@@ -68,8 +67,7 @@ std::vector<int64_t> nvfp4_moe_config(c10::IntArrayRef shape, bool nvfp4, int64_
   o.moe_pdl = as_switch(overrides[3]);
   const moe::Nvfp4MoeConfig g = moe::get_best_config(c, cta_mode, d, o);
   return {g.block_n,  g.max_tiles, g.multi_cta_route, g.splitk,  g.gemm1_ctas, g.gemm2_ctas,  g.sk_ctas,
-          g.direct_x, g.ws,        g.cluster,         g.ws_ctas, g.pdl,        g.gather_ctas, g.combine_ctas,
-          g.grid_tiles};
+          g.direct_x, g.ws,        g.cluster,         g.ws_ctas, g.pdl,        g.gather_ctas, g.combine_ctas};
 }
 
 // get_best_config of dsv4::mxfp4_moe.
