@@ -977,9 +977,10 @@ def child_switch_cases() -> None:
                                  {"DSV4_ATTN_SPECIALIZE": "0"}, {"DSV4_ATTN_MAIN_PDL": "0"},
                                  {"DSV4_ATTN_COOP_ROUND": "0"}, {"DSV4_ATTN_PRODUCER_AHEAD": "0"},
                                  {"DSV4_ATTN_COOP_PREFETCH": "0"}, {"DSV4_ATTN_FIRST_PV_INIT": "0"},
-                                 {"DSV4_ATTN_SPLITS": "3"}, {"DSV4_ATTN_SPLITS": "16"}],
+                                 {"DSV4_ATTN_SPLITS": "3"}, {"DSV4_ATTN_SPLITS": "16"},
+                                 {"DSV4_ATTN_CROSSOVER": "1"}],
                          ids=["splits0", "pdl0", "specialize0", "main_pdl0", "coop0", "producer_ahead0",
-                              "coop_prefetch0", "first_pv_init0", "forced_splits3", "forced_splits16"])
+                              "coop_prefetch0", "first_pv_init0", "forced_splits3", "forced_splits16", "crossover1"])
 def test_development_switches_keep_results(env):
     proc = _child(env, "child_switch_cases()")
     assert proc.returncode == 0 and "switch cases passed" in proc.stdout, \
@@ -1017,27 +1018,31 @@ COOP_CASES = [
 ]
 
 
-def coop_outputs():
+def _fp8_case_output(case, batch_invariant=False):
+    """(out, lse) on the CPU of one decode case (B, s_q, H, topk, extra_topk or None,
+    block_size, ragged) over fp8 caches, its output buffer poisoned with NaN."""
     dev = "cuda"
-    outs = []
-    for case in COOP_CASES:
-        b, s_q, h, topk, topk2, bs, ragged = case
-        g = _gen(zlib.crc32(str(case).encode()))
-        nb = max(4, (max(topk, topk2 or 0) * 2) // bs + 1)
-        cache, _ = make_cache("fp8", nb, bs, dev, 13)
-        q = (torch.randn(b, s_q, h, 512, generator=g) * 3).bfloat16().to(dev)
-        idx = make_indices(b, s_q, topk, nb * bs, g).to(dev)
-        lens = make_lengths(b, topk, g, ragged)
-        lens = None if lens is None else lens.to(dev)
-        sink = make_sink("finite", h, g).to(dev)
-        extra = (None, None, None)
-        if topk2 is not None:
-            cache2, _ = make_cache("fp8", 8, 16, dev, 14)
-            lens2 = make_lengths(b, topk2, g, ragged)
-            extra = (cache2, make_indices(b, s_q, topk2, 128, g).to(dev), None if lens2 is None else lens2.to(dev))
-        o, lse = sparse_mqa_decode(q, cache, idx, lens, sink, SCALE, *extra)
-        outs.append((o.cpu(), lse.cpu()))
-    return outs
+    b, s_q, h, topk, topk2, bs, ragged = case
+    g = _gen(zlib.crc32(str(case).encode()))
+    nb = max(4, (max(topk, topk2 or 0) * 2) // bs + 1)
+    cache, _ = make_cache("fp8", nb, bs, dev, 13)
+    q = (torch.randn(b, s_q, h, 512, generator=g) * 3).bfloat16().to(dev)
+    idx = make_indices(b, s_q, topk, nb * bs, g).to(dev)
+    lens = make_lengths(b, topk, g, ragged)
+    lens = None if lens is None else lens.to(dev)
+    sink = make_sink("finite", h, g).to(dev)
+    extra = (None, None, None)
+    if topk2 is not None:
+        cache2, _ = make_cache("fp8", 8, 16, dev, 14)
+        lens2 = make_lengths(b, topk2, g, ragged)
+        extra = (cache2, make_indices(b, s_q, topk2, 128, g).to(dev), None if lens2 is None else lens2.to(dev))
+    out = torch.full((b, s_q, h, 512), float("nan"), dtype=torch.bfloat16, device=dev)
+    o, lse = sparse_mqa_decode(q, cache, idx, lens, sink, SCALE, *extra, out=out, batch_invariant=batch_invariant)
+    return o.cpu(), lse.cpu()
+
+
+def coop_outputs():
+    return [_fp8_case_output(case) for case in COOP_CASES]
 
 
 def child_save(outputs, path):
@@ -1048,9 +1053,11 @@ def child_save(outputs, path):
 
 def child_compare(outputs, path):
     """In a child process: test_attention.<outputs>() bitwise against the pairs saved to path
-    (the first ones are COOP_CASES', named in a failure)."""
+    (the first ones are COOP_CASES' or, for crossover_outputs, CROSSOVER_CASES' twice, named
+    in a failure)."""
+    cases = 2 * CROSSOVER_CASES if outputs == "crossover_outputs" else COOP_CASES
     for k, ((o1, l1), (o2, l2)) in enumerate(zip(torch.load(path), globals()[outputs]())):
-        case = COOP_CASES[k] if k < len(COOP_CASES) else f"case {k}"
+        case = cases[k] if k < len(cases) else f"case {k}"
         assert torch.equal(o1.view(torch.int16), o2.view(torch.int16)), f"out differs: {case}"
         assert torch.equal(l1, l2), f"lse differs: {case}"
     print(f"{outputs} equal")
@@ -1105,3 +1112,36 @@ def diet_outputs():
                          ids=["diet0", "diet0_coop0"])
 def test_code_diet_is_bitwise_the_register_clears(tmp_path, env):
     _bitwise_across_processes(tmp_path, "diet_outputs", {}, env)
+
+
+# The crossover at 128 heads (DSV4_ATTN_CROSSOVER=1, sparse_mqa.cuh kPair): each CTA of a
+# two-CTA cluster dequantizes half of every tile into both CTAs, by the same arithmetic, and
+# the consumers are unchanged, so outputs and LSE are bitwise those of today's kernel (the
+# cooperative first round's, itself bitwise the producer's). Cases: (B, s_q, H, topk,
+# extra_topk or None, block_size, ragged), fp8 caches with skipped and out-of-range entries:
+# split calls, odd tile counts and lists straddled by a round, V4-Pro CSA and HCA-like shapes,
+# one source, more items than clusters with empty tokens between them; then the same calls in
+# batch-invariant mode and, under DSV4_ATTN_SPLITS, forced splits.
+CROSSOVER_CASES = [
+    (1, 1, 128, 2048, 128, 64, False),   # one token: many splits, every cluster one item
+    (1, 2, 128, 1024, 128, 64, True),
+    (3, 1, 128, 127, 2048, 16, True),    # odd tile counts on both lists
+    (3, 1, 128, 40, 100, 16, True),      # round 0 straddles the lists
+    (64, 1, 128, 1024, 128, 64, True),   # V4-Pro CSA-like
+    (32, 1, 128, 512, 64, 2, True),      # HCA-like: block size 2
+    (128, 1, 128, 128, None, 64, False),  # SWA: one source, one round
+    (133, 2, 128, 512, 127, 64, True),   # more items than clusters
+    (700, 1, 128, 200, 64, 64, True),    # several items per cluster, empty tokens between them
+    (5, 2, 128, 100, 30, 1, True),       # block size 1
+]
+
+
+def crossover_outputs():
+    return [_fp8_case_output(case, invariant) for invariant in (False, True) for case in CROSSOVER_CASES]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("env", [{}, {"DSV4_ATTN_SPLITS": "3"}], ids=["rule", "forced_splits3"])
+def test_crossover_is_bitwise_todays(tmp_path, env):
+    _bitwise_across_processes(tmp_path, "crossover_outputs", {**env, "DSV4_ATTN_CROSSOVER": "0"},
+                              {**env, "DSV4_ATTN_CROSSOVER": "1"})

@@ -3,13 +3,14 @@
 // launch. Development switches (csrc/common/env.h, README "Environment variables"):
 // DSV4_ATTN_PRICED_SPLITS, DSV4_ATTN_PDL, DSV4_ATTN_SPECIALIZE, DSV4_ATTN_MAIN_PDL,
 // DSV4_ATTN_COOP_ROUND, DSV4_ATTN_PRODUCER_AHEAD, DSV4_ATTN_COOP_PREFETCH,
-// DSV4_ATTN_FIRST_PV_INIT.
+// DSV4_ATTN_FIRST_PV_INIT, DSV4_ATTN_CROSSOVER.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <optional>
 
@@ -132,12 +133,30 @@ void check_qo(const at::Tensor& t, const char* name, const char* shape) {
 // or after a copy) the attribute changes nothing; a predecessor that never signals
 // (launch_dependents) lets it launch when its last CTA exits, and the wait still holds it
 // until that grid has completed and its writes are visible.
-template <bool kFp8, int kNumSrc, int kCoopWgs = 0>
+// kPair (the crossover): clusters of two CTAs; `grid` is even.
+template <bool kFp8, int kNumSrc, int kCoopWgs = 0, bool kPair = false>
 void launch_main(const SparseMqaParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
-  constexpr auto kernel = attention::sparse_mqa_fwd_kernel<kFp8, kNumSrc, kCoopWgs>;
+  constexpr auto kernel = attention::sparse_mqa_fwd_kernel<kFp8, kNumSrc, kCoopWgs, kPair>;
   ensure_max_dynamic_smem<kernel>(attention::kSmemBytes);
   launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(attention::kThreads), attention::kSmemBytes, stream,
-                pdl, p);
+                pdl, p, kPair ? 2 : 1);
+}
+
+// The crossover's resident CTAs: twice the two-CTA clusters the device holds at once with
+// one CTA per SM (a GPC with an odd count of free SMs leaves one idle), asked of the runtime
+// once per device. The persistent grid and the split rule's wave use it instead of the SM count.
+template <int kNumSrc>
+int pair_ctas(int sms) {
+  static std::atomic<int> cached[kMaxDevices];
+  const int dev = current_device();
+  int n = cached[dev].load(std::memory_order_acquire);
+  if (n > 0) return n;
+  constexpr auto kernel = attention::sparse_mqa_fwd_kernel<true, kNumSrc, 0, true>;
+  ensure_max_dynamic_smem<kernel>(attention::kSmemBytes);
+  n = max_cluster_ctas(kernel, sms, attention::kThreads, attention::kSmemBytes, 2);
+  TORCH_CHECK(n > 0, "dsv4: the device runs no two-CTA cluster of the sparse MQA kernel (DSV4_ATTN_CROSSOVER=1)");
+  cached[dev].store(n, std::memory_order_release);
+  return n;
 }
 
 // The combine, one CTA per (token, head). With `pdl` it is launched with programmatic
@@ -194,6 +213,16 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   for (int k = 0; k < p.num_src; ++k) max_tiles += (p.src[k].topk + attention::kTileKeys - 1) / attention::kTileKeys;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t base = tokens * (H / 64);
+  // One-source calls (SWA layers, prefill) run the instance that reads one list: less code
+  // on the cold path of a small batch. DSV4_ATTN_SPECIALIZE=0: the general instance for all.
+  const bool one = p.num_src == 1 && env::switches().attn_specialize.value_or(true);
+  // The crossover at 128 heads (fp8 caches): the two head blocks of a (token, split) in one
+  // cluster, each producer gathering half the rows for both (sparse_mqa.cuh, kPair).
+  // DSV4_ATTN_CROSSOVER=1; off by default: as built, 1.3-1.6x slower than today's kernel
+  // (docs/perf-history/2026-12-05-attention-crossover-plan.md, look-back).
+  const bool pair = kind == CacheKind::kFp8 && H == 128 && env::switches().attn_crossover.value_or(false);
+  // Resident CTAs: the persistent grid's bound and the split rule's wave.
+  const int ctas = pair ? (one ? pair_ctas<1>(sms) : pair_ctas<2>(sms)) : sms;
   if (batch_invariant) {
     // Splits of a fixed number of key pairs each, and always the split path (partials +
     // the ordered combine, in which empty splits add nothing), so that a token's result
@@ -209,7 +238,7 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   } else {
     // The cost model's count (sparse_mqa_splits.h), or DSV4_ATTN_SPLITS's, clamped to the tile pairs.
     p.pairs_per_split = 0;
-    p.num_splits = attention::choose_splits(base, max_tiles, sms, env::switches().attn_priced_splits.value_or(true),
+    p.num_splits = attention::choose_splits(base, max_tiles, ctas, env::switches().attn_priced_splits.value_or(true),
                                             env::switches().attn_splits);
   }
   p.splits_div = FastDivmod(static_cast<uint32_t>(p.num_splits));
@@ -224,11 +253,9 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
     p.part_lse = part_lse.data_ptr<float>();
   }
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  // Persistent CTAs: one per SM (the kernel's smem allows one), each walking work items.
-  const int64_t grid = std::min<int64_t>(base * p.num_splits, sms);
-  // One-source calls (SWA layers, prefill) run the instance that reads one list: less code
-  // on the cold path of a small batch. DSV4_ATTN_SPECIALIZE=0: the general instance for all.
-  const bool one = p.num_src == 1 && env::switches().attn_specialize.value_or(true);
+  // Persistent CTAs: one per SM (the kernel's smem allows one), each walking work items
+  // (kPair: base is even, and so is ctas).
+  const int64_t grid = std::min<int64_t>(base * p.num_splits, ctas);
   const bool pdl = env::switches().attn_main_pdl.value_or(true);
   // fp8 caches: round 0 of each CTA's first item gathered by all warpgroups at once
   // (sparse_mqa_first_round.cuh). DSV4_ATTN_COOP_ROUND=0: by the producer alone.
@@ -245,7 +272,9 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   const int64_t split_pairs = p.pairs_per_split > 0 ? std::min<int64_t>(p.pairs_per_split, all_pairs)
                                                     : (all_pairs + p.num_splits - 1) / p.num_splits;
   const bool ahead = split_pairs > 1 && env::switches().attn_producer_ahead.value_or(true);
-  if (kind == CacheKind::kFp8 && coop && ahead) {
+  if (pair) {
+    one ? launch_main<true, 1, 0, true>(p, grid, stream, pdl) : launch_main<true, 2, 0, true>(p, grid, stream, pdl);
+  } else if (kind == CacheKind::kFp8 && coop && ahead) {
     one ? launch_main<true, 1, 2>(p, grid, stream, pdl) : launch_main<true, 2, 2>(p, grid, stream, pdl);
   } else if (kind == CacheKind::kFp8 && coop) {
     one ? launch_main<true, 1, 3>(p, grid, stream, pdl) : launch_main<true, 2, 3>(p, grid, stream, pdl);

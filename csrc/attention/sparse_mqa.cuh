@@ -79,10 +79,18 @@ __device__ __forceinline__ void load_q_tile(const SparseMqaParams& p, const Work
 // item is gathered cooperatively (sparse_mqa_first_round.cuh, DSV4_ATTN_COOP_ROUND) by all
 // three warpgroups (3) or by the two consumer warpgroups while the producer starts on round 1
 // (2, DSV4_ATTN_PRODUCER_AHEAD); 0: the producer fills every round.
-template <bool kFp8, int kNumSrc, int kCoopWgs>
+// kPair (fp8, 128 heads, no cooperative round; DSV4_ATTN_CROSSOVER): launched in clusters of
+// two CTAs, the two head blocks of each (token, split): with an even grid stride, CTA x
+// always takes head block x % 2 = its cluster rank, and both walk the same (token, split)
+// sequence (work_item). Each producer dequantizes half the rows of every tile into both CTAs
+// (load_half_fp8_pair), so a tile's gather is paid once, not twice; the ring's barriers count
+// both CTAs' producers (ready, mask_ready) and consumers (freed), and no CTA starts before its
+// peer's barriers exist or leaves while its peer may still store or arrive into it.
+template <bool kFp8, int kNumSrc, int kCoopWgs, bool kPair = false>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __grid_constant__ SparseMqaParams p) {
   static_assert(kCoopWgs == 0 || kCoopWgs == 2 || kCoopWgs == 3, "no, two or three warpgroups");
   static_assert(kFp8 || kCoopWgs == 0, "the cooperative first round gathers fp8_ds_mla rows");
+  static_assert(!kPair || (kFp8 && kCoopWgs == 0), "the crossover: fp8_ds_mla rows, the producer's rounds only");
   constexpr bool kCoop = kCoopWgs > 0;
   extern __shared__ uint8_t smem_raw[];
   // By pointer arithmetic (align_smem_1024), so that the compiler sees shared memory: the
@@ -95,12 +103,16 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   uint16_t* mask16 = reinterpret_cast<uint16_t*>(smem + kOffMask);  // [buf][producer warp]
 
   if (threadIdx.x == 0) {
-    for (int k = 0; k < 8; ++k) mbar_init(&ready[k], 128);
-    mbar_init(&mask_ready[0], 4);
-    mbar_init(&mask_ready[1], 4);
+    for (int k = 0; k < 8; ++k) mbar_init(&ready[k], kPair ? 256 : 128);
+    mbar_init(&mask_ready[0], kPair ? 8 : 4);
+    mbar_init(&mask_ready[1], kPair ? 8 : 4);
     mbar_init_fence();
   }
-  __syncthreads();
+  if (kPair) {
+    cluster_sync();  // the peer's barriers are initialized before any arrival on them
+  } else {
+    __syncthreads();
+  }
 
   // Persistent CTAs (one per SM) walk the work items with a grid stride. Producer and
   // consumers visit the same items, and the ring's barrier phases count rounds over all of
@@ -153,12 +165,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
         const bool skip = kCoop && item == static_cast<int>(blockIdx.x);
         TokenTiles from = tt;
         from.t0 += skip ? 2 : 0;
-        producer_loop_fp8<kNumSrc>(p, from, wi.b, wi.i, smem, round_base + (skip ? 1 : 0));
+        producer_loop_fp8<kNumSrc, kPair>(p, from, wi.b, wi.i, smem, round_base + (skip ? 1 : 0));
       } else {
         producer_loop_bf16<kNumSrc>(p, tt, wi.b, wi.i, smem, round_base);
       }
       round_base += token_rounds(tt);
     }
+    if (kPair) cluster_sync();  // see the kernel's end
     return;
   }
   setmaxnreg_inc<kConsumerRegs>();
@@ -182,6 +195,16 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   const int first = g, second = 1 - g;  // half indices in load order for this consumer
   uint64_t* ready_first = &ready[2 * g + first];
   uint64_t* ready_second = &ready[2 * g + second];
+  // A half read by this consumer's wgmmas is free again; kPair: for the peer's producer too,
+  // which stores into this CTA's buffers (freed counts both CTAs' consumers).
+  const uint32_t peer_off = kPair ? mapa_u32(smem_u32(smem), (blockIdx.x & 1) ^ 1) - smem_u32(smem) : 0;
+  const auto release_half = [&](int hb) {
+    mbar_arrive(&freed[hb]);
+    if (kPair) mbar_arrive_remote(smem_u32(&freed[hb]) + peer_off);
+  };
+  // The crossover's halves were written by generic stores, the peer's included: the consumer's
+  // proxy fence after its wait, as for the bf16 rows' cp.async (the producer fenced too).
+  constexpr bool kFenceAfterWait = !kFp8 || kPair;
 
   float o[128];
   float m0, m1;  // running max (log2 domain) of rows r0, r0 + 8
@@ -206,13 +229,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   // Both halves of this round's S; the second half's wait overlaps the first half's GEMMs.
   auto compute_s = [&](uint32_t phase) {
     fence_regs(s);
-    mbar_wait(ready_first, phase);
-    if (!kFp8) fence_proxy_async_smem();  // cp.async (generic proxy) writes -> wgmma reads
+    ring_wait<kPair>(ready_first, phase);
+    if (kFenceAfterWait) fence_proxy_async_smem();  // cp.async (generic proxy) writes -> wgmma reads
     wgmma_fence();
     issue_s_half(first, true);
     wgmma_commit();
-    mbar_wait(ready_second, phase);
-    if (!kFp8) fence_proxy_async_smem();
+    ring_wait<kPair>(ready_second, phase);
+    if (kFenceAfterWait) fence_proxy_async_smem();
     issue_s_half(second, false);
     wgmma_commit();
   };
@@ -243,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   // S -> scaled log2 logits with skipped keys at -inf; returns the row maxima of the tile.
   // Thread holds rows r0, r0 + 8 and keys 8j + 2*quad + {0, 1}, j = 0..7.
   auto mask_and_max = [&](uint32_t phase, float& mx0, float& mx1) {
-    mbar_wait(&mask_ready[g], phase);
+    ring_wait<kPair>(&mask_ready[g], phase);
     const uint64_t valid = *reinterpret_cast<const volatile uint64_t*>(mask16 + 4 * g);
     // A tile with every key valid (all but the last of most tokens) skips the per-key
     // select (~64 instructions per thread); the branch is uniform (one mask per tile).
@@ -385,7 +408,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
         pv_regs(kv_mine, fresh ? 0 : 1);  // O_left (+)= P_0 V_0,left
         wgmma_wait<0>();
         fence_regs(o);
-        mbar_arrive(&freed[0]);
+        release_half(0);
 
         // The round's max (consumer 1's): rescale P_0 for consumer 1, and O and the sums.
         named_bar_sync(kBarMax1, 256);
@@ -406,21 +429,21 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
           // Next S behind the PV: its left half as soon as it lands, then release buffer 1's
           // left half once the PV that reads it is done.
           fence_regs(s);
-          mbar_wait(ready_first, ph ^ 1);
-          if (!kFp8) fence_proxy_async_smem();
+          ring_wait<kPair>(ready_first, ph ^ 1);
+          if (kFenceAfterWait) fence_proxy_async_smem();
           wgmma_fence();
           issue_s_half(first, true);
           wgmma_commit();
           wgmma_wait<1>();
-          mbar_arrive(&freed[2]);
-          mbar_wait(ready_second, ph ^ 1);
-          if (!kFp8) fence_proxy_async_smem();
+          release_half(2);
+          ring_wait<kPair>(ready_second, ph ^ 1);
+          if (kFenceAfterWait) fence_proxy_async_smem();
           issue_s_half(second, false);
           wgmma_commit();
           wgmma_wait<0>();
         } else {
           wgmma_wait<0>();
-          mbar_arrive(&freed[2]);
+          release_half(2);
         }
         fence_regs(o);
       }
@@ -462,10 +485,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
         named_bar_sync(kBarP0, 256);
         pv_smem(p_other, kv_other);  // O_right += P_0 V_0,right
         wgmma_wait<1>();
-        mbar_arrive(&freed[3]);
+        release_half(3);
         wgmma_wait<0>();
         fence_regs(o);
-        mbar_arrive(&freed[1]);
+        release_half(1);
       }
     }
 
@@ -544,6 +567,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     }
     round_base += rounds;
   }  // work items
+  // kPair: no CTA leaves while its peer's consumers may still arrive on its freed barriers
+  // (their last rounds' frees, which no producer waits for).
+  if (kPair) cluster_sync();
 }
 
 }  // namespace attention

@@ -21,6 +21,17 @@ namespace attention {
 constexpr uint32_t kFp8RowBytes = 576;   // 448 fp8 + 64 bf16
 constexpr uint32_t kBf16RowBytes = 1024;
 
+// The ring's waits (ready, free, mask): at cluster scope in the crossover (kPair), whose peer
+// CTA arrives on them too after storing into this CTA's shared memory.
+template <bool kPair>
+__device__ __forceinline__ void ring_wait(uint64_t* bar, uint32_t parity) {
+  if (kPair) {
+    mbar_wait_cluster(bar, parity);
+  } else {
+    mbar_wait(bar, parity);
+  }
+}
+
 // 4 fp8 e4m3 (one 32-bit word) * scale -> 2 words of bf16x2 (exact for UE8M0 scales).
 __device__ __forceinline__ void fp8x4_to_bf16x4(uint32_t w, float sc, uint32_t& lo, uint32_t& hi) {
   __half2_raw h0 = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xFFFF), __NV_E4M3);
@@ -36,13 +47,16 @@ __device__ __forceinline__ void fp8x4_to_bf16x4(uint32_t w, float sc, uint32_t& 
 // Exact: a power-of-two scale only moves the exponent (results that leave the bf16 range
 // round or overflow like the float32 reference rounded to bf16). e = 0 is the subnormal
 // 2^-127 (the max below), e = 255 gives inf.
-__device__ __forceinline__ void dequant_store_fp8x16(uint32_t lo, uint32_t hi, const uint4& v, uint32_t e) {
+__device__ __forceinline__ void dequant_fp8x16(const uint4& v, uint32_t e, uint4& o0, uint4& o1) {
   const float sc = __int_as_float(max(static_cast<int>(e << 23), 0x00400000));
-  uint4 o0, o1;
   fp8x4_to_bf16x4(v.x, sc, o0.x, o0.y);
   fp8x4_to_bf16x4(v.y, sc, o0.z, o0.w);
   fp8x4_to_bf16x4(v.z, sc, o1.x, o1.y);
   fp8x4_to_bf16x4(v.w, sc, o1.z, o1.w);
+}
+__device__ __forceinline__ void dequant_store_fp8x16(uint32_t lo, uint32_t hi, const uint4& v, uint32_t e) {
+  uint4 o0, o1;
+  dequant_fp8x16(v, e, o0, o1);
   sts_v4(lo, o0);
   sts_v4(hi, o1);
 }
@@ -144,6 +158,66 @@ __device__ __forceinline__ void load_half_fp8(uint8_t* buf_smem, const uint8_t* 
   mbar_arrive(ready);
 }
 
+// The crossover at 128 heads (kPair, sparse_mqa.cuh): the two CTAs of a cluster are the two
+// head blocks of one (token, split) and read the same rows, so each producer dequantizes half
+// of every tile, rows 32 rank .. 32 rank + 31, and stores them into both CTAs' buffers; the
+// ready barriers count both producers' arrivals (docs/perf-history/2026-12-05-attention-crossover-plan.md).
+// Warp w's rows are 32 rank + 8 w + g, one per lane group g = lane / 4, and lane q = lane % 4
+// takes the 16-byte chunks q + 4m of the row's fp8 bytes as in load_half_fp8; the rope (bytes
+// [448, 576), bf16, no dequant) goes through registers too (cp.async cannot write a peer's
+// shared memory), chunks q and q + 4, the odd groups' in the other order so that a quarter
+// warp's 16-byte stores cover all 32 banks. peer_off: the peer's shared::cluster address of
+// this CTA's smem base minus that base. ready_peer: the peer's ready barrier of the half.
+template <typename WaitFree>
+__device__ __forceinline__ void load_half_fp8_pair(uint8_t* buf_smem, const uint8_t* base, int64_t data_off,
+                                                   uint2 scales, int half, uint64_t* ready, uint32_t ready_peer,
+                                                   uint32_t peer_off, int rank, WaitFree&& wait_free) {
+  const int warp = (threadIdx.x >> 5) & 3;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, q = lane & 3;
+  // tile_offset(32 rank + 8 warp + g, 256 half + 64 m + 16 q + 8 s) = row + m * 8192 + 16 ((2q + s) ^ g)
+  const uint32_t row = smem_u32(buf_smem) + half * 4 * 8192 + (4 * rank + warp) * 1024 + g * 128;
+  const uint32_t lo = row + (((2 * q) ^ g) << 4), hi = row + (((2 * q + 1) ^ g) << 4);
+  const int64_t d = __shfl_sync(0xffffffffu, data_off, g);
+  const uint32_t e4 = __shfl_sync(0xffffffffu, half ? scales.y : scales.x, g);
+  const uint8_t* src0 = base + half * 256 + 16 * q;
+  const bool left = half == 0;
+  uint4 v[4], rope[2];
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    v[m] = d >= 0 && (m < 3 || left) ? ldg_nc_v4(src0 + d + 64 * m) : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    const int rc = q + 4 * (n ^ (g & 1));
+    rope[n] = d >= 0 && !left ? ldg_nc_v4(base + d + 448 + 16 * rc) : make_uint4(0, 0, 0, 0);
+  }
+  wait_free();
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    if (m < 3 || left) {
+      uint4 o0, o1;
+      dequant_fp8x16(v[m], (e4 >> (8 * m)) & 0xFFu, o0, o1);
+      sts_v4(lo + m * 8192, o0);
+      sts_v4(hi + m * 8192, o1);
+      sts_cluster_v4(lo + m * 8192 + peer_off, o0);
+      sts_cluster_v4(hi + m * 8192 + peer_off, o1);
+    }
+  }
+  if (!left) {
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const int rc = q + 4 * (n ^ (g & 1));
+      const uint32_t a = row + 3 * 8192 + ((rc ^ g) << 4);  // column block 7 = the right half's fourth
+      sts_v4(a, rope[n]);
+      sts_cluster_v4(a + peer_off, rope[n]);
+    }
+  }
+  fence_proxy_async_cluster();
+  mbar_arrive(ready);
+  mbar_arrive_remote(ready_peer);
+}
+
 // The producers fill the four halves of a round in the order the consumers first need
 // them: 0L, 1R, 0R, 1L. Step -> (buffer, half, half index hb = 2 buf + half).
 struct HalfStep {
@@ -156,8 +230,10 @@ __device__ __forceinline__ HalfStep half_step(int step) {
 
 // Producer, before filling half hb (= 2 buf + half) in round `round` (counted over all of the
 // CTA's work items): wait until the consumers have freed it.
+// kPair: the consumers of both CTAs free it (the producer writes into both).
+template <bool kPair = false>
 __device__ __forceinline__ void wait_half_free(uint8_t* smem, int hb, int round) {
-  if (round > 0) mbar_wait(reinterpret_cast<uint64_t*>(smem + kOffBar) + 4 + hb, (round - 1) & 1);
+  if (round > 0) ring_wait<kPair>(reinterpret_cast<uint64_t*>(smem + kOffBar) + 4 + hb, (round - 1) & 1);
 }
 // Producer warp: the key-validity bits of its 16 rows of buffer `buf`, written once the
 // buffer's first half is free (the consumer that read the previous mask released it).
@@ -168,15 +244,37 @@ __device__ __forceinline__ void publish_mask(uint8_t* smem, int buf, unsigned va
   }
 }
 
-// fp8_ds_mla rows: register-staged loads, dequantized into the buffer.
-template <int kNumSrc>
+// kPair: the crossover's producer warp: the key-validity bits of its 8 rows (32 rank + 8 warp
+// ..) into byte 4 rank + warp of both CTAs' masks of buffer `buf`, arriving on both
+// mask_ready barriers (8 arrivals each).
+__device__ __forceinline__ void publish_mask_pair(uint8_t* smem, int buf, unsigned valid8, int rank,
+                                                  uint32_t peer_off) {
+  if ((threadIdx.x & 31) == 0) {
+    const int byte = buf * 8 + 4 * rank + ((threadIdx.x >> 5) & 3);
+    smem[kOffMask + byte] = static_cast<uint8_t>(valid8);
+    sts_cluster_u8(smem_u32(smem + kOffMask + byte) + peer_off, valid8);
+    uint64_t* mask_ready = reinterpret_cast<uint64_t*>(smem + kOffBar) + 8 + buf;
+    mbar_arrive(mask_ready);
+    mbar_arrive_remote(smem_u32(mask_ready) + peer_off);
+  }
+}
+
+// fp8_ds_mla rows: register-staged loads, dequantized into the buffer. kPair: the crossover
+// (load_half_fp8_pair), rows 32 rank .. 32 rank + 31 of every tile into both CTAs.
+template <int kNumSrc, bool kPair = false>
 __device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, const TokenTiles& tt, int b, int i,
                                                   uint8_t* smem, int round_base) {
   // Everything from the one smem base: separate pointers would cost registers.
   uint64_t* ready = reinterpret_cast<uint64_t*>(smem + kOffBar);
   const int warp = (threadIdx.x >> 5) & 3;
   const int lane = threadIdx.x & 31;
-  const int row_lane = warp * 16 + (lane & 15);  // the row whose slot this lane resolves (lanes 0..15)
+  // The row whose slot this lane resolves: lanes 0..15 of the warp's 16 rows, or (kPair)
+  // lanes 0..7 of its 8. The cluster's rank is the work item's head block (blockIdx.x % 2,
+  // sparse_mqa_schedule.cuh), and the peer's smem is this CTA's at a fixed offset.
+  const int rank = kPair ? static_cast<int>(blockIdx.x & 1) : 0;
+  const uint32_t peer_off = kPair ? mapa_u32(smem_u32(smem), rank ^ 1) - smem_u32(smem) : 0;
+  constexpr int kRowLanes = kPair ? 8 : 16;
+  const int row_lane = kPair ? 32 * rank + 8 * warp + (lane & 7) : warp * 16 + (lane & 15);
   const int rounds = token_rounds(tt);
 
   // Per lane 0..15 and tile of the round: the row's slot and its 8 scale bytes, both
@@ -195,7 +293,7 @@ __device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, cons
     }
     return sw;
   };
-  const bool row_lane_ok = lane < 16;
+  const bool row_lane_ok = lane < kRowLanes;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const int raw = row_lane_ok ? tile_index<kNumSrc>(p, tt, b, i, tt.t0 + k, row_lane) : -1;
@@ -213,14 +311,18 @@ __device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, cons
       slot_next[k] = index_slot<kNumSrc>(p, tt, tile0 + 2 + k, raw_next[k]);
       raw_next[k] = row_lane_ok ? tile_index<kNumSrc>(p, tt, b, i, tile0 + 4 + k, row_lane) : -1;
       scales_next[k] = fetch_scales(tile0 + 2 + k, slot_next[k]);
-      // Rows into L2: lane l covers row l % 16 at bytes min(128 (l / 16 + 2 m), 575), m < 3.
+      // Rows into L2: lane l covers row l % 16 at bytes min(128 (l / 16 + 2 m), 575), m < 3
+      // (kPair: row l % 8 at min(128 (l / 8 + 4 m), 575), m < 2).
       const PagedSource s = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile0 + 2 + k));
       int64_t d, so;
       row_offsets<true>(s, slot_next[k], d, so);
-      d = __shfl_sync(0xffffffffu, d, lane & 15);
+      d = __shfl_sync(0xffffffffu, d, lane & (kRowLanes - 1));
       if (d >= 0) {
+        constexpr int kLines = kPair ? 2 : 3, kGroups = 32 / kRowLanes;
 #pragma unroll
-        for (int m = 0; m < 3; ++m) prefetch_l2(s.base + d + min(128 * ((lane >> 4) + 2 * m), 575));
+        for (int m = 0; m < kLines; ++m) {
+          prefetch_l2(s.base + d + min(128 * (lane / kRowLanes + kGroups * m), 575));
+        }
       }
     }
     int64_t data_off[2];
@@ -236,15 +338,27 @@ __device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, cons
     for (int step = 0; step < 4; ++step) {
       const auto [buf, half, hb] = half_step(step);
       const auto wait_free = [&] {
-        wait_half_free(smem, hb, round_base + r);
-        if (step < 2) publish_mask(smem, buf, __ballot_sync(0xffffffffu, (buf ? slot[1] : slot[0]) >= 0) & 0xFFFFu);
+        wait_half_free<kPair>(smem, hb, round_base + r);
+        if (step < 2) {
+          const unsigned valid = __ballot_sync(0xffffffffu, (buf ? slot[1] : slot[0]) >= 0);
+          if (kPair) {
+            publish_mask_pair(smem, buf, valid & 0xFFu, rank, peer_off);
+          } else {
+            publish_mask(smem, buf, valid & 0xFFFFu);
+          }
+        }
       };
       const uint8_t* base = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile0 + buf)).base;
       // (Selects, not data_off[buf]: a runtime index would put the arrays in local memory.)
       uint8_t* dst = smem + kOffKV + buf * kBufBytes;
       const int64_t off = buf ? data_off[1] : data_off[0];
       const uint2 sc = buf ? scales[1] : scales[0];
-      load_half_fp8(dst, base, off, sc, half, &ready[hb], wait_free);
+      if (kPair) {
+        load_half_fp8_pair(dst, base, off, sc, half, &ready[hb], smem_u32(&ready[hb]) + peer_off, peer_off, rank,
+                           wait_free);
+      } else {
+        load_half_fp8(dst, base, off, sc, half, &ready[hb], wait_free);
+      }
     }
 #pragma unroll
     for (int k = 0; k < 2; ++k) {

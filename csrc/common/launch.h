@@ -37,4 +37,26 @@ void launch_kernel(void (*kernel)(Params), dim3 grid, dim3 block, size_t smem, c
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
+// CTAs of `kernel` resident at once in clusters of `cluster` along x (a GPC with free SMs
+// left over leaves them idle): cluster x cudaOccupancyMaxActiveClusters for `threads`
+// threads and `smem` bytes of dynamic shared memory (set beforehand). `ctas` bounds the
+// grid the runtime is asked about (a multiple of the cluster is taken).
+template <typename Params>
+int max_cluster_ctas(void (*kernel)(Params), int ctas, int threads, size_t smem, int cluster) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(ctas / cluster * cluster));
+  cfg.blockDim = dim3(unsigned(threads));
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = unsigned(cluster);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
+  return clusters * cluster;
+}
+
 }  // namespace dsv4

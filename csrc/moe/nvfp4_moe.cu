@@ -197,20 +197,9 @@ int ws_setup(int sms) {
   for (auto k : {moe::moe_gemm_ws_kernel<true, 1>, moe::moe_gemm_ws_kernel<false, 1>,
                  moe::moe_gemm_ws_kernel<true, 2>, moe::moe_gemm_ws_kernel<false, 2>})
     C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, moe::WsConfig::kBytes));
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(sms / 2 * 2));
-  cfg.blockDim = dim3(moe::WsConfig::kThreads);
-  cfg.dynamicSmemBytes = moe::WsConfig::kBytes;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 2;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  int clusters = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, moe::moe_gemm_ws_kernel<true, 2>, &cfg));
-  return std::min(clusters, sms / 2) * 2;
+  return std::min(max_cluster_ctas(moe::moe_gemm_ws_kernel<true, 2>, sms, moe::WsConfig::kThreads,
+                                   moe::WsConfig::kBytes, 2),
+                  sms / 2 * 2);
 }
 
 // Once per device (the shared-memory opt-in is per device): set up every GEMM kernel

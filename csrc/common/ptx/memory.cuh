@@ -35,6 +35,17 @@ __device__ __forceinline__ void sts_v4(uint32_t addr, const uint4& v) {
                : "memory");
 }
 
+// Stores into the shared memory of a CTA of the cluster: addr is a shared::cluster address
+// (mapa_u32, common/ptx/sync.cuh).
+__device__ __forceinline__ void sts_cluster_v4(uint32_t addr, const uint4& v) {
+  asm volatile("st.shared::cluster.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ void sts_cluster_u8(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared::cluster.u8 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
 // Read-only global loads (non-coherent path); the 16-byte one does not allocate in L1
 // (rows read once).
 __device__ __forceinline__ uint4 ldg_nc_v4(const void* p) {

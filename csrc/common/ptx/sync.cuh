@@ -51,6 +51,25 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
+// The waits of barriers that CTAs of the cluster also arrive on with a cluster-scope
+// release (mbar_arrive_remote): an acquire at cluster scope, so that what the remote thread
+// wrote before its arrival is visible here.
+__device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+// Arrival on a barrier of another CTA of the cluster (remote: its shared::cluster address,
+// mapa_u32) that releases this thread's earlier writes, its stores into that CTA's shared
+// memory included, at cluster scope.
+__device__ __forceinline__ void mbar_arrive_remote(uint32_t remote) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+
 // A ring of kSlots mbarrier-guarded slots: the next slot, and the parity its mbarrier
 // completes with next (it flips each time the ring wraps).
 template <int kSlots>
@@ -65,6 +84,10 @@ __device__ __forceinline__ void ring_advance(int& slot, uint32_t& phase) {
 // Generic-proxy smem writes -> visible to wgmma and bulk copies (async proxy).
 __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Generic-proxy stores into the shared memory of any CTA of the cluster -> visible to wgmma.
+__device__ __forceinline__ void fence_proxy_async_cluster() {
+  asm volatile("fence.proxy.async.shared::cluster;\n" ::: "memory");
 }
 // Orders this thread's earlier generic-proxy global accesses (an acquire that observed
 // another kernel's or CTA's plain stores) before its later bulk copies (async proxy).
@@ -96,6 +119,14 @@ __device__ __forceinline__ void wait_flag_geq(const int* flag, int target) {
 __device__ __forceinline__ uint32_t cluster_cta_rank() {
   uint32_t r;
   asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// The shared::cluster address of shared-memory address `addr` (a 32-bit shared::cta one) in
+// CTA `cta` of the cluster. A CTA's shared memory is one contiguous window of the cluster's,
+// so offsets add to the result as to addr.
+__device__ __forceinline__ uint32_t mapa_u32(uint32_t addr, uint32_t cta) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(cta));
   return r;
 }
 // All threads of all CTAs of the cluster (release / acquire).
