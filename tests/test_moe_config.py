@@ -16,6 +16,7 @@ override against the reference on the cases of tests/test_moe.py.
 
 from __future__ import annotations
 
+import math
 import json
 import os
 import re
@@ -228,6 +229,14 @@ def _expected_full(M, K, N, E, E_global, topk, activation, cta_mode, device, **o
     return e
 
 
+def _grid_tiles(M, topk, E, E_global, bn, max_tiles):
+    """config.h pick_grid_tiles: the classic grids' rows at 64-row tiles, the tiles expected under
+    uniform routing (full tiles of the local slots plus one per touched expert), a quarter more."""
+    local = M * topk * E / E_global
+    touched = E * (1 - (1 - 1 / E) ** local)
+    return min(max_tiles, math.ceil(1.25 * (math.ceil(local / bn) + touched)) + 1)
+
+
 CONFIG_SHAPES = [  # (K, N, E, E_global, topk): V4-Flash / V4-Pro local shards, one expert, no map
     (4096, 2048, 32, 256, 6), (7168, 3072, 48, 384, 6), (4096, 256, 256, 256, 6), (128, 64, 1, 1, 1),
     (5120, 320, 48, 384, 6),
@@ -320,8 +329,14 @@ def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=Non
     tiles = max(1, (S + min(E, S) * (bn - 1)) // bn)
     # routing and GEMM1's input in one kernel at <= 128 slots on 8- / 16-row tiles (<= 2048 padded rows)
     fr = int(S <= 128 and bn <= 16 and tiles * bn <= 2048 and (fused is None or bool(fused)))
+    # GEMM1's input: fused, a warp per 128-group (8 CTAs per SM); else a warp per 8 groups (4 per SM)
+    units = M * (K // 128 if fr else -(-(K // 128) // 8))
+    qctas = max(1, min((units + 7) // 8, device[0] * (8 if fr else 4)))
+    # the classic GEMM grids' rows at 64-row tiles: expected tiles under uniform routing (full
+    # tiles of the local slots plus one per touched expert) with a quarter more, at most the bound
+    grid = _grid_tiles(M, topk, E, Eg, bn, tiles) if bn == 64 else tiles
     return [bn, tiles, int(S > 8192), int(sk), g1, g2, max(g1, g2),
-            1 if pdl is None else int(pdl), max(1, min((M * (K // 128) + 7) // 8, device[0] * 8)), r, res, fr]
+            1 if pdl is None else int(pdl), qctas, r, res, fr, grid]
 
 
 @needs_extension
@@ -382,6 +397,10 @@ def test_mxfp4_config():
             ov = [-1, -1, -1, -1, -1, -1 if fused is None else fused]
             assert config(shape, MX_DEVICE, ov) == _mxfp4_expected(*shape, fused=fused), (M, fused)
     assert [config([M] + v41[1:], MX_DEVICE, [])[11] for M in (1, 21, 22)] == [1, 1, 0]
+    # the classic grids' rows at V4-Flash EP8, M = 8192: 6144 local slots, 96 full tiles + 32
+    # touched experts, a quarter more: 161 rows, against the bound's 799
+    assert config([8192, 4096, 2048, 32, 256, 6], MX_DEVICE, [])[1:2] + config([8192, 4096, 2048, 32, 256, 6],
+                                                                             MX_DEVICE, [])[12:] == [799, 161]
     assert config([16, 5120, 2304, 48, 384, 6], MX_DEVICE, [-1, -1, 64])[11] == 0  # not on 64-row tiles
     assert config([1, 4096, 2048, 32, 256, 6], MX_DEVICE, [-1, -1, -1, -1, -1, 0])[11] == 0
 

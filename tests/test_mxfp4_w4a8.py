@@ -571,8 +571,12 @@ def test_gpu_binade_spread_across_chunks(name, M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,M", [("flash", 64), ("v41_tp8", 17)])
+@pytest.mark.parametrize("name,M", [("flash", 64), ("v41_tp8", 17), ("flash", 2048), ("v41_tp8", 2048)])
 def test_gpu_skewed_untouched_experts(name, M):
+    """Every slot on two experts, both local through the map: at M = 2048 ~8x (flash) and ~16x
+    (v41_tp8) the token tiles that uniform routing would make, so GEMM1's CTAs at 64-row tiles
+    take several tiles of their grid row one after the other (config.h pick_grid_tiles), and
+    GEMM2 (the rows kernel for flash, the resident one for v41_tp8) reads their h."""
     _check(name, M, seed=M + 31, routing="skewed")
 
 

@@ -98,6 +98,28 @@ inline bool splitk_by_shape(const Nvfp4MoeShape& c, int block_n, int classic1_wa
   return splitk_by_items(c.M, c.topk, c.E, c.E_global, c.N, block_n, classic1_wave);
 }
 
+// Rows of token tiles of mxfp4_moe's classic GEMM grids at 64-row tiles (mxfp4_gemm.cuh
+// mxfp4_gemm_kernel): the tiles expected
+// under uniform routing over the global experts (the local slots' full tiles plus one
+// partial tile per touched local expert), with a quarter more as margin, at most
+// max_tiles. max_tiles counts every slot as local (the host cannot see the routing), so
+// under expert parallelism it is ~6x the tiles that exist; a grid of that many rows
+// launched mostly CTAs that read the tile count and exit
+// (docs/perf-history/2026-12-05-mxfp4-w4a8-quant-x.md). Routing that makes more tiles than
+// the grid has rows costs time, not correctness: a CTA takes the tiles of its row one
+// after the other. mxfp4_moe's GEMM2 rows and resident kernels keep max_tiles rows: the
+// same loop there took 37-50 registers more (137-146, 3 CTAs per SM; spills in the K loop
+// when held to 128; 148 with the loop's addresses recomputed per tile, 154 and 232 bytes
+// of stack with the tile a noinline call). nvfp4_moe keeps max_tiles rows: the same loop
+// in its moe_gemm_kernel measured 4% slower at M = 2048 (V4-Flash 310 -> 323 us, V4-Pro
+// 984 -> 1026 on an H100), its empty CTAs being cheaper than a CTA's second tile.
+inline int pick_grid_tiles(int64_t M, int64_t topk, int64_t E, int64_t E_global, int block_n, int max_tiles) {
+  const double local_slots = double(M) * double(topk) * double(E) / double(E_global);
+  const double touched = double(E) * (1.0 - std::pow(1.0 - 1.0 / double(E), local_slots));
+  const double expected = std::ceil(local_slots / double(block_n)) + touched;
+  return int(std::min<double>(double(max_tiles), std::ceil(1.25 * expected) + 1.0));
+}
+
 // The prefill kernel (nvfp4_gemm_ws.cuh) runs at the 64-token tile when cta_mode is
 // given (1 or 2) or, in auto mode, from kWsMinTokensPerExpert expected tokens per local
 // expert: below that most groups are one partly filled tile and the one-warpgroup
@@ -198,10 +220,11 @@ struct Mxfp4MoeConfig {
   bool splitk;           // split-K persistent grid (mxfp4_gemm_splitk_kernel)
   int gemm1_ctas, gemm2_ctas, sk_ctas;  // split-K: the two grids and their bound (else 0)
   bool pdl;              // programmatic dependent launches
-  int quant_ctas;        // mxfp4_quant_x_kernel's grid
+  int quant_ctas;        // the grid of GEMM1's input quantization (mxfp4_quant_x_kernel or the fused one)
   int gemm2_rows;        // 64-row weight tiles per GEMM2 CTA (mxfp4_gemm2_rows_kernel when > 1)
   bool gemm2_resident;   // ... with the token tile resident (mxfp4_gemm2_resident_kernel)
   bool fused_route;      // routing + GEMM1's input in one kernel (mxfp4_route_quant_kernel)
+  int grid_tiles;        // token-tile rows of the classic mxfp4_gemm_kernel grids (its CTAs loop at 64-row tiles)
 };
 
 // GEMM2 weight tiles per CTA on the classic grid at 64-token tiles (a classic CTA's fixed
@@ -247,8 +270,6 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
                 cfg.max_tiles, " (M * k = ", S, " slots); call it on fewer tokens at a time");
   }
   cfg.pdl = o.moe_pdl.value_or(true);
-  const int64_t groups = c.M * (c.K / 128);  // one warp each, 8 per CTA
-  cfg.quant_ctas = int(std::max<int64_t>(1, std::min<int64_t>((groups + 7) / 8, int64_t(d.sms) * 8)));
   cfg.gemm2_rows = 1;
   if (!cfg.splitk && cfg.block_n == 64) {
     const int64_t row_tiles = c.K / 64, G2 = (c.N + 127) / 128;  // GEMM2's K chunks of 128
@@ -259,8 +280,15 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
     // and a slot holds the y staging: 2 <= G2 <= 4 (mxfp4_gemm.cuh, ResidentSmem).
     cfg.gemm2_resident = cfg.gemm2_rows > 1 && G2 >= 2 && G2 <= 4 && o.moe_gemm2_resident.value_or(true);
   }
+  cfg.grid_tiles =
+      cfg.block_n == 64 ? pick_grid_tiles(c.M, c.topk, c.E, c.E_global, cfg.block_n, cfg.max_tiles) : cfg.max_tiles;
   cfg.fused_route = S <= kFusedRouteSlots && cfg.block_n <= 16 &&
                     int64_t(cfg.max_tiles) * cfg.block_n <= kFusedRouteRows && o.moe_fused_route.value_or(true);
+  // GEMM1's input, 8 warps per CTA: fused, one warp per 128-group (up to 8 CTAs per SM);
+  // else one warp per step of 8 groups of a token, at most one wave of the 4 CTAs per SM
+  // that mxfp4_quant_x_kernel's launch bounds keep resident (each warp a contiguous range).
+  const int64_t G1 = c.K / 128, units = c.M * (cfg.fused_route ? G1 : (G1 + 7) / 8);
+  cfg.quant_ctas = int(std::max<int64_t>(1, std::min<int64_t>((units + 7) / 8, int64_t(d.sms) * (cfg.fused_route ? 8 : 4))));
   return cfg;
 }
 
@@ -272,7 +300,7 @@ inline void print_config(const Mxfp4MoeShape& c, const Mxfp4DeviceFacts& d, cons
       " -> block_n=", cfg.block_n, " max_tiles=", cfg.max_tiles, " multi_cta_route=", int(cfg.multi_cta_route),
       " splitk=", int(cfg.splitk), " sk_ctas=", cfg.sk_ctas, " pdl=", int(cfg.pdl), " quant_ctas=", cfg.quant_ctas,
       " gemm2_rows=", cfg.gemm2_rows, " gemm2_resident=", int(cfg.gemm2_resident),
-      " fused_route=", int(cfg.fused_route),
+      " fused_route=", int(cfg.fused_route), " grid_tiles=", cfg.grid_tiles,
       " workspace_bytes=", workspace_bytes);
   std::fprintf(stderr, "%s\n", line.c_str());
   std::fflush(stderr);

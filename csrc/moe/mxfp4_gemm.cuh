@@ -122,8 +122,34 @@ __device__ __forceinline__ uint2 load_group(const W4A8Params& p, int tkn, int gr
   return __ldg(reinterpret_cast<const uint2*>(p.x + size_t(tkn) * p.K + grp * kChunk + lane * 4));
 }
 
-// A group of x (load_group, warp-wide) -> the lane's word of 4 e4m3 and the group's scale,
-// by vLLM's rule.
+// A group's scale by vLLM's rule from its amax: s = max(amax, 1e-10) / 448, rounded up to a
+// power of two when ue8m0 (then x / s = x * (1 / s) exactly, r = 1 / s). The one place
+// both quantizers of GEMM1's input take it from.
+__device__ __forceinline__ float group_scale(int ue8m0, float amax, float& r) {
+  float s = __fdiv_rn(fmaxf(amax, 1e-10f), 448.0f);
+  r = 0.0f;
+  if (ue8m0) {  // the exact ceil to a power of two (s is normal: >= 1e-10 / 448)
+    const uint32_t b = __float_as_uint(s);
+    s = __uint_as_float((b & 0x7F800000u) + ((b & 0x007FFFFFu) ? 0x00800000u : 0u));
+    r = __frcp_rn(s);
+  }
+  return s;
+}
+
+// Four elements of a group -> their word of e4m3 (element i in byte i), by group_scale's s, r.
+__device__ __forceinline__ uint32_t quantize_word(int ue8m0, const float (&v)[4], float s, float r) {
+  uint32_t q = 0;
+  if (ue8m0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) q |= uint32_t(e4m3_rn_satfinite(v[i] * r).__x) << (8 * i);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) q |= uint32_t(e4m3_rn_satfinite(__fdiv_rn(v[i], s)).__x) << (8 * i);
+  }
+  return q;
+}
+
+// A group of x (load_group, warp-wide) -> the lane's word of 4 e4m3 and the group's scale.
 __device__ __forceinline__ void quantize_raw(const W4A8Params& p, uint2 raw, uint32_t& q, float& s) {
   const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
   const float2 f0 = __bfloat1622float2(h2[0]), f1 = __bfloat1622float2(h2[1]);
@@ -131,75 +157,22 @@ __device__ __forceinline__ void quantize_raw(const W4A8Params& p, uint2 raw, uin
   float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-  s = __fdiv_rn(fmaxf(amax, 1e-10f), 448.0f);
-  q = 0;
-  if (p.ue8m0) {  // the exact ceil to a power of two (s is normal: >= 1e-10 / 448); x / s = x * (1 / s) exactly
-    const uint32_t b = __float_as_uint(s);
-    s = __uint_as_float((b & 0x7F800000u) + ((b & 0x007FFFFFu) ? 0x00800000u : 0u));
-    const float r = __frcp_rn(s);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) q |= uint32_t(e4m3_rn_satfinite(v[i] * r).__x) << (8 * i);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) q |= uint32_t(e4m3_rn_satfinite(__fdiv_rn(v[i], s)).__x) << (8 * i);
-  }
+  float r;
+  s = group_scale(p.ue8m0, amax, r);
+  q = quantize_word(p.ue8m0, v, s, r);
 }
 
-// GEMM1's input: a warp quantizes a unit of gpw consecutive 128-groups of one token and
-// writes each to the token tile rows of the token's local slots (xg, xgs); then zero
-// padding rows, and reset the counters of the GEMMs' epilogues. The warp's first group is
-// quantized before `route()` returns the routing (the tables' source: mxfp4_quant_x_kernel
-// waits for the routing kernel, mxfp4_route_quant_kernel routes in shared memory):
-// slot_pos(i), the padded row of slot i (-1: not local), rows(), num_tiles * block_n, and
-// padding(r), row r < rows holds no slot.
-// gpw follows from the grid (config.h: one warp per group up to 64 warps per SM): 1 while
-// every group has a warp of its own, up to 8 at prefill sizes, where a unit's token
-// division and its slots' lookups would otherwise be paid per group (the kernel is
-// instruction-bound there: 146 us at V4.1-Flash M = 8192 with one group per warp,
-// docs/perf-history/2026-12-04-mxfp4-w4a8-token-tiles.md). A group's arithmetic does not
-// depend on the unit, so the output is the same bit for bit.
-template <int kMaxGpw, class Route, class SlotPos, class Rows, class Padding>
-__device__ __forceinline__ void quantize_x(const W4A8Params& p, Route route, SlotPos slot_pos, Rows rows_of,
-                                           Padding padding) {
+// After GEMM1's input (both quantizers, the whole grid): zero the padding rows of the
+// token tiles (finite tokens; padding(r): row r < rows holds no slot) and set the
+// counters of GEMM1's epilogue (group_left).
+template <class Padding>
+__device__ __forceinline__ void pad_rows_and_counters(const W4A8Params& p, int rows, Padding padding) {
   const int G1 = p.K / kChunk, BN = p.block_n;
-  const int lg_bn = __ffs(BN) - 1;  // block_n is a power of two (8, 16, 64)
+  const int lg_bn = __ffs(BN) - 1;
   const int lane = threadIdx.x & 31;
   const int nwarps = int(gridDim.x * blockDim.x) >> 5;
   const int warp0 = int(blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const int gpw = min(kMaxGpw, max(1, int(int64_t(p.M) * G1 / (4 * int64_t(nwarps)))));
-  const int upt = (G1 + gpw - 1) / gpw;  // units per token
-  const int units = p.M * upt;
-  const size_t chunk_stride = size_t(BN) * kChunk;  // bytes from one 128-group of a tile row to the next
-  uint32_t q = 0;
-  float s = 0.0f;
-  if (warp0 < units) quantize_raw(p, load_group(p, warp0 / upt, (warp0 % upt) * gpw, lane), q, s);
-  route();
-  for (int u = warp0; u < units; u += nwarps) {
-    const int tkn = u / upt, g0 = (u - tkn * upt) * gpw, n = min(G1, g0 + gpw) - g0;
-    // All of the unit's loads first (up to kMaxGpw in flight per warp; the stores below
-    // may alias x for the compiler, which would otherwise keep each load behind the
-    // previous group's stores)
-    uint2 raw[kMaxGpw];
-#pragma unroll
-    for (int i = 0; i < kMaxGpw; ++i)
-      if (i < n && (u != warp0 || i != 0)) raw[i] = load_group(p, tkn, g0 + i, lane);
-#pragma unroll
-    for (int i = 0; i < kMaxGpw; ++i) {
-      if (i >= n) break;
-      const int grp = g0 + i;
-      if (u != warp0 || i != 0) quantize_raw(p, raw[i], q, s);
-      for (int j = 0; j < p.topk; ++j) {
-        const int pos = slot_pos(tkn * p.topk + j);
-        if (pos < 0) continue;
-        const int tile = pos >> lg_bn, r = pos & (BN - 1);
-        const size_t row = act_row(tile, 0, G1, BN, r) + size_t(grp) * chunk_stride;
-        *reinterpret_cast<uint32_t*>(p.xg + row + act_word(r, chunk_word_pos(lane))) = q;
-        if (lane == 0) p.xgs[row / kChunk] = s;
-      }
-    }
-  }
-  const int rows = rows_of();
-  for (int r = warp0; r < rows; r += nwarps) {  // padding rows: zero (finite) tokens
+  for (int r = warp0; r < rows; r += nwarps) {
     if (!padding(r)) continue;
     const int tile = r >> lg_bn, rr = r & (BN - 1);
     for (int i = lane; i < G1 * 8; i += 32) {
@@ -209,8 +182,46 @@ __device__ __forceinline__ void quantize_x(const W4A8Params& p, Route route, Slo
     }
   }
   const int tid = int(blockIdx.x * blockDim.x + threadIdx.x), nthreads = int(gridDim.x * blockDim.x);
-  const int RT1 = p.N / 32, RT2 = p.K / kTileRows;
+  const int RT1 = p.N / 32;
   for (int i = tid; i < p.max_tiles * p.G2; i += nthreads) p.group_left[i] = min(4, RT1 - 4 * (i % p.G2));
+}
+
+// GEMM1's input at decode sizes (mxfp4_route_quant_kernel): a warp quantizes one 128-group
+// of one token and writes it to the token tile rows of the token's local slots (xg, xgs);
+// then zero padding rows, and reset the counters of the GEMMs' epilogues. The warp's first
+// group is quantized before `route()` returns the routing: slot_pos(i), the padded row of
+// slot i (-1: not local), rows(), num_tiles * block_n, and padding(r), row r < rows holds
+// no slot. At these sizes every group has a warp of its own (config.h's quant_ctas), so the
+// group's latency is all the kernel pays; mxfp4_quant_x_kernel is the form for many tokens.
+template <class Route, class SlotPos, class Rows, class Padding>
+__device__ __forceinline__ void quantize_x(const W4A8Params& p, Route route, SlotPos slot_pos, Rows rows_of,
+                                           Padding padding) {
+  const int G1 = p.K / kChunk, BN = p.block_n;
+  const int lg_bn = __ffs(BN) - 1;  // block_n is a power of two (8, 16)
+  const int lane = threadIdx.x & 31;
+  const int nwarps = int(gridDim.x * blockDim.x) >> 5;
+  const int warp0 = int(blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int units = p.M * G1;
+  const size_t chunk_stride = size_t(BN) * kChunk;  // bytes from one 128-group of a tile row to the next
+  uint32_t q = 0;
+  float s = 0.0f;
+  if (warp0 < units) quantize_raw(p, load_group(p, warp0 / G1, warp0 % G1, lane), q, s);
+  route();
+  for (int u = warp0; u < units; u += nwarps) {
+    const int tkn = u / G1, grp = u - tkn * G1;
+    if (u != warp0) quantize_raw(p, load_group(p, tkn, grp, lane), q, s);
+    for (int j = 0; j < p.topk; ++j) {
+      const int pos = slot_pos(tkn * p.topk + j);
+      if (pos < 0) continue;
+      const int tile = pos >> lg_bn, r = pos & (BN - 1);
+      const size_t row = act_row(tile, 0, G1, BN, r) + size_t(grp) * chunk_stride;
+      *reinterpret_cast<uint32_t*>(p.xg + row + act_word(r, chunk_word_pos(lane))) = q;
+      if (lane == 0) p.xgs[row / kChunk] = s;
+    }
+  }
+  pad_rows_and_counters(p, rows_of(), padding);
+  const int tid = int(blockIdx.x * blockDim.x + threadIdx.x), nthreads = int(gridDim.x * blockDim.x);
+  const int RT2 = p.K / kTileRows;
   for (int i = tid; i < p.M * RT2; i += nthreads) {
     const int tkn = i / RT2, rt = i - tkn * RT2;
     int local = 0;
@@ -224,18 +235,120 @@ __device__ __forceinline__ void quantize_x(const W4A8Params& p, Route route, Slo
   }
 }
 
-// quantize_x after the routing kernel: launched right after it with PDL, each warp
-// quantizes its first group before the routing grid is done (the two overlap), then
-// reads the routing's tables.
-__global__ void __launch_bounds__(256) mxfp4_quant_x_kernel(const W4A8Params p) {
+// GEMM1's input after the routing kernel (every call that does not route in
+// mxfp4_route_quant_kernel). A warp step is 8 consecutive 128-groups of one token, 4 lanes
+// per group: lane 4g + a loads 16-byte pieces a, a + 4, a + 8, a + 12 of group g (elements
+// 32i + 8a .. 32i + 8a + 7, i = 0..3), which in MMA order (chunk_word_pos) are exactly the
+// 32 bytes at 32a: piece 2a + b holds the 4 words i of half b of the lane's loads. So a
+// lane writes two 16-byte stores per local slot instead of one 4-byte word per lane and
+// group, the group's amax takes 2 shuffles instead of 5, and the group's scale and the
+// token's slot lookups are paid once per 32 elements of a lane instead of once per 4 (the
+// earlier form, a warp per group with 4 elements per lane, took 112 us at M = 8192 for ~25 us
+// of traffic on the H100, docs/perf-history/2026-12-05-mxfp4-w4a8-quant-x.md; decode sizes
+// keep it in the fused kernel, quantize_x). Each warp takes a contiguous range
+// of the M * ceil(G1 / 8) steps, the next step's loads in flight while it converts one;
+// the first step's loads are issued before the routing grid is done (PDL). The warp of a
+// token's first step also writes its combine_left entries and zeroes its output row when
+// it has no local slot. A group's arithmetic is quantize_raw's (group_scale,
+// quantize_word), so xg and xgs are the same bit for bit.
+__global__ void __launch_bounds__(256, 4) mxfp4_quant_x_kernel(const W4A8Params p) {
   pdl_launch_dependents();
-  const int* slot_pos = p.slot_pos;
+  const int G1 = p.K / kChunk, BN = p.block_n, topk = p.topk;
+  const int lg_bn = __ffs(BN) - 1;  // block_n is a power of two (8, 16, 64)
+  const int lane = threadIdx.x & 31, a = lane & 3, gl = lane >> 2;
+  const int nwarps = int(gridDim.x * blockDim.x) >> 5;
+  const int warp = int(blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  // Steps in 32 bits: M * ceil(K / 1024) < 2^31 for any x that fits in memory.
+  const int spt = (G1 + 7) / 8;  // steps per token
+  const int steps = p.M * spt;
+  const int per_warp = (steps + nwarps - 1) / nwarps;
+  const int u0 = min(steps, warp * per_warp), u1 = min(steps, u0 + per_warp);
+  // (token, step) of u0, then advanced one step at a time: no division in the loop.
+  int tkn = u0 / spt, step = u0 - tkn * spt;
+  auto load = [&](int t, int st, uint4 (&raw)[4]) {
+    const int grp = st * 8 + gl;
+    if (grp < G1) {
+      const uint4* src = reinterpret_cast<const uint4*>(p.x + size_t(t) * p.K + size_t(grp) * kChunk) + a;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) raw[i] = __ldg(src + 4 * i);
+    }
+  };
+  uint4 cur[4];
+  if (u0 < u1) load(tkn, step, cur);
+  pdl_wait();  // the routing's tables from here on
+  const int RT2 = p.K / kTileRows;
+  const size_t chunk_stride = size_t(BN) * kChunk;  // bytes from one 128-group of a tile row to the next
+  for (int u = u0; u < u1; ++u) {
+    const bool last_step = step + 1 == spt;
+    uint4 nxt[4];
+    if (u + 1 < u1) load(last_step ? tkn + 1 : tkn, last_step ? 0 : step + 1, nxt);
+    const int grp = step * 8 + gl;
+    // The group's words: word i of half b holds elements 32i + 8a + 4b .. + 3. The floats
+    // are converted from the bf16 twice (for the amax, then for the words) rather than
+    // kept: with the next step's loads in flight, 32 live floats would spill at 64 registers.
+    uint32_t w[2][4];
+    float s, inv_s;
+    {
+      float amax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&cur[i]);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const float2 f = __bfloat1622float2(h2[k]);
+          amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+        }
+      }
+      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+      s = group_scale(p.ue8m0, amax, inv_s);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&cur[i]);
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const float2 f0 = __bfloat1622float2(h2[2 * b]), f1 = __bfloat1622float2(h2[2 * b + 1]);
+        const float e[4] = {f0.x, f0.y, f1.x, f1.y};
+        w[b][i] = quantize_word(p.ue8m0, e, s, inv_s);
+      }
+    }
+    // The token's local slots, 32 at a time: each lane looks one up, the warp walks the ballot.
+    int local = 0;
+    for (int j0 = 0; j0 < topk; j0 += 32) {
+      const int pos = j0 + lane < topk ? __ldg(p.slot_pos + size_t(tkn) * topk + j0 + lane) : -1;
+      uint32_t mask = __ballot_sync(0xFFFFFFFFu, pos >= 0);
+      local += __popc(mask);
+      while (mask != 0) {
+        const int j = __ffs(mask) - 1;
+        mask &= mask - 1;
+        const int sp = __shfl_sync(0xFFFFFFFFu, pos, j);
+        if (grp < G1) {
+          const int tile = sp >> lg_bn, r = sp & (BN - 1);
+          uint8_t* row = p.xg + act_row(tile, 0, G1, BN, r) + size_t(grp) * chunk_stride;
+#pragma unroll
+          for (int b = 0; b < 2; ++b)
+            *reinterpret_cast<uint4*>(row + (((2 * a + b) ^ (r & 7)) << 4)) = make_uint4(w[b][0], w[b][1], w[b][2], w[b][3]);
+          if (a == 0) p.xgs[(act_row(tile, 0, G1, BN, r) + size_t(grp) * chunk_stride) / kChunk] = s;
+        }
+      }
+    }
+    if (step == 0) {  // once per token: GEMM2's combine counters, and a zero output without local slots
+      for (int rt = lane; rt < RT2; rt += 32) p.combine_left[size_t(tkn) * RT2 + rt] = local;
+      if (local == 0) {  // no GEMM2 CTA writes this token
+        uint4* o = reinterpret_cast<uint4*>(p.out + size_t(tkn) * p.K);
+        for (int c = lane; c < p.K / 8; c += 32) o[c] = make_uint4(0, 0, 0, 0);
+      }
+    }
+    if (u + 1 < u1) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) cur[i] = nxt[i];
+    }
+    tkn += last_step;
+    step = last_step ? 0 : step + 1;
+  }
   const int* row_slot = p.row_slot;
-  const int* num_tiles = p.num_tiles;
-  const int BN = p.block_n;
-  quantize_x<8>(
-      p, [] { pdl_wait(); }, [=](int i) { return __ldg(slot_pos + i); }, [=] { return __ldg(num_tiles) * BN; },
-      [=](int r) { return __ldg(row_slot + r) < 0; });
+  pad_rows_and_counters(p, __ldg(p.num_tiles) * BN, [=](int r) { return __ldg(row_slot + r) < 0; });
 }
 
 // At decode sizes (M * k <= kFusedRouteSlots slots, token tiles of 8 or 16 rows:
@@ -325,7 +438,7 @@ __global__ void __launch_bounds__(256) mxfp4_route_quant_kernel(const MoeParams 
       }
     }
   };
-  quantize_x<1>(  // one group per warp: at these sizes every group has a warp of its own
+  quantize_x(
       p, route, [&](int i) { return s_pos[i]; }, [&] { return s_num_tiles * p.block_n; },
       [&](int r) { return s_used[r] == 0; });
 }
@@ -759,7 +872,14 @@ __device__ __forceinline__ void gemm_grid_dependencies() {
 }
 
 // Classic grid: x = 64-row weight tile (fastest, so a token tile's h completes early),
-// y = token tile; CTAs past *num_tiles exit at once.
+// y = token tile. At 64-token tiles gridDim.y is config.h's grid_tiles, the tiles expected
+// under uniform routing with a margin, not the host's bound max_tiles (every slot local,
+// so ~7 CTAs that only read *num_tiles and exit for each working one at M = 8192 under
+// EP8, docs/perf-history/2026-12-05-mxfp4-w4a8-quant-x.md): a CTA takes the tiles
+// blockIdx.y, + gridDim.y, ... below *num_tiles one after the other, each tile's sums as
+// before. At 8- and 16-token tiles (decode, where the bound is near the tiles that exist)
+// the grid has max_tiles rows and a CTA one tile: there the loop cost 7-34 registers.
+// CTAs past *num_tiles exit at once.
 template <int BN, int CHUNKS, bool kGemm1>
 __global__ void __launch_bounds__(kThreads) mxfp4_gemm_kernel(const W4A8Params p) {
   gemm_grid_dependencies<kGemm1>();
@@ -767,16 +887,30 @@ __global__ void __launch_bounds__(kThreads) mxfp4_gemm_kernel(const W4A8Params p
   uint8_t* smem = align_smem_1024(smem_raw);
   __shared__ uint64_t full[Smem<BN, CHUNKS>::kSlots];
   __shared__ __align__(16) uint8_t lut[kLutBytes];
-  const int tile = blockIdx.y;
-  if (tile >= __ldcg(p.num_tiles)) return;
+  const int num_tiles = __ldcg(p.num_tiles);
+  if (int(blockIdx.y) >= num_tiles) return;
   init_cta(full, lut);
   int ring = 0;
   uint32_t phase = 0;
   const int KT = kGemm1 ? p.K / kChunk : p.G2;
-  gemm_segment<BN, CHUNKS, kGemm1>(p, smem, full, lut, ring, phase, tile, blockIdx.x, 0, KT, 0, 1, 0, threadIdx.x,
-                                   [&] {
-                                     if constexpr (!kGemm1) gemm2_wait_h(p, tile);
-                                   });
+  auto run = [&](int tile) {
+    gemm_segment<BN, CHUNKS, kGemm1>(p, smem, full, lut, ring, phase, tile, blockIdx.x, 0, KT, 0, 1, 0, threadIdx.x,
+                                     [&] {
+                                       if constexpr (!kGemm1) gemm2_wait_h(p, tile);
+                                     });
+  };
+  if constexpr (BN == 64) {
+#pragma unroll 1
+    for (int tile = blockIdx.y; tile < num_tiles; tile += gridDim.y) {
+      run(tile);
+      if (tile + int(gridDim.y) < num_tiles) {  // the epilogue's staging is the next tile's ring
+        fence_proxy_async_smem();
+        __syncthreads();
+      }
+    }
+  } else {
+    run(blockIdx.y);
+  }
 }
 
 // GEMM2 on a classic grid whose CTA covers R consecutive 64-row weight tiles of one token

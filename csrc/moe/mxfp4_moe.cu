@@ -212,7 +212,7 @@ void launch_gemms(const Mxfp4MoeConfig& cfg, const w4a8::W4A8Params& p, cudaStre
     return;
   }
   using S = w4a8::Smem<BN, kClassicChunks>;
-  launch_kernel(w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, true>, dim3(unsigned(p.N / 32), unsigned(cfg.max_tiles)),
+  launch_kernel(w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, true>, dim3(unsigned(p.N / 32), unsigned(cfg.grid_tiles)),
                 block, S::kBytes, stream, cfg.pdl, p);
   // config.h: GEMM2 rows (and the resident variant, which implies them) only at 64-token
   // tiles on the classic grid
@@ -233,7 +233,7 @@ void launch_gemms(const Mxfp4MoeConfig& cfg, const w4a8::W4A8Params& p, cudaStre
       return;
     }
   }
-  launch_kernel(w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, false>, dim3(unsigned(p.K / 64), unsigned(cfg.max_tiles)),
+  launch_kernel(w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, false>, dim3(unsigned(p.K / 64), unsigned(cfg.grid_tiles)),
                 block, S::kBytes, stream, cfg.pdl, p);
 }
 

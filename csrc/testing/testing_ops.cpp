@@ -77,7 +77,8 @@ std::vector<int64_t> nvfp4_moe_config(c10::IntArrayRef shape, bool nvfp4, int64_
 //   overrides: [DSV4_MOE_SPLITK, DSV4_MOE_PDL, DSV4_MOE_BLOCK_N, DSV4_MOE_GEMM2_ROWS,
 //     DSV4_MOE_GEMM2_RESIDENT, DSV4_MOE_FUSED_ROUTE], -1 = unset.
 // Returns [block_n, max_tiles, multi_cta_route, splitk, gemm1_ctas, gemm2_ctas, sk_ctas,
-// pdl, quant_ctas, gemm2_rows, gemm2_resident, fused_route] (Mxfp4MoeConfig's fields in order).
+// pdl, quant_ctas, gemm2_rows, gemm2_resident, fused_route, grid_tiles] (Mxfp4MoeConfig's fields
+// in order).
 std::vector<int64_t> mxfp4_moe_config(c10::IntArrayRef shape, c10::IntArrayRef device, c10::IntArrayRef overrides) {
   TORCH_CHECK(shape.size() == 6 && device.size() == 10 && overrides.size() == 6,
               "dsv4_testing::mxfp4_moe_config: shape has 6 values, device 10, overrides 6");
@@ -103,7 +104,8 @@ std::vector<int64_t> mxfp4_moe_config(c10::IntArrayRef shape, c10::IntArrayRef d
   o.moe_fused_route = as_switch(overrides[5]);
   const moe::Mxfp4MoeConfig g = moe::get_best_config(c, d, o);
   return {g.block_n,    g.max_tiles, g.multi_cta_route, g.splitk,     g.gemm1_ctas,     g.gemm2_ctas,
-          g.sk_ctas,    g.pdl,       g.quant_ctas,      g.gemm2_rows, g.gemm2_resident, g.fused_route};
+          g.sk_ctas,    g.pdl,       g.quant_ctas,      g.gemm2_rows, g.gemm2_resident, g.fused_route,
+          g.grid_tiles};
 }
 
 }  // namespace

@@ -1,0 +1,86 @@
+#!/bin/bash
+# MoE builds side by side, one GPU call from the repo root (issue 33):
+#   BUILDS="main=devrun/main.so branch=dsv4/_C.abi3.so" bash scripts/moe_ab.sh
+# For each build (NAME=PATH of a dsv4/_C.abi3.so, carried): the MXFP4 W4A8 routed_moe's
+# outputs on fixed cases (uniform routing with and without an expert map, skewed routing,
+# ue8m0 off, M = 1 to 8192) compared bit for bit with the first build's, then the dsv4-only
+# benchmark (python -m dsv4.bench moe, MXFP4 W4A8 and NVFP4; BENCH overrides its
+# arguments), one process per build. Results
+# under ${OUT:-/tmp}/ab; summary.txt printed last. Budget: DUMP_S and BENCH_S per process.
+set -u
+cd "$(git rev-parse --show-toplevel 2>/dev/null || pwd)"
+O=${OUT:-/tmp}/ab; mkdir -p "$O"; S=$O/summary.txt; : > "$S"
+BUILDS=${BUILDS:?BUILDS="NAME=PATH ..." names the builds; the first is the reference}
+BENCH=${BENCH:---moe-format mxfp4-w4a8,nvfp4 --models flash,pro --decode 1,64 --prefill 2048,8192 --iters 20}
+DUMP_S=${DUMP_S:-60}; BENCH_S=${BENCH_S:-200}  # two builds fit one 600 s call
+T0=$(date +%s)
+nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader >> "$S"
+git log -1 --format='tree %h %s' 2>/dev/null | cut -c1-100 >> "$S"
+cp dsv4/_C.abi3.so "$O/tree.so"
+cat > "$O/dump.py" <<'PY'
+import sys, torch
+sys.path[:0] = [".", "tests"]  # run by path: the repo root is not on sys.path
+import test_mxfp4_w4a8 as t
+from dsv4.moe import routed_moe
+cases = [("flash", 1, "map"), ("flash", 8, "map"), ("flash", 64, "map"), ("flash", 300, "nomap"), ("flash", 2048, "map"),
+         ("flash", 8192, "map"), ("flash", 4096, "nomap"), ("pro", 513, "map"), ("pro", 2048, "map"),
+         ("v41_tp8", 777, "nomap"), ("v41_tp8", 8192, "nomap"), ("flash", 2048, "skewed"), ("v41_tp8", 2048, "skewed")]
+res = {}
+for name, M, kind in cases:
+    w, p = t._gpu_model(name)
+    if kind == "skewed":
+        x, ids, tw, emap = t._gpu_case(name, M, seed=M + 13, routing="skewed")
+    else:
+        x, ids, tw, emap = t._gpu_case(name, M, seed=M + 11, use_map=kind == "map")
+    kw = {} if emap is None else {"expert_map": emap}
+    for ue8m0 in (True, False) if M in (64, 2048) and kind == "map" else (True,):
+        res[(name, M, kind, ue8m0)] = routed_moe(x, ids, tw, p, ue8m0=ue8m0, **kw).cpu()
+torch.save(res, sys.argv[1])
+print("dumped", len(res), "outputs")
+PY
+first=
+for b in $BUILDS; do
+  n=${b%%=*}; f=${b#*=}; [ "$f" = dsv4/_C.abi3.so ] && f=$O/tree.so
+  cp "$f" dsv4/_C.abi3.so
+  timeout "$DUMP_S" python "$O/dump.py" "$O/out_$n.pt" > "$O/dump_$n.txt" 2>&1
+  echo "dump $n rc=$? at $(( $(date +%s) - T0 )) s: $(tail -1 "$O/dump_$n.txt")" >> "$S"
+  if [ -z "$first" ]; then first=$n; continue; fi
+  python - "$O/out_$first.pt" "$O/out_$n.pt" >> "$S" 2>&1 <<'PY'
+import sys, torch
+a, b = torch.load(sys.argv[1]), torch.load(sys.argv[2])
+bad = [k for k in a if k in b and not torch.equal(a[k], b[k])]
+print("  bitwise against the first build: %d of %d outputs compared, %d differ %s" % (len(set(a) & set(b)), len(a), len(bad), bad[:4]))
+PY
+done
+for b in $BUILDS; do
+  n=${b%%=*}; f=${b#*=}; [ "$f" = dsv4/_C.abi3.so ] && f=$O/tree.so
+  cp "$f" dsv4/_C.abi3.so
+  timeout "$BENCH_S" python -m dsv4.bench moe $BENCH --json "$O/bench_$n.json" > "$O/bench_$n.txt" 2>&1
+  echo "bench $n rc=$? at $(( $(date +%s) - T0 )) s" >> "$S"
+done
+cp "$O/tree.so" dsv4/_C.abi3.so
+python - "$O" $BUILDS >> "$S" 2>&1 <<'PY'
+import json, sys
+O, names = sys.argv[1], [b.split("=", 1)[0] for b in sys.argv[2:]]
+def rows(n):
+    try:
+        data = json.load(open(f"{O}/bench_{n}.json"))
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    # graph replay where measured (decode rows), else the eager call; one row per CTA mode
+    # (the NVFP4 rows repeat with cta 1 and 2 beside auto)
+    for r in data.get("rows", []):
+        out[(r["model"], r["M"], r["experts"], str(r.get("cta", "auto")))] = r["graph_us"] if r.get("graph_us") else r["us"]
+    return out
+ref = rows(names[0])
+print("dsv4 us, and the first build's time over each build's")
+print("case (model, M, experts, cta)".ljust(44) + "".join(n.rjust(16) for n in names))
+for k in sorted(ref, key=str):
+    line = str(k).ljust(44)
+    for n in names:
+        v = rows(n).get(k)
+        line += ("%9.1f %5.2fx" % (v, ref[k] / v) if v else "-".rjust(16))
+    print(line)
+PY
+cat "$S"
