@@ -36,7 +36,8 @@ FAMILIES = {
     "attention": (["tests/test_attention.py", "tests/test_batch_invariant.py", "tests/test_reference.py"],
                   "attention", ["--skip-fmha"]),
     "fmha": (["tests/test_fmha.py"], "attention", ["--only-fmha"]),
-    "moe": (["tests/test_moe.py", "tests/test_moe_config.py", "tests/test_mxfp4.py"], "moe", []),
+    "moe": (["tests/test_moe.py", "tests/test_moe_config.py", "tests/test_mxfp4.py", "tests/test_mxfp4_w4a8.py"],
+            "moe", []),
     "checks": (["tests/test_value_checks.py", "tests/test_ops_registry.py"], None, []),
     "incumbents": (["tests/test_incumbents.py"], None, []),
 }
