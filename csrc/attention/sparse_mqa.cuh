@@ -83,9 +83,11 @@ __device__ __forceinline__ void load_q_tile(const SparseMqaParams& p, const Work
 // two CTAs, the two head blocks of each (token, split): with an even grid stride, CTA x
 // always takes head block x % 2 = its cluster rank, and both walk the same (token, split)
 // sequence (work_item). Each producer dequantizes half the rows of every tile into both CTAs
-// (load_half_fp8_pair), so a tile's gather is paid once, not twice; the ring's barriers count
-// both CTAs' producers (ready, mask_ready) and consumers (freed), and no CTA starts before its
-// peer's barriers exist or leaves while its peer may still store or arrive into it.
+// (load_half_fp8_pair), so a tile's gather is paid once, not twice: a half is ready when
+// the local producer's rows are (ready) and the peer's st.async bytes have landed
+// (ready_remote); masks count both producers (mask_ready), frees both CTAs' consumers
+// (freed); no CTA starts before its peer's barriers exist or leaves while its peer may
+// still store or arrive into it.
 template <bool kFp8, int kNumSrc, int kCoopWgs, bool kPair = false>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __grid_constant__ SparseMqaParams p) {
   static_assert(kCoopWgs == 0 || kCoopWgs == 2 || kCoopWgs == 3, "no, two or three warpgroups");
@@ -103,9 +105,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   uint16_t* mask16 = reinterpret_cast<uint16_t*>(smem + kOffMask);  // [buf][producer warp]
 
   if (threadIdx.x == 0) {
-    for (int k = 0; k < 8; ++k) mbar_init(&ready[k], kPair ? 256 : 128);
+    for (int k = 0; k < 4; ++k) mbar_init(&ready[k], 128);
+    for (int k = 4; k < 8; ++k) mbar_init(&ready[k], kPair ? 256 : 128);
     mbar_init(&mask_ready[0], kPair ? 8 : 4);
     mbar_init(&mask_ready[1], kPair ? 8 : 4);
+    if (kPair) {
+      for (int k = 0; k < 4; ++k) mbar_init(&ready[kBarReadyRemote + k], 1);  // the peer's expect_tx
+    }
     mbar_init_fence();
   }
   if (kPair) {
@@ -196,14 +202,24 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   uint64_t* ready_first = &ready[2 * g + first];
   uint64_t* ready_second = &ready[2 * g + second];
   // A half read by this consumer's wgmmas is free again; kPair: for the peer's producer too,
-  // which stores into this CTA's buffers (freed counts both CTAs' consumers).
+  // which stores into this CTA's buffers (freed counts both CTAs' consumers: 128 local
+  // arrivals, and one of 32 per peer warp once the warp's reads retired).
   const uint32_t peer_off = kPair ? mapa_u32(smem_u32(smem), (blockIdx.x & 1) ^ 1) - smem_u32(smem) : 0;
   const auto release_half = [&](int hb) {
     mbar_arrive(&freed[hb]);
-    if (kPair) mbar_arrive_remote(smem_u32(&freed[hb]) + peer_off);
+    if (kPair) {
+      __syncwarp();
+      if ((threadIdx.x & 31) == 0) mbar_arrive_remote_count(smem_u32(&freed[hb]) + peer_off, 32);
+    }
   };
-  // The crossover's halves were written by generic stores, the peer's included: the consumer's
-  // proxy fence after its wait, as for the bf16 rows' cp.async (the producer fenced too).
+  // A half is ready when the local producer's rows are (ready) and, kPair, the peer's
+  // st.async bytes have landed (ready_remote, the same index + kBarReadyRemote).
+  const auto wait_ready = [&](uint64_t* bar, uint32_t phase) {
+    mbar_wait(bar, phase);
+    if (kPair) mbar_wait(bar + kBarReadyRemote, phase);
+  };
+  // The crossover's peer rows came by st.async: the consumer's proxy fence after its wait,
+  // as for the bf16 rows' cp.async (the producer fenced its local stores).
   constexpr bool kFenceAfterWait = !kFp8 || kPair;
 
   float o[128];
@@ -229,12 +245,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
   // Both halves of this round's S; the second half's wait overlaps the first half's GEMMs.
   auto compute_s = [&](uint32_t phase) {
     fence_regs(s);
-    ring_wait<kPair>(ready_first, phase);
+    wait_ready(ready_first, phase);
     if (kFenceAfterWait) fence_proxy_async_smem();  // cp.async (generic proxy) writes -> wgmma reads
     wgmma_fence();
     issue_s_half(first, true);
     wgmma_commit();
-    ring_wait<kPair>(ready_second, phase);
+    wait_ready(ready_second, phase);
     if (kFenceAfterWait) fence_proxy_async_smem();
     issue_s_half(second, false);
     wgmma_commit();
@@ -429,14 +445,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
           // Next S behind the PV: its left half as soon as it lands, then release buffer 1's
           // left half once the PV that reads it is done.
           fence_regs(s);
-          ring_wait<kPair>(ready_first, ph ^ 1);
+          wait_ready(ready_first, ph ^ 1);
           if (kFenceAfterWait) fence_proxy_async_smem();
           wgmma_fence();
           issue_s_half(first, true);
           wgmma_commit();
           wgmma_wait<1>();
           release_half(2);
-          ring_wait<kPair>(ready_second, ph ^ 1);
+          wait_ready(ready_second, ph ^ 1);
           if (kFenceAfterWait) fence_proxy_async_smem();
           issue_s_half(second, false);
           wgmma_commit();

@@ -23,8 +23,11 @@ constexpr int kOffP = kOffKV + 2 * kBufBytes;
 constexpr int kOffMax = kOffP + 2 * kPBytes;
 constexpr int kOffSum = kOffMax + 2 * 2 * 64 * 4;  // 2 x 64 floats: row sums, epilogue
 constexpr int kOffMask = kOffSum + 2 * 64 * 4;  // 2 x 64-bit key validity masks
-constexpr int kOffBar = kOffMask + 2 * 8;       // ready[4], free[4], mask_ready[2]
-constexpr int kSmemBytes = kOffBar + 10 * 8 + 1024;  // + alignment slack
+// ready[4], free[4], mask_ready[2], then (the crossover) ready_remote[4]: each half's rows
+// from the peer CTA, by st.async bytes
+constexpr int kOffBar = kOffMask + 2 * 8;
+constexpr int kBarReadyRemote = 10;
+constexpr int kSmemBytes = kOffBar + 14 * 8 + 1024;  // + alignment slack
 
 // setmaxnreg budgets (128 x 88 + 256 x 208 = the launch's 384 x 168). At 200 consumer
 // registers ptxas serializes the wgmmas (C7512); the producer's fp8 gather fits in 88.

@@ -21,8 +21,8 @@ namespace attention {
 constexpr uint32_t kFp8RowBytes = 576;   // 448 fp8 + 64 bf16
 constexpr uint32_t kBf16RowBytes = 1024;
 
-// The ring's waits (ready, free, mask): at cluster scope in the crossover (kPair), whose peer
-// CTA arrives on them too after storing into this CTA's shared memory.
+// The mask waits: at cluster scope in the crossover (kPair), whose peer CTA stores its
+// rows' bits into this CTA's mask and arrives with a cluster-scope release.
 template <bool kPair>
 __device__ __forceinline__ void ring_wait(uint64_t* bar, uint32_t parity) {
   if (kPair) {
@@ -160,17 +160,23 @@ __device__ __forceinline__ void load_half_fp8(uint8_t* buf_smem, const uint8_t* 
 
 // The crossover at 128 heads (kPair, sparse_mqa.cuh): the two CTAs of a cluster are the two
 // head blocks of one (token, split) and read the same rows, so each producer dequantizes half
-// of every tile, rows 32 rank .. 32 rank + 31, and stores them into both CTAs' buffers; the
-// ready barriers count both producers' arrivals (docs/perf-history/2026-12-05-attention-crossover-plan.md).
+// of every tile, rows 32 rank .. 32 rank + 31, and stores them into both CTAs' buffers
+// (docs/perf-history/2026-12-05-attention-crossover-plan.md). The local copy signals the
+// local ready barrier as load_half_fp8 does; the peer's copy goes by st.async, whose bytes
+// complete the peer's ready_remote barrier of the half (FlashMLA's transport: no fence and
+// no cluster-scope release per thread, which made the first form 1.3-1.6x slower), armed
+// by this warpgroup's thread 0 with the half's byte count once the half is free.
 // Warp w's rows are 32 rank + 8 w + g, one per lane group g = lane / 4, and lane q = lane % 4
 // takes the 16-byte chunks q + 4m of the row's fp8 bytes as in load_half_fp8; the rope (bytes
 // [448, 576), bf16, no dequant) goes through registers too (cp.async cannot write a peer's
 // shared memory), chunks q and q + 4, the odd groups' in the other order so that a quarter
 // warp's 16-byte stores cover all 32 banks. peer_off: the peer's shared::cluster address of
-// this CTA's smem base minus that base. ready_peer: the peer's ready barrier of the half.
+// this CTA's smem base minus that base. ready_remote_peer: the peer's ready_remote barrier of
+// the half.
+constexpr uint32_t kPairHalfBytes = 32 * 256 * 2;  // 32 rows x 256 d of bf16 per half and CTA
 template <typename WaitFree>
 __device__ __forceinline__ void load_half_fp8_pair(uint8_t* buf_smem, const uint8_t* base, int64_t data_off,
-                                                   uint2 scales, int half, uint64_t* ready, uint32_t ready_peer,
+                                                   uint2 scales, int half, uint64_t* ready, uint32_t ready_remote_peer,
                                                    uint32_t peer_off, int rank, WaitFree&& wait_free) {
   const int warp = (threadIdx.x >> 5) & 3;
   const int lane = threadIdx.x & 31;
@@ -193,6 +199,9 @@ __device__ __forceinline__ void load_half_fp8_pair(uint8_t* buf_smem, const uint
     rope[n] = d >= 0 && !left ? ldg_nc_v4(base + d + 448 + 16 * rc) : make_uint4(0, 0, 0, 0);
   }
   wait_free();
+  // The peer's phase of this half is the current one: its previous phase completed before
+  // the peer's consumers freed the half, which wait_free waited for.
+  if (threadIdx.x == 0) mbar_arrive_expect_tx_remote(ready_remote_peer, kPairHalfBytes);
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
     if (m < 3 || left) {
@@ -200,8 +209,8 @@ __device__ __forceinline__ void load_half_fp8_pair(uint8_t* buf_smem, const uint
       dequant_fp8x16(v[m], (e4 >> (8 * m)) & 0xFFu, o0, o1);
       sts_v4(lo + m * 8192, o0);
       sts_v4(hi + m * 8192, o1);
-      sts_cluster_v4(lo + m * 8192 + peer_off, o0);
-      sts_cluster_v4(hi + m * 8192 + peer_off, o1);
+      st_async_v4(lo + m * 8192 + peer_off, o0, ready_remote_peer);
+      st_async_v4(hi + m * 8192 + peer_off, o1, ready_remote_peer);
     }
   }
   if (!left) {
@@ -210,12 +219,11 @@ __device__ __forceinline__ void load_half_fp8_pair(uint8_t* buf_smem, const uint
       const int rc = q + 4 * (n ^ (g & 1));
       const uint32_t a = row + 3 * 8192 + ((rc ^ g) << 4);  // column block 7 = the right half's fourth
       sts_v4(a, rope[n]);
-      sts_cluster_v4(a + peer_off, rope[n]);
+      st_async_v4(a + peer_off, rope[n], ready_remote_peer);
     }
   }
-  fence_proxy_async_cluster();
+  fence_proxy_async_smem();
   mbar_arrive(ready);
-  mbar_arrive_remote(ready_peer);
 }
 
 // The producers fill the four halves of a round in the order the consumers first need
@@ -230,10 +238,10 @@ __device__ __forceinline__ HalfStep half_step(int step) {
 
 // Producer, before filling half hb (= 2 buf + half) in round `round` (counted over all of the
 // CTA's work items): wait until the consumers have freed it.
-// kPair: the consumers of both CTAs free it (the producer writes into both).
-template <bool kPair = false>
+// In the crossover the consumers of both CTAs free it (the producer writes into both); their
+// arrivals only say that reads retired, so the wait stays at CTA scope.
 __device__ __forceinline__ void wait_half_free(uint8_t* smem, int hb, int round) {
-  if (round > 0) ring_wait<kPair>(reinterpret_cast<uint64_t*>(smem + kOffBar) + 4 + hb, (round - 1) & 1);
+  if (round > 0) mbar_wait(reinterpret_cast<uint64_t*>(smem + kOffBar) + 4 + hb, (round - 1) & 1);
 }
 // Producer warp: the key-validity bits of its 16 rows of buffer `buf`, written once the
 // buffer's first half is free (the consumer that read the previous mask released it).
@@ -338,7 +346,7 @@ __device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, cons
     for (int step = 0; step < 4; ++step) {
       const auto [buf, half, hb] = half_step(step);
       const auto wait_free = [&] {
-        wait_half_free<kPair>(smem, hb, round_base + r);
+        wait_half_free(smem, hb, round_base + r);
         if (step < 2) {
           const unsigned valid = __ballot_sync(0xffffffffu, (buf ? slot[1] : slot[0]) >= 0);
           if (kPair) {
@@ -354,8 +362,8 @@ __device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, cons
       const int64_t off = buf ? data_off[1] : data_off[0];
       const uint2 sc = buf ? scales[1] : scales[0];
       if (kPair) {
-        load_half_fp8_pair(dst, base, off, sc, half, &ready[hb], smem_u32(&ready[hb]) + peer_off, peer_off, rank,
-                           wait_free);
+        load_half_fp8_pair(dst, base, off, sc, half, &ready[hb], smem_u32(&ready[kBarReadyRemote + hb]) + peer_off,
+                           peer_off, rank, wait_free);
       } else {
         load_half_fp8(dst, base, off, sc, half, &ready[hb], wait_free);
       }

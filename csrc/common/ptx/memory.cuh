@@ -42,6 +42,15 @@ __device__ __forceinline__ void sts_cluster_v4(uint32_t addr, const uint4& v) {
                "r"(v.w)
                : "memory");
 }
+// 16 bytes into the shared memory of a CTA of the cluster that complete 16 bytes of the
+// transaction count of that CTA's mbarrier at shared::cluster address `mbar` (both from
+// mapa_u32): the bytes are visible to the threads that see the barrier's phase complete,
+// with no fence or release of the storing thread.
+__device__ __forceinline__ void st_async_v4(uint32_t addr, const uint4& v, uint32_t mbar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(addr),
+               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(mbar)
+               : "memory");
+}
 __device__ __forceinline__ void sts_cluster_u8(uint32_t addr, uint32_t v) {
   asm volatile("st.shared::cluster.u8 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }

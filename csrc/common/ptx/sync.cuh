@@ -70,6 +70,19 @@ __device__ __forceinline__ void mbar_arrive_remote(uint32_t remote) {
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
 }
 
+// The one expected arrival of a barrier of another CTA of the cluster (remote: its
+// shared::cluster address) whose phase also waits for `bytes` of st_async_v4 stores.
+__device__ __forceinline__ void mbar_arrive_expect_tx_remote(uint32_t remote, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cluster.shared::cluster.b64 _, [%0], %1;\n" ::"r"(remote),
+               "r"(bytes)
+               : "memory");
+}
+// `count` arrivals on a barrier of another CTA of the cluster with the default (.release.cta)
+// semantics, as mbar_arrive_cluster: they only say that reads of a stage retired.
+__device__ __forceinline__ void mbar_arrive_remote_count(uint32_t remote, uint32_t count) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0], %1;\n" ::"r"(remote), "r"(count) : "memory");
+}
+
 // A ring of kSlots mbarrier-guarded slots: the next slot, and the parity its mbarrier
 // completes with next (it flips each time the ring wraps).
 template <int kSlots>
