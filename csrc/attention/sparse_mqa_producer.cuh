@@ -164,7 +164,8 @@ __device__ __forceinline__ void load_half_fp8(uint8_t* buf_smem, const uint8_t* 
 // (docs/perf-history/2026-12-05-attention-crossover-plan.md). The local copy signals the
 // local ready barrier as load_half_fp8 does; the peer's copy goes by st.async, whose bytes
 // complete the peer's ready_remote barrier of the half (FlashMLA's transport: no fence and
-// no cluster-scope release per thread, which made the first form 1.3-1.6x slower), armed
+// no cluster-scope release per thread, which made the first form 1.3-1.6x slower on an H100;
+// this form is 1.05-1.20x slower than the unpaired kernel on an H200), armed
 // by this warpgroup's thread 0 with the half's byte count once the half is free.
 // Warp w's rows are 32 rank + 8 w + g, one per lane group g = lane / 4, and lane q = lane % 4
 // takes the 16-byte chunks q + 4m of the row's fp8 bytes as in load_half_fp8; the rope (bytes
