@@ -325,11 +325,12 @@ __global__ void __launch_bounds__(256, 4) mxfp4_quant_x_kernel(const W4A8Params 
         const int sp = __shfl_sync(0xFFFFFFFFu, pos, j);
         if (grp < G1) {
           const int tile = sp >> lg_bn, r = sp & (BN - 1);
-          uint8_t* row = p.xg + act_row(tile, 0, G1, BN, r) + size_t(grp) * chunk_stride;
+          const size_t row = act_row(tile, 0, G1, BN, r) + size_t(grp) * chunk_stride;
 #pragma unroll
           for (int b = 0; b < 2; ++b)
-            *reinterpret_cast<uint4*>(row + (((2 * a + b) ^ (r & 7)) << 4)) = make_uint4(w[b][0], w[b][1], w[b][2], w[b][3]);
-          if (a == 0) p.xgs[(act_row(tile, 0, G1, BN, r) + size_t(grp) * chunk_stride) / kChunk] = s;
+            *reinterpret_cast<uint4*>(p.xg + row + (((2 * a + b) ^ (r & 7)) << 4)) =
+                make_uint4(w[b][0], w[b][1], w[b][2], w[b][3]);
+          if (a == 0) p.xgs[row / kChunk] = s;
         }
       }
     }

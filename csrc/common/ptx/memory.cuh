@@ -37,11 +37,6 @@ __device__ __forceinline__ void sts_v4(uint32_t addr, const uint4& v) {
 
 // Stores into the shared memory of a CTA of the cluster: addr is a shared::cluster address
 // (mapa_u32, common/ptx/sync.cuh).
-__device__ __forceinline__ void sts_cluster_v4(uint32_t addr, const uint4& v) {
-  asm volatile("st.shared::cluster.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
-               "r"(v.w)
-               : "memory");
-}
 // 16 bytes into the shared memory of a CTA of the cluster that complete 16 bytes of the
 // transaction count of that CTA's mbarrier at shared::cluster address `mbar` (both from
 // mapa_u32): the bytes are visible to the threads that see the barrier's phase complete,

@@ -98,10 +98,6 @@ __device__ __forceinline__ void ring_advance(int& slot, uint32_t& phase) {
 __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
-// Generic-proxy stores into the shared memory of any CTA of the cluster -> visible to wgmma.
-__device__ __forceinline__ void fence_proxy_async_cluster() {
-  asm volatile("fence.proxy.async.shared::cluster;\n" ::: "memory");
-}
 // Orders this thread's earlier generic-proxy global accesses (an acquire that observed
 // another kernel's or CTA's plain stores) before its later bulk copies (async proxy).
 __device__ __forceinline__ void fence_proxy_async_global() {
