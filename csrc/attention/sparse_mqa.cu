@@ -218,8 +218,8 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   const bool one = p.num_src == 1 && env::switches().attn_specialize.value_or(true);
   // The crossover at 128 heads (fp8 caches): the two head blocks of a (token, split) in one
   // cluster, each producer gathering half the rows for both (sparse_mqa.cuh, kPair).
-  // DSV4_ATTN_CROSSOVER=1; off by default: as built, 1.3-1.6x slower than today's kernel
-  // (docs/perf-history/2026-12-05-attention-crossover-plan.md, look-back).
+  // DSV4_ATTN_CROSSOVER=1; off by default: 1.05-1.20x slower than the unpaired kernel at
+  // every V4-Pro case measured (docs/perf-history/2026-12-05-attention-crossover-plan.md).
   const bool pair = kind == CacheKind::kFp8 && H == 128 && env::switches().attn_crossover.value_or(false);
   // Resident CTAs: the persistent grid's bound and the split rule's wave.
   const int ctas = pair ? (one ? pair_ctas<1>(sms) : pair_ctas<2>(sms)) : sms;

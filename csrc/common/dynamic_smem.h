@@ -14,9 +14,6 @@ namespace dsv4 {
 
 constexpr int kMaxDevices = 64;
 
-// Sets kKernel's cudaFuncAttributeMaxDynamicSharedMemorySize to `bytes` on the current
-// device, the first time it is called there. `bytes` must not change between calls for
-// one kernel. Concurrent first calls on one device both set it (harmless).
 // The current device's index, checked against kMaxDevices (per-device host caches).
 inline int current_device() {
   int dev = 0;
@@ -26,6 +23,9 @@ inline int current_device() {
   return dev;
 }
 
+// Sets kKernel's cudaFuncAttributeMaxDynamicSharedMemorySize to `bytes` on the current
+// device, the first time it is called there. `bytes` must not change between calls for
+// one kernel. Concurrent first calls on one device both set it (harmless).
 template <auto kKernel>
 void ensure_max_dynamic_smem(int bytes) {
   static std::atomic<bool> done[kMaxDevices];
