@@ -7,6 +7,9 @@
 # benchmark (python -m dsv4.bench moe, MXFP4 W4A8 and NVFP4; BENCH overrides its
 # arguments), one process per build. Results
 # under ${OUT:-/tmp}/ab; summary.txt printed last. Budget: DUMP_S and BENCH_S per process.
+# A build NAME may name a variant of the same library instead: ENV_NAME="VAR=VALUE ..."
+# is set for its processes, e.g. BUILDS="off=dsv4/_C.abi3.so l2=dsv4/_C.abi3.so"
+# ENV_l2="DSV4_MOE_L2_AHEAD=4".
 set -u
 cd "$(git rev-parse --show-toplevel 2>/dev/null || pwd)"
 O=${OUT:-/tmp}/ab; mkdir -p "$O"; S=$O/summary.txt; : > "$S"
@@ -42,7 +45,8 @@ first=
 for b in $BUILDS; do
   n=${b%%=*}; f=${b#*=}; [ "$f" = dsv4/_C.abi3.so ] && f=$O/tree.so
   cp "$f" dsv4/_C.abi3.so
-  timeout "$DUMP_S" python "$O/dump.py" "$O/out_$n.pt" > "$O/dump_$n.txt" 2>&1
+  ev=ENV_$n
+  env ${!ev:-} timeout "$DUMP_S" python "$O/dump.py" "$O/out_$n.pt" > "$O/dump_$n.txt" 2>&1
   echo "dump $n rc=$? at $(( $(date +%s) - T0 )) s: $(tail -1 "$O/dump_$n.txt")" >> "$S"
   if [ -z "$first" ]; then first=$n; continue; fi
   python - "$O/out_$first.pt" "$O/out_$n.pt" >> "$S" 2>&1 <<'PY'
@@ -55,7 +59,8 @@ done
 for b in $BUILDS; do
   n=${b%%=*}; f=${b#*=}; [ "$f" = dsv4/_C.abi3.so ] && f=$O/tree.so
   cp "$f" dsv4/_C.abi3.so
-  timeout "$BENCH_S" python -m dsv4.bench moe $BENCH --json "$O/bench_$n.json" > "$O/bench_$n.txt" 2>&1
+  ev=ENV_$n
+  env ${!ev:-} timeout "$BENCH_S" python -m dsv4.bench moe $BENCH --json "$O/bench_$n.json" > "$O/bench_$n.txt" 2>&1
   echo "bench $n rc=$? at $(( $(date +%s) - T0 )) s" >> "$S"
 done
 cp "$O/tree.so" dsv4/_C.abi3.so
