@@ -225,7 +225,6 @@ struct Mxfp4MoeConfig {
   bool gemm2_resident;   // ... with the token tile resident (mxfp4_gemm2_resident_kernel)
   bool fused_route;      // routing + GEMM1's input in one kernel (mxfp4_route_quant_kernel)
   int grid_tiles;        // token-tile rows of the classic mxfp4_gemm_kernel grids (its CTAs loop at 64-row tiles)
-  int l2_ahead;          // ring slots past the copies whose operands are prefetched to L2 (gemm_segment)
 };
 
 // GEMM2 weight tiles per CTA on the classic grid at 64-token tiles (a classic CTA's fixed
@@ -283,7 +282,6 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
   }
   cfg.grid_tiles =
       cfg.block_n == 64 ? pick_grid_tiles(c.M, c.topk, c.E, c.E_global, cfg.block_n, cfg.max_tiles) : cfg.max_tiles;
-  cfg.l2_ahead = o.moe_l2_ahead.value_or(0);
   cfg.fused_route = S <= kFusedRouteSlots && cfg.block_n <= 16 &&
                     int64_t(cfg.max_tiles) * cfg.block_n <= kFusedRouteRows && o.moe_fused_route.value_or(true);
   // GEMM1's input, 8 warps per CTA: fused, one warp per 128-group (up to 8 CTAs per SM);
@@ -302,7 +300,7 @@ inline void print_config(const Mxfp4MoeShape& c, const Mxfp4DeviceFacts& d, cons
       " -> block_n=", cfg.block_n, " max_tiles=", cfg.max_tiles, " multi_cta_route=", int(cfg.multi_cta_route),
       " splitk=", int(cfg.splitk), " sk_ctas=", cfg.sk_ctas, " pdl=", int(cfg.pdl), " quant_ctas=", cfg.quant_ctas,
       " gemm2_rows=", cfg.gemm2_rows, " gemm2_resident=", int(cfg.gemm2_resident),
-      " fused_route=", int(cfg.fused_route), " grid_tiles=", cfg.grid_tiles, " l2_ahead=", cfg.l2_ahead,
+      " fused_route=", int(cfg.fused_route), " grid_tiles=", cfg.grid_tiles,
       " workspace_bytes=", workspace_bytes);
   std::fprintf(stderr, "%s\n", line.c_str());
   std::fflush(stderr);

@@ -768,27 +768,6 @@ __device__ __forceinline__ void gemm_segment(const W4A8Params& p, uint8_t* smem,
   auto slot_after = [](int slot, int n) { return slot + n >= kSlots ? slot + n - kSlots : slot + n; };
 #pragma unroll
   for (int j = 0; j < kAhead; ++j) load_weights(j, slot_after(ring, j));
-
-  // With p.l2_ahead = D > 0, slot steps si + kAhead .. si + kAhead + D - 1 are sent to L2
-  // (a hint: no barrier, no shared memory) while step si runs, so that their bulk copies
-  // find them there: a copy one slot ahead covers ~2 chunks of MMAs, less than a DRAM
-  // round trip under load, and at expert parallelism most weight chunks are read by only
-  // the ~2-4 token tiles of their expert, which a wave runs side by side, so every one of
-  // them waits for DRAM at every slot (docs/perf-history/2026-12-05-mxfp4-w4a8-l2-ahead.md).
-  // Weights and their scale words always; GEMM1's token rows by the CTA of row tile 0 of
-  // the token tile only (its ~N / 32 CTAs run together; GEMM2's h was written just before,
-  // by GEMM1's epilogue).
-  const int l2_ahead = p.l2_ahead;
-  auto prefetch_l2 = [&](int s0, int s1) {  // slot steps [s0, s1) of this segment
-    s1 = min(s1, nslots);
-    if (s0 >= s1 || issuer < 0) return;
-    const int k0 = kSteps * s0, n = min(nk, kSteps * s1) - k0;
-    if (issuer == 0) bulk_prefetch_l2(wq + size_t(k0) * kCodeTile, uint32_t(n * kCodeTile));
-    if (issuer == 1) bulk_prefetch_l2(wsc + size_t(k0) * kScaleTile, uint32_t(n * kScaleTile));
-    if (kGemm1 && rt == 0 && issuer == 2) bulk_prefetch_l2(bq + size_t(k0) * S::kB, uint32_t(n * S::kB));
-    if (kGemm1 && rt == 0 && issuer == 3) bulk_prefetch_l2(bs + size_t(k0) * BN, uint32_t(n * S::kSx));
-  };
-  if (l2_ahead > 0) prefetch_l2(kAhead, kAhead + l2_ahead);
   before_tokens();
 #pragma unroll
   for (int j = 0; j < kAhead; ++j) load_tokens(j, slot_after(ring, j));
@@ -816,7 +795,6 @@ __device__ __forceinline__ void gemm_segment(const W4A8Params& p, uint8_t* smem,
     __syncthreads();
     load_weights(si + kAhead, slot_after(ring, kAhead));
     load_tokens(si + kAhead, slot_after(ring, kAhead));
-    if (l2_ahead > 0) prefetch_l2(si + kAhead + l2_ahead, si + kAhead + l2_ahead + 1);
     mbar_wait(full + ring, phase);
   };
 

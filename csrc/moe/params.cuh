@@ -165,7 +165,6 @@ struct W4A8Params {
   int ue8m0, has_limit;
   float swiglu_limit;
   int sk_ctas;                      // split-K: bound on either GEMM's grid (0: classic grids)
-  int l2_ahead;                     // ring slots past the copies whose operands go to L2 early (0: none)
   // routing (routing.cuh)
   const int* slot_pos;              // [M * topk] padded row of each slot, -1 = not local
   const int* row_slot;              // [max_tiles * block_n] slot of each padded row, -1 = padding
