@@ -8,8 +8,10 @@
 # arguments), one process per build. Results
 # under ${OUT:-/tmp}/ab; summary.txt printed last. Budget: DUMP_S and BENCH_S per process.
 # A build NAME may name a variant of the same library instead: ENV_NAME="VAR=VALUE ..."
-# is set for its processes, e.g. BUILDS="off=dsv4/_C.abi3.so l2=dsv4/_C.abi3.so"
-# ENV_l2="DSV4_MOE_L2_AHEAD=4".
+# is set for its processes (the bitwise dump and the benchmark). The benchmark resets
+# every variable of its own --variants switches (dsv4/bench/routines/moe.py SWITCHES) to
+# the library's default, so ENV_NAME reaches only its dump for those: time them with
+# BENCH="... --variants 'k=0;k=1'" instead.
 set -u
 cd "$(git rev-parse --show-toplevel 2>/dev/null || pwd)"
 O=${OUT:-/tmp}/ab; mkdir -p "$O"; S=$O/summary.txt; : > "$S"

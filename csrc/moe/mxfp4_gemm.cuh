@@ -942,7 +942,7 @@ struct PairSmem {
   static_assert(64 * 128 <= kSlotBytes, "the epilogue's staging fits a slot");
 };
 
-template <bool kTwo>
+template <bool kTwo, int kParts>
 __device__ __forceinline__ void pair_segment(const W4A8Params& p, uint8_t* smem, uint64_t* full, const uint8_t* lut,
                                              int& ring, uint32_t& phase, int t0, int rt, int tid) {
   using S = PairSmem;
@@ -974,9 +974,11 @@ __device__ __forceinline__ void pair_segment(const W4A8Params& p, uint8_t* smem,
   auto slot_after = [](int slot) { return slot + 1 == S::kSlots ? 0 : slot + 1; };
   load(0, ring);
 
-  float acc0[32], acc1[32], part0[32], part1[32];
+  float acc0[32], acc1[32], part0[32], part1[kParts == 2 ? 32 : 1];
 #pragma unroll
-  for (int i = 0; i < 32; ++i) acc0[i] = acc1[i] = part0[i] = part1[i] = 0.0f;
+  for (int i = 0; i < 32; ++i) acc0[i] = acc1[i] = part0[i] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < (kParts == 2 ? 32 : 1); ++i) part1[i] = 0.0f;
   const uint32_t rd_w = smem_u32(smem) + S::kOffW + tid * 16;
   const uint32_t rd_s = smem_u32(smem) + S::kOffS + (warp * 8 + g) * 8;
   const uint64_t desc0 = wgmma_desc_sw128(smem_u32(smem), 16, 1024);
@@ -1003,41 +1005,45 @@ __device__ __forceinline__ void pair_segment(const W4A8Params& p, uint8_t* smem,
     }
 #pragma unroll
     for (int s4 = 0; s4 < 4; ++s4) fence_regs(a[s4]);
-    wgmma_fence();
     const uint64_t d0 = desc0 + (so >> 4);
+    const float f_lo = chunk_base(sw.x), f_hi = chunk_base(sw.y);
+    const uint8_t* sx0 = smem + so + S::kOffX0;
+    auto promote = [&](float(&acc)[32], float(&part)[32], const uint8_t* sx) {
+#pragma unroll
+      for (int h = 0; h < 8; ++h) {
+        const float2 x = *reinterpret_cast<const float2*>(sx + (8 * h + 2 * t) * 4);
+        acc[4 * h + 0] = fmaf(part[4 * h + 0], f_lo * x.x, acc[4 * h + 0]);
+        acc[4 * h + 1] = fmaf(part[4 * h + 1], f_lo * x.y, acc[4 * h + 1]);
+        acc[4 * h + 2] = fmaf(part[4 * h + 2], f_hi * x.x, acc[4 * h + 2]);
+        acc[4 * h + 3] = fmaf(part[4 * h + 3], f_hi * x.y, acc[4 * h + 3]);
+      }
+    };
+    wgmma_fence();
 #pragma unroll
     for (int s4 = 0; s4 < 4; ++s4) WgmmaRsE4m3<64>::mma(part0, a[s4], d0 + 2 * s4, s4);
     wgmma_commit();
-    if constexpr (kTwo) {
+    if constexpr (kTwo && kParts == 2) {
 #pragma unroll
       for (int s4 = 0; s4 < 4; ++s4) WgmmaRsE4m3<64>::mma(part1, a[s4], d0 + (S::kOffB1 >> 4) + 2 * s4, s4);
       wgmma_commit();
       wgmma_wait<1>();  // tile 0's sums; tile 1's wgmmas run on while they are promoted
-    } else {
-      wgmma_wait<0>();
-    }
-    fence_regs(part0);
-    const float f_lo = chunk_base(sw.x), f_hi = chunk_base(sw.y);
-    const uint8_t* sx0 = smem + so + S::kOffX0;
-#pragma unroll
-    for (int h = 0; h < 8; ++h) {
-      const float2 x = *reinterpret_cast<const float2*>(sx0 + (8 * h + 2 * t) * 4);
-      acc0[4 * h + 0] = fmaf(part0[4 * h + 0], f_lo * x.x, acc0[4 * h + 0]);
-      acc0[4 * h + 1] = fmaf(part0[4 * h + 1], f_lo * x.y, acc0[4 * h + 1]);
-      acc0[4 * h + 2] = fmaf(part0[4 * h + 2], f_hi * x.x, acc0[4 * h + 2]);
-      acc0[4 * h + 3] = fmaf(part0[4 * h + 3], f_hi * x.y, acc0[4 * h + 3]);
-    }
-    if constexpr (kTwo) {
+      fence_regs(part0);
+      promote(acc0, part0, sx0);
       wgmma_wait<0>();
       fence_regs(part1);
-      const uint8_t* sx1 = sx0 + S::kSx;
+      promote(acc1, part1, sx0 + S::kSx);
+    } else {
+      wgmma_wait<0>();
+      fence_regs(part0);
+      promote(acc0, part0, sx0);
+      if constexpr (kTwo) {  // one set of sums (kParts = 1): tile 1's wgmmas after tile 0's promotion
+        wgmma_fence();
 #pragma unroll
-      for (int h = 0; h < 8; ++h) {
-        const float2 x = *reinterpret_cast<const float2*>(sx1 + (8 * h + 2 * t) * 4);
-        acc1[4 * h + 0] = fmaf(part1[4 * h + 0], f_lo * x.x, acc1[4 * h + 0]);
-        acc1[4 * h + 1] = fmaf(part1[4 * h + 1], f_lo * x.y, acc1[4 * h + 1]);
-        acc1[4 * h + 2] = fmaf(part1[4 * h + 2], f_hi * x.x, acc1[4 * h + 2]);
-        acc1[4 * h + 3] = fmaf(part1[4 * h + 3], f_hi * x.y, acc1[4 * h + 3]);
+        for (int s4 = 0; s4 < 4; ++s4) WgmmaRsE4m3<64>::mma(part0, a[s4], d0 + (S::kOffB1 >> 4) + 2 * s4, s4);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(part0);
+        promote(acc1, part0, sx0 + S::kSx);
       }
     }
     ring_advance<S::kSlots>(ring, phase);
@@ -1048,8 +1054,11 @@ __device__ __forceinline__ void pair_segment(const W4A8Params& p, uint8_t* smem,
 }
 
 // Grid: x = 64-row weight tile, y = pairs of token tiles (config.h's grid_pairs), a CTA
-// taking the pairs blockIdx.y, + gridDim.y, ... below *num_tiles / 2 in turn.
-__global__ void __launch_bounds__(kThreads, 3) mxfp4_gemm1_pair_kernel(const W4A8Params p) {
+// taking the pairs blockIdx.y, + gridDim.y, ... below *num_tiles / 2 in turn. kParts:
+// 2 sets of chunk sums (tile 1's wgmmas run while tile 0's are promoted; 168 registers,
+// 3 CTAs per SM), 1 set (the two tiles' wgmmas one after the other; 4 CTAs per SM).
+template <int kParts>
+__global__ void __launch_bounds__(kThreads, kParts == 2 ? 3 : 4) mxfp4_gemm1_pair_kernel(const W4A8Params p) {
   gemm_grid_dependencies<true>();
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = align_smem_1024(smem_raw);
@@ -1064,9 +1073,9 @@ __global__ void __launch_bounds__(kThreads, 3) mxfp4_gemm1_pair_kernel(const W4A
   for (int pr = blockIdx.y; pr < num_pairs; pr += gridDim.y) {
     const int t0 = 2 * pr;
     if (__ldcg(p.row_slot + (t0 + 1) * 64) >= 0)
-      pair_segment<true>(p, smem, full, lut, ring, phase, t0, blockIdx.x, threadIdx.x);
+      pair_segment<true, kParts>(p, smem, full, lut, ring, phase, t0, blockIdx.x, threadIdx.x);
     else
-      pair_segment<false>(p, smem, full, lut, ring, phase, t0, blockIdx.x, threadIdx.x);
+      pair_segment<false, kParts>(p, smem, full, lut, ring, phase, t0, blockIdx.x, threadIdx.x);
     if (pr + int(gridDim.y) < num_pairs) {  // the epilogue's staging is the next pair's ring
       fence_proxy_async_smem();
       __syncthreads();
