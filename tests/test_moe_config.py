@@ -33,9 +33,8 @@ import dsv4._ops
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 OVERRIDES = ("DSV4_MOE_WS", "DSV4_MOE_SPLITK", "DSV4_MOE_DIRECT_X", "DSV4_MOE_PDL", "DSV4_MOE_GEMM2_RESIDENT",
-             "DSV4_MOE_FUSED_ROUTE")
-CHOICES = {"DSV4_MOE_BLOCK_N": "`8`, `16`, `64`", "DSV4_MOE_GEMM2_ROWS": "`1`, `2`, `4`, `8`",
-           "DSV4_MOE_GEMM1_PAIRS": "`0`, `1`, `2`"}  # -> README's values
+             "DSV4_MOE_FUSED_ROUTE", "DSV4_MOE_GEMM1_PAIRS")
+CHOICES = {"DSV4_MOE_BLOCK_N": "`8`, `16`, `64`", "DSV4_MOE_GEMM2_ROWS": "`1`, `2`, `4`, `8`"}  # -> README's values
 ATTN_OVERRIDES = ("DSV4_ATTN_PRICED_SPLITS", "DSV4_ATTN_PDL", "DSV4_ATTN_SPECIALIZE", "DSV4_ATTN_MAIN_PDL",
                   "DSV4_ATTN_COOP_ROUND", "DSV4_ATTN_PRODUCER_AHEAD", "DSV4_ATTN_COOP_PREFETCH",
                   "DSV4_ATTN_FIRST_PV_INIT", "DSV4_ATTN_CROSSOVER")  # csrc/attention (tests/test_attention.py)

@@ -718,7 +718,7 @@ def test_gpu_gemm1_pairs_bitwise(tmp_path):
     epilogue as the one-tile kernel does, so the outputs are bitwise equal; the routing's
     empty second tiles of odd counts are skipped by GEMM2 (classic, rows and resident)."""
     outs = {}
-    for pairs in ("0", "1", "2"):
+    for pairs in ("0", "1"):
         path = tmp_path / f"pairs{pairs}.pt"
         env = dict(DSV4_MOE_BLOCK_N="64", DSV4_MOE_SPLITK="0", DSV4_MOE_GEMM1_PAIRS=pairs, DSV4_PRINT_CONFIG="1")
         r = _run_child(env, f"_child_gemm1_pairs({str(path)!r})")
@@ -726,9 +726,8 @@ def test_gpu_gemm1_pairs_bitwise(tmp_path):
         assert printed and {p for p in printed} == {pairs}, printed
         outs[pairs] = torch.load(path)
     assert len(outs["0"]) == len(PAIR_CASES) + 3
-    for pairs in ("1", "2"):
-        for i, (a, b) in enumerate(zip(outs["0"], outs[pairs])):
-            assert torch.isfinite(b).all() and torch.equal(a, b), (pairs, i)
+    for i, (a, b) in enumerate(zip(outs["0"], outs["1"])):
+        assert torch.isfinite(b).all() and torch.equal(a, b), i
 
 
 # decode sizes (<= 128 slots), with and without an expert map, split-K (1-17 tokens) and not

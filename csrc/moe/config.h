@@ -225,7 +225,7 @@ struct Mxfp4MoeConfig {
   bool gemm2_resident;   // ... with the token tile resident (mxfp4_gemm2_resident_kernel)
   bool fused_route;      // routing + GEMM1's input in one kernel (mxfp4_route_quant_kernel)
   int grid_tiles;        // token-tile rows of the classic mxfp4_gemm_kernel grids (its CTAs loop at 64-row tiles)
-  int gemm1_pairs;       // GEMM1 on pairs of an expert's 64-token tiles (mxfp4_gemm1_pair_kernel<gemm1_pairs>; 0: not)
+  bool gemm1_pairs;      // GEMM1 on pairs of an expert's 64-token tiles (mxfp4_gemm1_pair_kernel; routing tile_pairs)
   int grid_pairs;        // ... its grid's rows of tile pairs
 };
 
@@ -295,7 +295,7 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
       cfg.block_n == 64 ? pick_grid_tiles(c.M, c.topk, c.E, c.E_global, cfg.block_n, cfg.max_tiles) : cfg.max_tiles;
   // GEMM1 on pairs of tiles (the conversion paid once per 128 tokens): each touched
   // expert may add one empty tile, so the bound grows by the experts that can be busy.
-  cfg.gemm1_pairs = !cfg.splitk && cfg.block_n == 64 ? o.moe_gemm1_pairs.value_or(0) : 0;
+  cfg.gemm1_pairs = !cfg.splitk && cfg.block_n == 64 && o.moe_gemm1_pairs.value_or(false);
   if (cfg.gemm1_pairs) {
     cfg.max_tiles += int(busy);
     cfg.max_tiles += cfg.max_tiles & 1;
@@ -321,7 +321,7 @@ inline void print_config(const Mxfp4MoeShape& c, const Mxfp4DeviceFacts& d, cons
       " -> block_n=", cfg.block_n, " max_tiles=", cfg.max_tiles, " multi_cta_route=", int(cfg.multi_cta_route),
       " splitk=", int(cfg.splitk), " sk_ctas=", cfg.sk_ctas, " pdl=", int(cfg.pdl), " quant_ctas=", cfg.quant_ctas,
       " gemm2_rows=", cfg.gemm2_rows, " gemm2_resident=", int(cfg.gemm2_resident),
-      " fused_route=", int(cfg.fused_route), " grid_tiles=", cfg.grid_tiles, " gemm1_pairs=", cfg.gemm1_pairs,
+      " fused_route=", int(cfg.fused_route), " grid_tiles=", cfg.grid_tiles, " gemm1_pairs=", int(cfg.gemm1_pairs),
       " grid_pairs=", cfg.grid_pairs,
       " workspace_bytes=", workspace_bytes);
   std::fprintf(stderr, "%s\n", line.c_str());

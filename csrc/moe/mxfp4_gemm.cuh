@@ -920,16 +920,18 @@ __global__ void __launch_bounds__(kThreads) mxfp4_gemm_kernel(const W4A8Params p
 
 // GEMM1 at 64-token tiles, a CTA per 64-row weight tile and PAIR of token tiles of one
 // expert (routing with tile_pairs: every expert has an even number of tiles, the second
-// of an odd count empty). Why: the one-tile kernel is bound by instructions per MMA, not
-// by memory: 228 per 128-chunk and warp (the conversion of the weights ~75, the
-// promotion 64, ~70 of bookkeeping) against 128 tensor-core cycles of its four
-// m64n64k32 wgmmas (ncu at M = 8192 under EP8, docs/perf-history/2026-12-05-mxfp4-w4a8-pairs.md).
-// Here a chunk's A fragments are converted once and multiplied with both tiles (8
-// wgmmas, two sums), so the conversion and the bookkeeping are paid once per 128 tokens.
-// Each tile's sums, promotions and epilogue are the one-tile kernel's (the same four k32
+// of an odd count empty). Why: the one-tile kernel spends 228 instructions per 128-chunk
+// and warp (the weights' conversion ~75, the promotion 64, ~70 of bookkeeping) on four
+// m64n64k32 wgmmas, and its time follows each warp's chain per chunk (slot wait,
+// conversion, wgmmas, their wait, promotion), hidden only by the SM's other warps (ncu at
+// M = 8192 under EP8, docs/perf-history/2026-12-05-mxfp4-w4a8-pairs.md).
+// Here a chunk's A fragments are converted once and multiplied with both tiles (4
+// wgmmas each), so the conversion and the bookkeeping are paid once per 128 tokens. Each
+// tile's sums, promotions and epilogue are the one-tile kernel's (the same four k32
 // wgmmas from zero, the same fmaf order, gemm1_epilogue), so the outputs are bitwise the
-// same. Ring: two slots of one chunk (the weights, both tiles' rows and scales), 3 CTAs
-// per SM.
+// same. Ring: two slots of one chunk (the weights, both tiles' rows and scales); 128
+// registers, 4 CTAs per SM as the one-tile kernel. Measured 1.01-1.10x the op at
+// M >= 8192, 0.92-1.0x at M = 2048 where most pairs are half empty (H100; same note).
 struct PairSmem {
   static constexpr int kB = 64 * kChunk;  // one tile's chunk of FP8 rows
   static constexpr int kSx = 64 * 4;
@@ -942,7 +944,7 @@ struct PairSmem {
   static_assert(64 * 128 <= kSlotBytes, "the epilogue's staging fits a slot");
 };
 
-template <bool kTwo, int kParts>
+template <bool kTwo>
 __device__ __forceinline__ void pair_segment(const W4A8Params& p, uint8_t* smem, uint64_t* full, const uint8_t* lut,
                                              int& ring, uint32_t& phase, int t0, int rt, int tid) {
   using S = PairSmem;
@@ -974,11 +976,9 @@ __device__ __forceinline__ void pair_segment(const W4A8Params& p, uint8_t* smem,
   auto slot_after = [](int slot) { return slot + 1 == S::kSlots ? 0 : slot + 1; };
   load(0, ring);
 
-  float acc0[32], acc1[32], part0[32], part1[kParts == 2 ? 32 : 1];
+  float acc0[32], acc1[32], part[32];
 #pragma unroll
-  for (int i = 0; i < 32; ++i) acc0[i] = acc1[i] = part0[i] = 0.0f;
-#pragma unroll
-  for (int i = 0; i < (kParts == 2 ? 32 : 1); ++i) part1[i] = 0.0f;
+  for (int i = 0; i < 32; ++i) acc0[i] = acc1[i] = part[i] = 0.0f;
   const uint32_t rd_w = smem_u32(smem) + S::kOffW + tid * 16;
   const uint32_t rd_s = smem_u32(smem) + S::kOffS + (warp * 8 + g) * 8;
   const uint64_t desc0 = wgmma_desc_sw128(smem_u32(smem), 16, 1024);
@@ -1018,33 +1018,25 @@ __device__ __forceinline__ void pair_segment(const W4A8Params& p, uint8_t* smem,
         acc[4 * h + 3] = fmaf(part[4 * h + 3], f_hi * x.y, acc[4 * h + 3]);
       }
     };
+    // One set of chunk sums for both tiles: tile 1's wgmmas after tile 0's promotion. Two
+    // sets (tile 1's wgmmas during tile 0's promotion) took 168 registers and 3 CTAs per
+    // SM and measured no faster than the one-tile kernel (docs/perf-history/2026-12-05-mxfp4-w4a8-pairs.md):
+    // the warps resident hide each warp's chain per chunk, so 4 CTAs per SM matter more.
     wgmma_fence();
 #pragma unroll
-    for (int s4 = 0; s4 < 4; ++s4) WgmmaRsE4m3<64>::mma(part0, a[s4], d0 + 2 * s4, s4);
+    for (int s4 = 0; s4 < 4; ++s4) WgmmaRsE4m3<64>::mma(part, a[s4], d0 + 2 * s4, s4);
     wgmma_commit();
-    if constexpr (kTwo && kParts == 2) {
+    wgmma_wait<0>();
+    fence_regs(part);
+    promote(acc0, part, sx0);
+    if constexpr (kTwo) {
+      wgmma_fence();
 #pragma unroll
-      for (int s4 = 0; s4 < 4; ++s4) WgmmaRsE4m3<64>::mma(part1, a[s4], d0 + (S::kOffB1 >> 4) + 2 * s4, s4);
+      for (int s4 = 0; s4 < 4; ++s4) WgmmaRsE4m3<64>::mma(part, a[s4], d0 + (S::kOffB1 >> 4) + 2 * s4, s4);
       wgmma_commit();
-      wgmma_wait<1>();  // tile 0's sums; tile 1's wgmmas run on while they are promoted
-      fence_regs(part0);
-      promote(acc0, part0, sx0);
       wgmma_wait<0>();
-      fence_regs(part1);
-      promote(acc1, part1, sx0 + S::kSx);
-    } else {
-      wgmma_wait<0>();
-      fence_regs(part0);
-      promote(acc0, part0, sx0);
-      if constexpr (kTwo) {  // one set of sums (kParts = 1): tile 1's wgmmas after tile 0's promotion
-        wgmma_fence();
-#pragma unroll
-        for (int s4 = 0; s4 < 4; ++s4) WgmmaRsE4m3<64>::mma(part0, a[s4], d0 + (S::kOffB1 >> 4) + 2 * s4, s4);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(part0);
-        promote(acc1, part0, sx0 + S::kSx);
-      }
+      fence_regs(part);
+      promote(acc1, part, sx0 + S::kSx);
     }
     ring_advance<S::kSlots>(ring, phase);
   }
@@ -1054,11 +1046,8 @@ __device__ __forceinline__ void pair_segment(const W4A8Params& p, uint8_t* smem,
 }
 
 // Grid: x = 64-row weight tile, y = pairs of token tiles (config.h's grid_pairs), a CTA
-// taking the pairs blockIdx.y, + gridDim.y, ... below *num_tiles / 2 in turn. kParts:
-// 2 sets of chunk sums (tile 1's wgmmas run while tile 0's are promoted; 168 registers,
-// 3 CTAs per SM), 1 set (the two tiles' wgmmas one after the other; 4 CTAs per SM).
-template <int kParts>
-__global__ void __launch_bounds__(kThreads, kParts == 2 ? 3 : 4) mxfp4_gemm1_pair_kernel(const W4A8Params p) {
+// taking the pairs blockIdx.y, + gridDim.y, ... below *num_tiles / 2 in turn.
+__global__ void __launch_bounds__(kThreads, 4) mxfp4_gemm1_pair_kernel(const W4A8Params p) {
   gemm_grid_dependencies<true>();
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = align_smem_1024(smem_raw);
@@ -1073,9 +1062,9 @@ __global__ void __launch_bounds__(kThreads, kParts == 2 ? 3 : 4) mxfp4_gemm1_pai
   for (int pr = blockIdx.y; pr < num_pairs; pr += gridDim.y) {
     const int t0 = 2 * pr;
     if (__ldcg(p.row_slot + (t0 + 1) * 64) >= 0)
-      pair_segment<true, kParts>(p, smem, full, lut, ring, phase, t0, blockIdx.x, threadIdx.x);
+      pair_segment<true>(p, smem, full, lut, ring, phase, t0, blockIdx.x, threadIdx.x);
     else
-      pair_segment<false, kParts>(p, smem, full, lut, ring, phase, t0, blockIdx.x, threadIdx.x);
+      pair_segment<false>(p, smem, full, lut, ring, phase, t0, blockIdx.x, threadIdx.x);
     if (pr + int(gridDim.y) < num_pairs) {  // the epilogue's staging is the next pair's ring
       fence_proxy_async_smem();
       __syncthreads();

@@ -132,8 +132,8 @@ GemmOccupancy gemm_setup() {
     for (auto k : {w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 2>, w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 4>,
                    w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 8>})
       C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
-    for (auto k : {w4a8::mxfp4_gemm1_pair_kernel<1>, w4a8::mxfp4_gemm1_pair_kernel<2>})
-      C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, w4a8::PairSmem::kBytes));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(w4a8::mxfp4_gemm1_pair_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        w4a8::PairSmem::kBytes));
     using RS = w4a8::ResidentSmem<BN>;
     for (auto k : {w4a8::mxfp4_gemm2_resident_kernel<BN, 2>, w4a8::mxfp4_gemm2_resident_kernel<BN, 4>,
                    w4a8::mxfp4_gemm2_resident_kernel<BN, 8>})
@@ -215,8 +215,8 @@ void launch_gemms(const Mxfp4MoeConfig& cfg, const w4a8::W4A8Params& p, cudaStre
   }
   using S = w4a8::Smem<BN, kClassicChunks>;
   if (cfg.gemm1_pairs)  // config.h: at 64-token tiles on the classic grid only
-    launch_kernel(cfg.gemm1_pairs == 2 ? w4a8::mxfp4_gemm1_pair_kernel<2> : w4a8::mxfp4_gemm1_pair_kernel<1>,
-                  dim3(unsigned(p.N / 32), unsigned(cfg.grid_pairs)), block, w4a8::PairSmem::kBytes, stream, cfg.pdl, p);
+    launch_kernel(w4a8::mxfp4_gemm1_pair_kernel, dim3(unsigned(p.N / 32), unsigned(cfg.grid_pairs)), block,
+                  w4a8::PairSmem::kBytes, stream, cfg.pdl, p);
   else
     launch_kernel(w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, true>, dim3(unsigned(p.N / 32), unsigned(cfg.grid_tiles)),
                   block, S::kBytes, stream, cfg.pdl, p);
