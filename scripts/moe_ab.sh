@@ -7,6 +7,11 @@
 # benchmark (python -m dsv4.bench moe, MXFP4 W4A8 and NVFP4; BENCH overrides its
 # arguments), one process per build. Results
 # under ${OUT:-/tmp}/ab; summary.txt printed last. Budget: DUMP_S and BENCH_S per process.
+# A build NAME may name a variant of the same library instead: ENV_NAME="VAR=VALUE ..."
+# is set for its processes (the bitwise dump and the benchmark). The benchmark resets
+# every variable of its own --variants switches (dsv4/bench/routines/moe.py SWITCHES) to
+# the library's default, so ENV_NAME reaches only its dump for those: time them with
+# BENCH="... --variants 'k=0;k=1'" instead.
 set -u
 cd "$(git rev-parse --show-toplevel 2>/dev/null || pwd)"
 O=${OUT:-/tmp}/ab; mkdir -p "$O"; S=$O/summary.txt; : > "$S"
@@ -42,7 +47,8 @@ first=
 for b in $BUILDS; do
   n=${b%%=*}; f=${b#*=}; [ "$f" = dsv4/_C.abi3.so ] && f=$O/tree.so
   cp "$f" dsv4/_C.abi3.so
-  timeout "$DUMP_S" python "$O/dump.py" "$O/out_$n.pt" > "$O/dump_$n.txt" 2>&1
+  ev=ENV_$n
+  env ${!ev:-} timeout "$DUMP_S" python "$O/dump.py" "$O/out_$n.pt" > "$O/dump_$n.txt" 2>&1
   echo "dump $n rc=$? at $(( $(date +%s) - T0 )) s: $(tail -1 "$O/dump_$n.txt")" >> "$S"
   if [ -z "$first" ]; then first=$n; continue; fi
   python - "$O/out_$first.pt" "$O/out_$n.pt" >> "$S" 2>&1 <<'PY'
@@ -55,7 +61,8 @@ done
 for b in $BUILDS; do
   n=${b%%=*}; f=${b#*=}; [ "$f" = dsv4/_C.abi3.so ] && f=$O/tree.so
   cp "$f" dsv4/_C.abi3.so
-  timeout "$BENCH_S" python -m dsv4.bench moe $BENCH --json "$O/bench_$n.json" > "$O/bench_$n.txt" 2>&1
+  ev=ENV_$n
+  env ${!ev:-} timeout "$BENCH_S" python -m dsv4.bench moe $BENCH --json "$O/bench_$n.json" > "$O/bench_$n.txt" 2>&1
   echo "bench $n rc=$? at $(( $(date +%s) - T0 )) s" >> "$S"
 done
 cp "$O/tree.so" dsv4/_C.abi3.so

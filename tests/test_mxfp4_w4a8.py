@@ -681,6 +681,55 @@ def test_gpu_gemm2_rows_bitwise(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(outs["1", "0"], outs[key])), key
 
 
+# GEMM1 on pairs of 64-token tiles: odd and even tile counts per expert, ragged last tiles,
+# with and without an expert map, the four expert sets (GEMM2 rows, resident and classic)
+PAIR_CASES = (("flash", 700, False), ("flash", 2048, True), ("pro", 999, True), ("v41", 1500, True),
+              ("v41_tp8", 300, False), ("v41_tp8", 2000, True))
+
+
+def _child_gemm1_pairs(path: str) -> None:
+    """PAIR_CASES against the reference, then skewed routing (every slot on two local
+    experts: many tiles per expert, some experts none) and a graph replay; the outputs
+    saved to ``path``."""
+    outs = [_check(name, M, seed=M + 95, use_map=um).cpu() for name, M, um in PAIR_CASES]
+    for name, M in (("flash", 2048), ("v41_tp8", 777)):
+        w, p = _gpu_model(name)
+        x, ids, tw, emap = _gpu_case(name, M, seed=M + 96, routing="skewed")
+        kw = {} if emap is None else {"expert_map": emap}
+        outs.append(routed_moe(x, ids, tw, p, **kw).cpu())
+    w, p = _gpu_model("pro")
+    x, ids, tw, emap = _gpu_case("pro", 1200, seed=97, use_map=True)
+    out = torch.full_like(x, float("nan"))
+    routed_moe(x, ids, tw, p, expert_map=emap, out=out)  # warm (first-use setup outside the capture)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        routed_moe(x, ids, tw, p, expert_map=emap, out=out)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    outs.append(out.cpu())
+    torch.save(outs, path)
+
+
+@pytest.mark.gpu
+def test_gpu_gemm1_pairs_bitwise(tmp_path):
+    """mxfp4_gemm1_pair_kernel (a CTA per weight tile and pair of an expert's token tiles,
+    each weight chunk converted once for both) computes each tile's sums, promotions and
+    epilogue as the one-tile kernel does, so the outputs are bitwise equal; the routing's
+    empty second tiles of odd counts are skipped by GEMM2 (classic, rows and resident)."""
+    outs = {}
+    for pairs in ("0", "1"):
+        path = tmp_path / f"pairs{pairs}.pt"
+        env = dict(DSV4_MOE_BLOCK_N="64", DSV4_MOE_SPLITK="0", DSV4_MOE_GEMM1_PAIRS=pairs, DSV4_PRINT_CONFIG="1")
+        r = _run_child(env, f"_child_gemm1_pairs({str(path)!r})")
+        printed = re.findall(r"^dsv4 config mxfp4_moe: .* gemm1_pairs=(\d)", r.stderr, re.M)
+        assert printed and {p for p in printed} == {pairs}, printed
+        outs[pairs] = torch.load(path)
+    assert len(outs["0"]) == len(PAIR_CASES) + 3
+    for i, (a, b) in enumerate(zip(outs["0"], outs["1"])):
+        assert torch.isfinite(b).all() and torch.equal(a, b), i
+
+
 # decode sizes (<= 128 slots), with and without an expert map, split-K (1-17 tokens) and not
 # (21 tokens on the classic grid), a token of one slot per expert and 21 * 6 = 126 slots
 FUSED_CASES = (("flash", 1, True), ("v41", 3, False), ("pro", 8, True), ("v41_tp8", 17, False), ("flash", 21, True))

@@ -225,7 +225,18 @@ struct Mxfp4MoeConfig {
   bool gemm2_resident;   // ... with the token tile resident (mxfp4_gemm2_resident_kernel)
   bool fused_route;      // routing + GEMM1's input in one kernel (mxfp4_route_quant_kernel)
   int grid_tiles;        // token-tile rows of the classic mxfp4_gemm_kernel grids (its CTAs loop at 64-row tiles)
+  bool gemm1_pairs;      // GEMM1 on pairs of an expert's 64-token tiles (mxfp4_gemm1_pair_kernel; routing tile_pairs)
+  int grid_pairs;        // ... its grid's rows of tile pairs
 };
+
+// Rows of mxfp4_gemm1_pair_kernel's grid: as pick_grid_tiles, in pairs (each touched
+// expert at most one pair partly filled).
+inline int pick_grid_pairs(int64_t M, int64_t topk, int64_t E, int64_t E_global, int max_tiles) {
+  const double local_slots = double(M) * double(topk) * double(E) / double(E_global);
+  const double touched = double(E) * (1.0 - std::pow(1.0 - 1.0 / double(E), local_slots));
+  const double expected = std::ceil(local_slots / 128.0) + touched;
+  return int(std::min<double>(double(max_tiles / 2), std::ceil(1.25 * expected) + 1.0));
+}
 
 // GEMM2 weight tiles per CTA on the classic grid at 64-token tiles (a classic CTA's fixed
 // cost is ~8 us against ~1 us per K chunk), as measured on the H200 at M = 2048-16384
@@ -282,6 +293,16 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
   }
   cfg.grid_tiles =
       cfg.block_n == 64 ? pick_grid_tiles(c.M, c.topk, c.E, c.E_global, cfg.block_n, cfg.max_tiles) : cfg.max_tiles;
+  // GEMM1 on pairs of tiles (the conversion paid once per 128 tokens): each touched
+  // expert may add one empty tile, so the bound grows by the experts that can be busy.
+  cfg.gemm1_pairs = !cfg.splitk && cfg.block_n == 64 && o.moe_gemm1_pairs.value_or(false);
+  if (cfg.gemm1_pairs) {
+    cfg.max_tiles += int(busy);
+    cfg.max_tiles += cfg.max_tiles & 1;
+    TORCH_CHECK(cfg.max_tiles <= 65535, "dsv4: mxfp4_moe's GEMM grid takes at most 65535 token tiles, got ",
+                cfg.max_tiles, " (M * k = ", S, " slots); call it on fewer tokens at a time");
+    cfg.grid_pairs = pick_grid_pairs(c.M, c.topk, c.E, c.E_global, cfg.max_tiles);
+  }
   cfg.fused_route = S <= kFusedRouteSlots && cfg.block_n <= 16 &&
                     int64_t(cfg.max_tiles) * cfg.block_n <= kFusedRouteRows && o.moe_fused_route.value_or(true);
   // GEMM1's input, 8 warps per CTA: fused, one warp per 128-group (up to 8 CTAs per SM);
@@ -300,7 +321,8 @@ inline void print_config(const Mxfp4MoeShape& c, const Mxfp4DeviceFacts& d, cons
       " -> block_n=", cfg.block_n, " max_tiles=", cfg.max_tiles, " multi_cta_route=", int(cfg.multi_cta_route),
       " splitk=", int(cfg.splitk), " sk_ctas=", cfg.sk_ctas, " pdl=", int(cfg.pdl), " quant_ctas=", cfg.quant_ctas,
       " gemm2_rows=", cfg.gemm2_rows, " gemm2_resident=", int(cfg.gemm2_resident),
-      " fused_route=", int(cfg.fused_route), " grid_tiles=", cfg.grid_tiles,
+      " fused_route=", int(cfg.fused_route), " grid_tiles=", cfg.grid_tiles, " gemm1_pairs=", int(cfg.gemm1_pairs),
+      " grid_pairs=", cfg.grid_pairs,
       " workspace_bytes=", workspace_bytes);
   std::fprintf(stderr, "%s\n", line.c_str());
   std::fflush(stderr);

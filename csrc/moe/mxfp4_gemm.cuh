@@ -903,7 +903,9 @@ __global__ void __launch_bounds__(kThreads) mxfp4_gemm_kernel(const W4A8Params p
   if constexpr (BN == 64) {
 #pragma unroll 1
     for (int tile = blockIdx.y; tile < num_tiles; tile += gridDim.y) {
-      run(tile);
+      // GEMM2 skips the empty second tile of an odd count (tile_pairs); GEMM1's pair
+      // kernel published nothing for it
+      if (kGemm1 || __ldcg(p.row_slot + tile * BN) >= 0) run(tile);
       if (tile + int(gridDim.y) < num_tiles) {  // the epilogue's staging is the next tile's ring
         fence_proxy_async_smem();
         __syncthreads();
@@ -911,6 +913,162 @@ __global__ void __launch_bounds__(kThreads) mxfp4_gemm_kernel(const W4A8Params p
     }
   } else {
     run(blockIdx.y);
+  }
+}
+
+// ------------------------------------------------------ GEMM1 on pairs of tiles ---
+
+// GEMM1 at 64-token tiles, a CTA per 64-row weight tile and PAIR of token tiles of one
+// expert (routing with tile_pairs: every expert has an even number of tiles, the second
+// of an odd count empty). Why: the one-tile kernel spends 228 instructions per 128-chunk
+// and warp (the weights' conversion ~75, the promotion 64, ~70 of bookkeeping) on four
+// m64n64k32 wgmmas, and its time follows each warp's chain per chunk (slot wait,
+// conversion, wgmmas, their wait, promotion), hidden only by the SM's other warps (ncu at
+// M = 8192 under EP8, docs/perf-history/2026-12-05-mxfp4-w4a8-pairs.md).
+// Here a chunk's A fragments are converted once and multiplied with both tiles (4
+// wgmmas each), so the conversion and the bookkeeping are paid once per 128 tokens. Each
+// tile's sums, promotions and epilogue are the one-tile kernel's (the same four k32
+// wgmmas from zero, the same fmaf order, gemm1_epilogue), so the outputs are bitwise the
+// same. Ring: two slots of one chunk (the weights, both tiles' rows and scales); 128
+// registers, 4 CTAs per SM as the one-tile kernel. Measured 1.01-1.10x the op at
+// M >= 8192, 0.92-1.0x at M = 2048 where most pairs are half empty (H100; same note).
+struct PairSmem {
+  static constexpr int kB = 64 * kChunk;  // one tile's chunk of FP8 rows
+  static constexpr int kSx = 64 * 4;
+  // per slot: rows of tile 0, of tile 1 (1024-aligned for the swizzled B reads), codes, scale words, scales 0, 1
+  static constexpr int kOffB1 = kB, kOffW = 2 * kB, kOffS = kOffW + kCodeTile, kOffX0 = kOffS + kScaleTile,
+                       kOffX1 = kOffX0 + kSx;
+  static constexpr int kSlotBytes = ((kOffX1 + kSx + 1023) / 1024) * 1024;
+  static constexpr int kSlots = 2;
+  static constexpr int kBytes = kSlots * kSlotBytes + 1024;
+  static_assert(64 * 128 <= kSlotBytes, "the epilogue's staging fits a slot");
+};
+
+template <bool kTwo>
+__device__ __forceinline__ void pair_segment(const W4A8Params& p, uint8_t* smem, uint64_t* full, const uint8_t* lut,
+                                             int& ring, uint32_t& phase, int t0, int rt, int tid) {
+  using S = PairSmem;
+  const int e = __ldcg(p.tile_expert + t0);
+  const int KT = p.K / kChunk, RT = p.N / 32;
+  const size_t tile_index = (size_t(e) * RT + rt) * KT;
+  const uint8_t* wq = p.w13 + tile_index * kCodeTile;
+  const uint8_t* wsc = p.w13_scale + tile_index * kScaleTile;
+  const uint8_t* bq0 = p.xg + size_t(t0) * KT * S::kB;  // tile t0 + 1 follows: KT chunks later
+  const float* bs0 = p.xgs + size_t(t0) * KT * 64;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int issuer = lane == 0 ? warp : -1;  // warp 0: codes (+ expected bytes), 1: scale words, 2: tile 0, 3: tile 1
+  constexpr uint32_t kTx = kCodeTile + kScaleTile + (kTwo ? 2 : 1) * (S::kB + S::kSx);
+  auto load = [&](int c, int slot) {
+    if (c >= KT || issuer < 0) return;
+    const uint32_t base = smem_u32(smem) + slot * S::kSlotBytes;
+    uint64_t* bar = full + slot;
+    if (issuer == 0) {
+      mbar_arrive_expect_tx(bar, kTx);
+      bulk_g2s(base + S::kOffW, wq + size_t(c) * kCodeTile, kCodeTile, bar);
+    } else if (issuer == 1) {
+      bulk_g2s(base + S::kOffS, wsc + size_t(c) * kScaleTile, kScaleTile, bar);
+    } else if (issuer == 2 || kTwo) {
+      const int j = issuer - 2;  // the tile
+      bulk_g2s(base + j * S::kOffB1, bq0 + (size_t(j) * KT + c) * S::kB, S::kB, bar);
+      bulk_g2s(base + S::kOffX0 + j * S::kSx, bs0 + (size_t(j) * KT + c) * 64, S::kSx, bar);
+    }
+  };
+  auto slot_after = [](int slot) { return slot + 1 == S::kSlots ? 0 : slot + 1; };
+  load(0, ring);
+
+  float acc0[32], acc1[32], part[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc0[i] = acc1[i] = part[i] = 0.0f;
+  const uint32_t rd_w = smem_u32(smem) + S::kOffW + tid * 16;
+  const uint32_t rd_s = smem_u32(smem) + S::kOffS + (warp * 8 + g) * 8;
+  const uint64_t desc0 = wgmma_desc_sw128(smem_u32(smem), 16, 1024);
+  const uint32_t lut_base = smem_u32(lut);
+  const uint32_t rot = (4 * t - 3) & 31;
+
+#pragma unroll 1
+  for (int c = 0; c < KT; ++c) {
+    __syncthreads();  // everyone is done with the slot refilled next (read in chunk c - 1)
+    load(c + 1, slot_after(ring));
+    mbar_wait(full + ring, phase);
+    const uint32_t so = ring * S::kSlotBytes;
+    const uint4 c_lo = lds_v4(rd_w + so);
+    const uint4 c_hi = lds_v4(rd_w + so + 2048);
+    const uint2 sw = lds_v2(rd_s + so);
+    const uint2 t_lo = lds_v2(lut_base + lut_offset(sw.x, rot));
+    const uint2 t_hi = lds_v2(lut_base + lut_offset(sw.y, rot));
+    const uint32_t w_lo[4] = {c_lo.x, c_lo.y, c_lo.z, c_lo.w}, w_hi[4] = {c_hi.x, c_hi.y, c_hi.z, c_hi.w};
+    uint32_t a[4][4];
+#pragma unroll
+    for (int s4 = 0; s4 < 4; ++s4) {
+      e2m1x8_to_e4m3(w_lo[s4], t_lo, a[s4][0], a[s4][2]);
+      e2m1x8_to_e4m3(w_hi[s4], t_hi, a[s4][1], a[s4][3]);
+    }
+#pragma unroll
+    for (int s4 = 0; s4 < 4; ++s4) fence_regs(a[s4]);
+    const uint64_t d0 = desc0 + (so >> 4);
+    const float f_lo = chunk_base(sw.x), f_hi = chunk_base(sw.y);
+    const uint8_t* sx0 = smem + so + S::kOffX0;
+    auto promote = [&](float(&acc)[32], float(&part)[32], const uint8_t* sx) {
+#pragma unroll
+      for (int h = 0; h < 8; ++h) {
+        const float2 x = *reinterpret_cast<const float2*>(sx + (8 * h + 2 * t) * 4);
+        acc[4 * h + 0] = fmaf(part[4 * h + 0], f_lo * x.x, acc[4 * h + 0]);
+        acc[4 * h + 1] = fmaf(part[4 * h + 1], f_lo * x.y, acc[4 * h + 1]);
+        acc[4 * h + 2] = fmaf(part[4 * h + 2], f_hi * x.x, acc[4 * h + 2]);
+        acc[4 * h + 3] = fmaf(part[4 * h + 3], f_hi * x.y, acc[4 * h + 3]);
+      }
+    };
+    // One set of chunk sums for both tiles: tile 1's wgmmas after tile 0's promotion. Two
+    // sets (tile 1's wgmmas during tile 0's promotion) took 168 registers and 3 CTAs per
+    // SM and measured no faster than the one-tile kernel (docs/perf-history/2026-12-05-mxfp4-w4a8-pairs.md):
+    // the warps resident hide each warp's chain per chunk, so 4 CTAs per SM matter more.
+    wgmma_fence();
+#pragma unroll
+    for (int s4 = 0; s4 < 4; ++s4) WgmmaRsE4m3<64>::mma(part, a[s4], d0 + 2 * s4, s4);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(part);
+    promote(acc0, part, sx0);
+    if constexpr (kTwo) {
+      wgmma_fence();
+#pragma unroll
+      for (int s4 = 0; s4 < 4; ++s4) WgmmaRsE4m3<64>::mma(part, a[s4], d0 + (S::kOffB1 >> 4) + 2 * s4, s4);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(part);
+      promote(acc1, part, sx0 + S::kSx);
+    }
+    ring_advance<S::kSlots>(ring, phase);
+  }
+  __syncthreads();  // every chunk's reads done: the staging overwrites the ring
+  gemm1_epilogue<64>(p, acc0, reinterpret_cast<float*>(smem), t0, rt, tid);
+  if constexpr (kTwo) gemm1_epilogue<64>(p, acc1, reinterpret_cast<float*>(smem), t0 + 1, rt, tid);
+}
+
+// Grid: x = 64-row weight tile, y = pairs of token tiles (config.h's grid_pairs), a CTA
+// taking the pairs blockIdx.y, + gridDim.y, ... below *num_tiles / 2 in turn.
+__global__ void __launch_bounds__(kThreads, 4) mxfp4_gemm1_pair_kernel(const W4A8Params p) {
+  gemm_grid_dependencies<true>();
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = align_smem_1024(smem_raw);
+  __shared__ uint64_t full[PairSmem::kSlots];
+  __shared__ __align__(16) uint8_t lut[kLutBytes];
+  const int num_pairs = __ldcg(p.num_tiles) / 2;
+  if (int(blockIdx.y) >= num_pairs) return;
+  init_cta(full, lut);
+  int ring = 0;
+  uint32_t phase = 0;
+#pragma unroll 1
+  for (int pr = blockIdx.y; pr < num_pairs; pr += gridDim.y) {
+    const int t0 = 2 * pr;
+    if (__ldcg(p.row_slot + (t0 + 1) * 64) >= 0)
+      pair_segment<true>(p, smem, full, lut, ring, phase, t0, blockIdx.x, threadIdx.x);
+    else
+      pair_segment<false>(p, smem, full, lut, ring, phase, t0, blockIdx.x, threadIdx.x);
+    if (pr + int(gridDim.y) < num_pairs) {  // the epilogue's staging is the next pair's ring
+      fence_proxy_async_smem();
+      __syncthreads();
+    }
   }
 }
 
@@ -933,7 +1091,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_gemm2_rows_kernel(const W4A8Pa
   __shared__ uint64_t full[Smem<BN, CHUNKS>::kSlots];
   __shared__ __align__(16) uint8_t lut[kLutBytes];
   const int tile = blockIdx.y;
-  if (tile >= __ldcg(p.num_tiles)) return;
+  if (tile >= __ldcg(p.num_tiles) || __ldcg(p.row_slot + tile * BN) < 0) return;  // < 0: an empty tile (tile_pairs)
   init_cta(full, lut);
   int ring = 0;
   uint32_t phase = 0;
@@ -981,7 +1139,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_gemm2_resident_kernel(const W4
   __shared__ uint64_t bar[3];  // 0: the token tile, 1 + s: weight slot s
   __shared__ __align__(16) uint8_t lut[kLutBytes];
   const int tile = blockIdx.y;
-  if (tile >= __ldcg(p.num_tiles)) return;
+  if (tile >= __ldcg(p.num_tiles) || __ldcg(p.row_slot + tile * BN) < 0) return;  // < 0: an empty tile (tile_pairs)
   init_cta(bar, lut);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int G2 = p.G2, RT = p.K / kTileRows, rt0 = blockIdx.x * R;

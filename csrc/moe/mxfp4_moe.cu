@@ -132,6 +132,8 @@ GemmOccupancy gemm_setup() {
     for (auto k : {w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 2>, w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 4>,
                    w4a8::mxfp4_gemm2_rows_kernel<BN, kClassicChunks, 8>})
       C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(w4a8::mxfp4_gemm1_pair_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        w4a8::PairSmem::kBytes));
     using RS = w4a8::ResidentSmem<BN>;
     for (auto k : {w4a8::mxfp4_gemm2_resident_kernel<BN, 2>, w4a8::mxfp4_gemm2_resident_kernel<BN, 4>,
                    w4a8::mxfp4_gemm2_resident_kernel<BN, 8>})
@@ -212,8 +214,12 @@ void launch_gemms(const Mxfp4MoeConfig& cfg, const w4a8::W4A8Params& p, cudaStre
     return;
   }
   using S = w4a8::Smem<BN, kClassicChunks>;
-  launch_kernel(w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, true>, dim3(unsigned(p.N / 32), unsigned(cfg.grid_tiles)),
-                block, S::kBytes, stream, cfg.pdl, p);
+  if (cfg.gemm1_pairs)  // config.h: at 64-token tiles on the classic grid only
+    launch_kernel(w4a8::mxfp4_gemm1_pair_kernel, dim3(unsigned(p.N / 32), unsigned(cfg.grid_pairs)), block,
+                  w4a8::PairSmem::kBytes, stream, cfg.pdl, p);
+  else
+    launch_kernel(w4a8::mxfp4_gemm_kernel<BN, kClassicChunks, true>, dim3(unsigned(p.N / 32), unsigned(cfg.grid_tiles)),
+                  block, S::kBytes, stream, cfg.pdl, p);
   // config.h: GEMM2 rows (and the resident variant, which implies them) only at 64-token
   // tiles on the classic grid
   if constexpr (BN == 64) {
@@ -259,6 +265,7 @@ void mxfp4_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor
   rp.K = int(c.K);
   rp.N = int(c.N);
   rp.block_n = cfg.block_n;
+  rp.tile_pairs = cfg.gemm1_pairs ? 1 : 0;
   rp.max_tiles = cfg.max_tiles;
   rp.max_rows = cfg.max_tiles * cfg.block_n;
   rp.splitk = cfg.splitk ? 1 : 0;

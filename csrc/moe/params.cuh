@@ -58,6 +58,7 @@ struct MoeParams {
   int K;         // hidden size
   int N;         // intermediate size
   int block_n;   // token tile of the grouped GEMMs (rows per tile)
+  int tile_pairs;  // 1: each expert's tile count rounded up to even (mxfp4_gemm1_pair_kernel), the extra tile empty
   int max_tiles; // grid bound on the number of token tiles
   int max_rows;  // max_tiles * block_n
 

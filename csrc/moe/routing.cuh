@@ -82,6 +82,14 @@ __device__ __forceinline__ void place_slots(const MoeParams& p, int base, int la
 // (up to 31 padding rows instead of up to 63 per expert).
 __device__ __forceinline__ int expert_halves(int count) { return (count + 31) / 32; }
 
+// Token tiles of an expert with `count` local slots: ceil(count / BN), rounded up to even
+// with tile_pairs (mxfp4_moe's GEMM1 takes an expert's tiles two by two; the extra tile of
+// an odd count holds only padding rows, which the GEMMs skip).
+__device__ __forceinline__ int expert_tiles(int count, int BN, int tile_pairs) {
+  const int t = (count + BN - 1) / BN;
+  return tile_pairs ? t + (t & 1) : t;
+}
+
 // Inclusive warp scan.
 __device__ __forceinline__ int warp_scan_incl(int v, int lane) {
 #pragma unroll
@@ -134,12 +142,12 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const MoeParam
     const int per = (p.E + 31) / 32;
     const int e0 = lane * per, e1 = min(p.E, e0 + per);
     int sum = 0;
-    for (int e = e0; e < e1; ++e) sum += (cnt[e] + BN - 1) / BN;
+    for (int e = e0; e < e1; ++e) sum += expert_tiles(cnt[e], BN, p.tile_pairs);
     const int incl = warp_scan_incl(sum, lane);
     int run = incl - sum;
     for (int e = e0; e < e1; ++e) {
       tile_off[e] = run;
-      run += (cnt[e] + BN - 1) / BN;
+      run += expert_tiles(cnt[e], BN, p.tile_pairs);
     }
     if (lane == 31) {
       tile_off[p.E] = incl;
