@@ -1008,7 +1008,7 @@ __device__ __forceinline__ void pair_segment(const W4A8Params& p, uint8_t* smem,
     const uint64_t d0 = desc0 + (so >> 4);
     const float f_lo = chunk_base(sw.x), f_hi = chunk_base(sw.y);
     const uint8_t* sx0 = smem + so + S::kOffX0;
-    auto promote = [&](float(&acc)[32], float(&part)[32], const uint8_t* sx) {
+    auto promote = [&](float(&acc)[32], const uint8_t* sx) {  // chunk_mma's promotion of part
 #pragma unroll
       for (int h = 0; h < 8; ++h) {
         const float2 x = *reinterpret_cast<const float2*>(sx + (8 * h + 2 * t) * 4);
@@ -1028,7 +1028,7 @@ __device__ __forceinline__ void pair_segment(const W4A8Params& p, uint8_t* smem,
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(part);
-    promote(acc0, part, sx0);
+    promote(acc0, sx0);
     if constexpr (kTwo) {
       wgmma_fence();
 #pragma unroll
@@ -1036,7 +1036,7 @@ __device__ __forceinline__ void pair_segment(const W4A8Params& p, uint8_t* smem,
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(part);
-      promote(acc1, part, sx0 + S::kSx);
+      promote(acc1, sx0 + S::kSx);
     }
     ring_advance<S::kSlots>(ring, phase);
   }
