@@ -655,36 +655,44 @@ __device__ __forceinline__ void gemm2_wait_h(const W4A8Params& p, int tile) {
   __syncthreads();  // reconverge: the K loop's ring bookkeeping stays on the uniform datapath
 }
 
-// One 128-chunk: the A fragments of its 4 k32 steps (16 words: this thread's codes of rows
-// g and g + 8 at w_rd and w_rd + 2048, their scale words at s_rd), 4 wgmmas into part, then
-// the promotion into acc (acc += part * 2^b[row] * s_x[token], token scales at sx). B: the
-// chunk's BN token rows, K-major, 128-byte swizzled (8-row groups 1024 bytes apart; desc);
-// a k32 step advances 32 bytes (2 in the descriptor's address field).
-template <int BN>
-__device__ __forceinline__ void chunk_mma(float (&acc)[BN / 2], float (&part)[BN / 2], uint32_t w_rd, uint32_t s_rd,
-                                          uint32_t lut_base, uint32_t rot, uint64_t desc, const uint8_t* sx, int t) {
+// A chunk's A fragments: this thread's codes of rows g and g + 8 (w_rd, w_rd + 2048) and
+// their scale words (s_rd, returned for the promotion) -> the 16 e4m3 words of the chunk's
+// 4 k32 steps, all computed and fenced before the first wgmma (else ptxas splits the group
+// to re-fence registers written between the wgmmas, C7519).
+__device__ __forceinline__ uint2 chunk_fragments(uint32_t (&a)[4][4], uint32_t w_rd, uint32_t s_rd, uint32_t lut_base,
+                                                 uint32_t rot) {
   const uint4 c_lo = lds_v4(w_rd);         // row g: steps 0..3
   const uint4 c_hi = lds_v4(w_rd + 2048);  // row g + 8
   const uint2 sw = lds_v2(s_rd);
   const uint2 t_lo = lds_v2(lut_base + lut_offset(sw.x, rot));
   const uint2 t_hi = lds_v2(lut_base + lut_offset(sw.y, rot));
   const uint32_t w_lo[4] = {c_lo.x, c_lo.y, c_lo.z, c_lo.w}, w_hi[4] = {c_hi.x, c_hi.y, c_hi.z, c_hi.w};
-  uint32_t a[4][4];
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     e2m1x8_to_e4m3(w_lo[s], t_lo, a[s][0], a[s][2]);
     e2m1x8_to_e4m3(w_hi[s], t_hi, a[s][1], a[s][3]);
   }
-  // All 16 A words computed before the first wgmma (else ptxas splits the group to
-  // re-fence registers written between the wgmmas, C7519).
 #pragma unroll
   for (int s = 0; s < 4; ++s) fence_regs(a[s]);
+  return sw;
+}
+
+// The chunk's 4 wgmmas into part (the first overwrites), waited for.
+template <int BN>
+__device__ __forceinline__ void chunk_wgmmas(float (&part)[BN / 2], const uint32_t (&a)[4][4], uint64_t desc) {
   wgmma_fence();
 #pragma unroll
   for (int s = 0; s < 4; ++s) WgmmaRsE4m3<BN>::mma(part, a[s], desc + 2 * s, s);
   wgmma_commit();
   wgmma_wait<0>();
   fence_regs(part);
+}
+
+// The promotion: acc += part * (2^b[row] * s_x[token]), rows' bases from the scale words sw,
+// token scales at sx.
+template <int BN>
+__device__ __forceinline__ void chunk_promote(float (&acc)[BN / 2], const float (&part)[BN / 2], uint2 sw,
+                                              const uint8_t* sx, int t) {
   const float f_lo = chunk_base(sw.x), f_hi = chunk_base(sw.y);
 #pragma unroll
   for (int h = 0; h < BN / 8; ++h) {
@@ -694,6 +702,21 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[BN / 2], float (&part)[BN
     acc[4 * h + 2] = fmaf(part[4 * h + 2], f_hi * x.x, acc[4 * h + 2]);
     acc[4 * h + 3] = fmaf(part[4 * h + 3], f_hi * x.y, acc[4 * h + 3]);
   }
+}
+
+// One 128-chunk (chunk_fragments, chunk_wgmmas, chunk_promote; the pair kernels call the
+// three themselves): the A fragments of its 4 k32 steps (16 words: this thread's codes of rows
+// g and g + 8 at w_rd and w_rd + 2048, their scale words at s_rd), 4 wgmmas into part, then
+// the promotion into acc (acc += part * 2^b[row] * s_x[token], token scales at sx). B: the
+// chunk's BN token rows, K-major, 128-byte swizzled (8-row groups 1024 bytes apart; desc);
+// a k32 step advances 32 bytes (2 in the descriptor's address field).
+template <int BN>
+__device__ __forceinline__ void chunk_mma(float (&acc)[BN / 2], float (&part)[BN / 2], uint32_t w_rd, uint32_t s_rd,
+                                          uint32_t lut_base, uint32_t rot, uint64_t desc, const uint8_t* sx, int t) {
+  uint32_t a[4][4];
+  const uint2 sw = chunk_fragments(a, w_rd, s_rd, lut_base, rot);
+  chunk_wgmmas<BN>(part, a, desc);
+  chunk_promote<BN>(acc, part, sw, sx, t);
 }
 
 // K chunks [kb, ke) of item (tile, rt) (chunk `chunk` of `splits`, item index `item`),
@@ -991,52 +1014,19 @@ __device__ __forceinline__ void pair_segment(const W4A8Params& p, uint8_t* smem,
     load(c + 1, slot_after(ring));
     mbar_wait(full + ring, phase);
     const uint32_t so = ring * S::kSlotBytes;
-    const uint4 c_lo = lds_v4(rd_w + so);
-    const uint4 c_hi = lds_v4(rd_w + so + 2048);
-    const uint2 sw = lds_v2(rd_s + so);
-    const uint2 t_lo = lds_v2(lut_base + lut_offset(sw.x, rot));
-    const uint2 t_hi = lds_v2(lut_base + lut_offset(sw.y, rot));
-    const uint32_t w_lo[4] = {c_lo.x, c_lo.y, c_lo.z, c_lo.w}, w_hi[4] = {c_hi.x, c_hi.y, c_hi.z, c_hi.w};
     uint32_t a[4][4];
-#pragma unroll
-    for (int s4 = 0; s4 < 4; ++s4) {
-      e2m1x8_to_e4m3(w_lo[s4], t_lo, a[s4][0], a[s4][2]);
-      e2m1x8_to_e4m3(w_hi[s4], t_hi, a[s4][1], a[s4][3]);
-    }
-#pragma unroll
-    for (int s4 = 0; s4 < 4; ++s4) fence_regs(a[s4]);
+    const uint2 sw = chunk_fragments(a, rd_w + so, rd_s + so, lut_base, rot);
     const uint64_t d0 = desc0 + (so >> 4);
-    const float f_lo = chunk_base(sw.x), f_hi = chunk_base(sw.y);
     const uint8_t* sx0 = smem + so + S::kOffX0;
-    auto promote = [&](float(&acc)[32], const uint8_t* sx) {  // chunk_mma's promotion of part
-#pragma unroll
-      for (int h = 0; h < 8; ++h) {
-        const float2 x = *reinterpret_cast<const float2*>(sx + (8 * h + 2 * t) * 4);
-        acc[4 * h + 0] = fmaf(part[4 * h + 0], f_lo * x.x, acc[4 * h + 0]);
-        acc[4 * h + 1] = fmaf(part[4 * h + 1], f_lo * x.y, acc[4 * h + 1]);
-        acc[4 * h + 2] = fmaf(part[4 * h + 2], f_hi * x.x, acc[4 * h + 2]);
-        acc[4 * h + 3] = fmaf(part[4 * h + 3], f_hi * x.y, acc[4 * h + 3]);
-      }
-    };
     // One set of chunk sums for both tiles: tile 1's wgmmas after tile 0's promotion. Two
     // sets (tile 1's wgmmas during tile 0's promotion) took 168 registers and 3 CTAs per
     // SM and measured no faster than the one-tile kernel (docs/perf-history/2026-12-05-mxfp4-w4a8-pairs.md):
     // the warps resident hide each warp's chain per chunk, so 4 CTAs per SM matter more.
-    wgmma_fence();
-#pragma unroll
-    for (int s4 = 0; s4 < 4; ++s4) WgmmaRsE4m3<64>::mma(part, a[s4], d0 + 2 * s4, s4);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(part);
-    promote(acc0, sx0);
+    chunk_wgmmas<64>(part, a, d0);
+    chunk_promote<64>(acc0, part, sw, sx0, t);
     if constexpr (kTwo) {
-      wgmma_fence();
-#pragma unroll
-      for (int s4 = 0; s4 < 4; ++s4) WgmmaRsE4m3<64>::mma(part, a[s4], d0 + (S::kOffB1 >> 4) + 2 * s4, s4);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(part);
-      promote(acc1, sx0 + S::kSx);
+      chunk_wgmmas<64>(part, a, d0 + (S::kOffB1 >> 4));
+      chunk_promote<64>(acc1, part, sw, sx0 + S::kSx, t);
     }
     ring_advance<S::kSlots>(ring, phase);
   }
