@@ -229,15 +229,6 @@ struct Mxfp4MoeConfig {
   int grid_pairs;        // ... its grid's rows of tile pairs
 };
 
-// Rows of mxfp4_gemm1_pair_kernel's grid: as pick_grid_tiles, in pairs (each touched
-// expert at most one pair partly filled).
-inline int pick_grid_pairs(int64_t M, int64_t topk, int64_t E, int64_t E_global, int max_tiles) {
-  const double local_slots = double(M) * double(topk) * double(E) / double(E_global);
-  const double touched = double(E) * (1.0 - std::pow(1.0 - 1.0 / double(E), local_slots));
-  const double expected = std::ceil(local_slots / 128.0) + touched;
-  return int(std::min<double>(double(max_tiles / 2), std::ceil(1.25 * expected) + 1.0));
-}
-
 // GEMM2 weight tiles per CTA on the classic grid at 64-token tiles (a classic CTA's fixed
 // cost is ~8 us against ~1 us per K chunk), as measured on the H200 at M = 2048-16384
 // (docs/perf-history/2026-12-04-mxfp4-w4a8-gemm2-rows.md): 8 where GEMM2 has at most 4 K
@@ -301,7 +292,8 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
     cfg.max_tiles += cfg.max_tiles & 1;
     TORCH_CHECK(cfg.max_tiles <= 65535, "dsv4: mxfp4_moe's GEMM grid takes at most 65535 token tiles, got ",
                 cfg.max_tiles, " (M * k = ", S, " slots); call it on fewer tokens at a time");
-    cfg.grid_pairs = pick_grid_pairs(c.M, c.topk, c.E, c.E_global, cfg.max_tiles);
+    // rows of mxfp4_gemm1_pair_kernel's grid: pick_grid_tiles in units of pairs (128 rows)
+    cfg.grid_pairs = pick_grid_tiles(c.M, c.topk, c.E, c.E_global, 128, cfg.max_tiles / 2);
   }
   cfg.fused_route = S <= kFusedRouteSlots && cfg.block_n <= 16 &&
                     int64_t(cfg.max_tiles) * cfg.block_n <= kFusedRouteRows && o.moe_fused_route.value_or(true);
