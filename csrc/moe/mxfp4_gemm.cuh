@@ -446,6 +446,14 @@ __global__ void __launch_bounds__(256) mxfp4_route_quant_kernel(const MoeParams 
 
 // ------------------------------------------------------------------ the GEMMs ------
 
+// A token tile with no slot: the second tile of an odd count under tile_pairs (tiles fill
+// from their first row, so its first row tells). Read through L2: GEMM2 reads it before
+// any grid wait, as tile_expert.
+template <int BN>
+__device__ __forceinline__ bool tile_empty(const W4A8Params& p, int tile) {
+  return __ldcg(p.row_slot + tile * BN) < 0;
+}
+
 template <int BN, int CHUNKS>
 struct Smem {
   // Two ring slots of CHUNKS / 2 chunks (as the NVFP4 decode tiles: one barrier, one set
@@ -928,7 +936,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_gemm_kernel(const W4A8Params p
     for (int tile = blockIdx.y; tile < num_tiles; tile += gridDim.y) {
       // GEMM2 skips the empty second tile of an odd count (tile_pairs); GEMM1's pair
       // kernel published nothing for it
-      if (kGemm1 || __ldcg(p.row_slot + tile * BN) >= 0) run(tile);
+      if (kGemm1 || !tile_empty<BN>(p, tile)) run(tile);
       if (tile + int(gridDim.y) < num_tiles) {  // the epilogue's staging is the next tile's ring
         fence_proxy_async_smem();
         __syncthreads();
@@ -1051,7 +1059,7 @@ __global__ void __launch_bounds__(kThreads, 4) mxfp4_gemm1_pair_kernel(const W4A
 #pragma unroll 1
   for (int pr = blockIdx.y; pr < num_pairs; pr += gridDim.y) {
     const int t0 = 2 * pr;
-    if (__ldcg(p.row_slot + (t0 + 1) * 64) >= 0)
+    if (!tile_empty<64>(p, t0 + 1))
       pair_segment<true>(p, smem, full, lut, ring, phase, t0, blockIdx.x, threadIdx.x);
     else
       pair_segment<false>(p, smem, full, lut, ring, phase, t0, blockIdx.x, threadIdx.x);
@@ -1081,7 +1089,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_gemm2_rows_kernel(const W4A8Pa
   __shared__ uint64_t full[Smem<BN, CHUNKS>::kSlots];
   __shared__ __align__(16) uint8_t lut[kLutBytes];
   const int tile = blockIdx.y;
-  if (tile >= __ldcg(p.num_tiles) || __ldcg(p.row_slot + tile * BN) < 0) return;  // < 0: an empty tile (tile_pairs)
+  if (tile >= __ldcg(p.num_tiles) || tile_empty<BN>(p, tile)) return;
   init_cta(full, lut);
   int ring = 0;
   uint32_t phase = 0;
@@ -1129,7 +1137,7 @@ __global__ void __launch_bounds__(kThreads) mxfp4_gemm2_resident_kernel(const W4
   __shared__ uint64_t bar[3];  // 0: the token tile, 1 + s: weight slot s
   __shared__ __align__(16) uint8_t lut[kLutBytes];
   const int tile = blockIdx.y;
-  if (tile >= __ldcg(p.num_tiles) || __ldcg(p.row_slot + tile * BN) < 0) return;  // < 0: an empty tile (tile_pairs)
+  if (tile >= __ldcg(p.num_tiles) || tile_empty<BN>(p, tile)) return;
   init_cta(bar, lut);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int G2 = p.G2, RT = p.K / kTileRows, rt0 = blockIdx.x * R;
