@@ -309,7 +309,7 @@ MX_BLOCK_NS = (8, 16, 64)
 
 
 def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=None, block_n=None, rows=None,
-                    resident=None, fused=None):
+                    resident=None, fused=None, pairs=None):
     """mxfp4_moe's get_best_config, written out (csrc/moe/config.h)."""
     S, per_expert = M * topk, M * topk / Eg
     bn = block_n or (8 if per_expert <= 4 else 16 if per_expert <= 24 else 64)
@@ -335,14 +335,23 @@ def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=Non
     # the classic GEMM grids' rows at 64-row tiles: expected tiles under uniform routing (full
     # tiles of the local slots plus one per touched expert) with a quarter more, at most the bound
     grid = _grid_tiles(M, topk, E, Eg, bn, tiles) if bn == 64 else tiles
+    # GEMM1 on pairs of an expert's tiles from 128 expected tokens per local expert (classic
+    # grid, 64-row tiles): each busy expert may add an empty tile, the bound rounded up to
+    # even; the pairs' grid as the tiles' (pairs of 128 local slots plus one per touched expert)
+    pr = int(bn == 64 and not sk and (S / Eg >= 128 if pairs is None else bool(pairs)))
+    gp = 0
+    if pr:
+        tiles += min(E, S)
+        tiles += tiles & 1
+        gp = min(tiles // 2, math.ceil(1.25 * (math.ceil(S * E / Eg / 128) + touched)) + 1)
     return [bn, tiles, int(S > 8192), int(sk), g1, g2, max(g1, g2),
-            1 if pdl is None else int(pdl), qctas, r, res, fr, grid]
+            1 if pdl is None else int(pdl), qctas, r, res, fr, grid, pr, gp]
 
 
 @needs_extension
 def test_mxfp4_config():
     def config(shape, device, overrides):  # overrides not given are unset (the last: DSV4_MOE_FUSED_ROUTE)
-        return torch.ops.dsv4_testing.mxfp4_moe_config(shape, device, list(overrides) + [-1] * (6 - len(overrides)))
+        return torch.ops.dsv4_testing.mxfp4_moe_config(shape, device, list(overrides) + [-1] * (7 - len(overrides)))
 
     shapes = [(9, 256, 128, 4, 4, 2), (1, 4096, 2048, 32, 256, 6), (1, 7168, 3072, 48, 384, 6),
               (64, 4096, 2048, 32, 256, 6), (512, 5120, 2304, 48, 384, 6), (512, 5120, 320, 384, 384, 6),
@@ -398,9 +407,20 @@ def test_mxfp4_config():
             assert config(shape, MX_DEVICE, ov) == _mxfp4_expected(*shape, fused=fused), (M, fused)
     assert [config([M] + v41[1:], MX_DEVICE, [])[11] for M in (1, 21, 22)] == [1, 1, 0]
     # the classic grids' rows at V4-Flash EP8, M = 8192: 6144 local slots, 96 full tiles + 32
-    # touched experts, a quarter more: 161 rows, against the bound's 799
-    assert config([8192, 4096, 2048, 32, 256, 6], MX_DEVICE, [])[1:2] + config([8192, 4096, 2048, 32, 256, 6],
-                                                                             MX_DEVICE, [])[12:] == [799, 161]
+    # touched experts, a quarter more: 161 rows, against the bound's 799 (without pairs)
+    flash8k = [8192, 4096, 2048, 32, 256, 6]
+    assert config(flash8k, MX_DEVICE, [-1] * 6 + [0])[1:2] + config(flash8k, MX_DEVICE, [-1] * 6 + [0])[12:] == [799, 161, 0, 0]
+    # with pairs (192 tokens per local expert: the rule's default): the bound 799 + 32 (+1 to
+    # even), the pairs' grid: 48 pairs of full tiles + 32 touched experts, a quarter more: 101
+    assert config(flash8k, MX_DEVICE, [])[1:2] + config(flash8k, MX_DEVICE, [])[12:] == [832, 161, 1, 101]
+    # the rule: from 128 tokens per local expert (V4-Pro EP8 and TP8 at M = 8192), not at 2048
+    for shape, want in (([8192, 7168, 3072, 48, 384, 6], 1), ([8191, 7168, 3072, 48, 384, 6], 0),
+                        ([2048, 4096, 2048, 32, 256, 6], 0), ([8192, 5120, 288, 384, 384, 6], 1)):
+        assert config(shape, MX_DEVICE, [])[13] == want, shape
+        for pairs in (0, 1):
+            assert config(shape, MX_DEVICE, [-1] * 6 + [pairs]) == _mxfp4_expected(*shape, pairs=pairs), (shape, pairs)
+    assert config(flash8k, MX_DEVICE, [1, -1, -1, -1, -1, -1, 1])[13] == 0  # not on the split-K grid
+    assert config(flash8k, MX_DEVICE, [-1, -1, 16, -1, -1, -1, 1])[13] == 0  # nor at 16-token tiles
     assert config([16, 5120, 2304, 48, 384, 6], MX_DEVICE, [-1, -1, 64])[11] == 0  # not on 64-row tiles
     assert config([1, 4096, 2048, 32, 256, 6], MX_DEVICE, [-1, -1, -1, -1, -1, 0])[11] == 0
 

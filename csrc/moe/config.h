@@ -229,6 +229,12 @@ struct Mxfp4MoeConfig {
   int grid_pairs;        // ... its grid's rows of tile pairs
 };
 
+// GEMM1 on pairs of an expert's tiles from two full tiles per expert: measured 1.01-1.10x
+// the op at 128-256 expected tokens per local expert (M >= 8192 at EP8 and TP8) and 0.92x
+// at 32 (V4-Pro M = 2048: every pair half empty) on an H100
+// (docs/perf-history/2026-12-05-mxfp4-w4a8-pairs.md). DSV4_MOE_GEMM1_PAIRS overrides.
+constexpr double kPairsMinTokensPerExpert = 128.0;
+
 // GEMM2 weight tiles per CTA on the classic grid at 64-token tiles (a classic CTA's fixed
 // cost is ~8 us against ~1 us per K chunk), as measured on the H200 at M = 2048-16384
 // (docs/perf-history/2026-12-04-mxfp4-w4a8-gemm2-rows.md): 8 where GEMM2 has at most 4 K
@@ -284,9 +290,11 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
   }
   cfg.grid_tiles =
       cfg.block_n == 64 ? pick_grid_tiles(c.M, c.topk, c.E, c.E_global, cfg.block_n, cfg.max_tiles) : cfg.max_tiles;
-  // GEMM1 on pairs of tiles (the conversion paid once per 128 tokens): each touched
-  // expert may add one empty tile, so the bound grows by the experts that can be busy.
-  cfg.gemm1_pairs = !cfg.splitk && cfg.block_n == 64 && o.moe_gemm1_pairs.value_or(false);
+  // GEMM1 on pairs of tiles (the conversion paid once per 128 tokens) from
+  // kPairsMinTokensPerExpert expected tokens per local expert: each touched expert may add
+  // one empty tile, so the bound grows by the experts that can be busy.
+  const bool pairs_rule = double(S) / double(c.E_global) >= kPairsMinTokensPerExpert;
+  cfg.gemm1_pairs = !cfg.splitk && cfg.block_n == 64 && o.moe_gemm1_pairs.value_or(pairs_rule);
   if (cfg.gemm1_pairs) {
     cfg.max_tiles += int(busy);
     cfg.max_tiles += cfg.max_tiles & 1;
