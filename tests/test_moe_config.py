@@ -350,7 +350,7 @@ def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=Non
 
 @needs_extension
 def test_mxfp4_config():
-    def config(shape, device, overrides):  # overrides not given are unset (the last: DSV4_MOE_FUSED_ROUTE)
+    def config(shape, device, overrides):  # overrides not given are unset (the last: DSV4_MOE_GEMM1_PAIRS)
         return torch.ops.dsv4_testing.mxfp4_moe_config(shape, device, list(overrides) + [-1] * (7 - len(overrides)))
 
     shapes = [(9, 256, 128, 4, 4, 2), (1, 4096, 2048, 32, 256, 6), (1, 7168, 3072, 48, 384, 6),
@@ -409,10 +409,12 @@ def test_mxfp4_config():
     # the classic grids' rows at V4-Flash EP8, M = 8192: 6144 local slots, 96 full tiles + 32
     # touched experts, a quarter more: 161 rows, against the bound's 799 (without pairs)
     flash8k = [8192, 4096, 2048, 32, 256, 6]
-    assert config(flash8k, MX_DEVICE, [-1] * 6 + [0])[1:2] + config(flash8k, MX_DEVICE, [-1] * 6 + [0])[12:] == [799, 161, 0, 0]
+    no_pairs = config(flash8k, MX_DEVICE, [-1] * 6 + [0])
+    assert no_pairs[1:2] + no_pairs[12:] == [799, 161, 0, 0]
     # with pairs (192 tokens per local expert: the rule's default): the bound 799 + 32 (+1 to
     # even), the pairs' grid: 48 pairs of full tiles + 32 touched experts, a quarter more: 101
-    assert config(flash8k, MX_DEVICE, [])[1:2] + config(flash8k, MX_DEVICE, [])[12:] == [832, 161, 1, 101]
+    pairs = config(flash8k, MX_DEVICE, [])
+    assert pairs[1:2] + pairs[12:] == [832, 161, 1, 101]
     # the rule: from 128 tokens per local expert (V4-Pro EP8 and TP8 at M = 8192), not at 2048
     for shape, want in (([8192, 7168, 3072, 48, 384, 6], 1), ([8191, 7168, 3072, 48, 384, 6], 0),
                         ([2048, 4096, 2048, 32, 256, 6], 0), ([8192, 5120, 288, 384, 384, 6], 1)):
