@@ -18,6 +18,7 @@ O=${OUT:-/tmp}/ab; mkdir -p "$O"; S=$O/summary.txt; : > "$S"
 BUILDS=${BUILDS:?BUILDS="NAME=PATH ..." names the builds; the first is the reference}
 BENCH=${BENCH:---moe-format mxfp4-w4a8,nvfp4 --models flash,pro --decode 1,64 --prefill 2048,8192 --iters 20}
 DUMP_S=${DUMP_S:-60}; BENCH_S=${BENCH_S:-200}  # two builds fit one 600 s call
+eval "bench_args=($BENCH)"  # shell words: a quoted --variants 'k=0;k=1' stays one argument
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader >> "$S"
 git log -1 --format='tree %h %s' 2>/dev/null | cut -c1-100 >> "$S"
@@ -62,7 +63,7 @@ for b in $BUILDS; do
   n=${b%%=*}; f=${b#*=}; [ "$f" = dsv4/_C.abi3.so ] && f=$O/tree.so
   cp "$f" dsv4/_C.abi3.so
   ev=ENV_$n
-  env ${!ev:-} timeout "$BENCH_S" python -m dsv4.bench moe $BENCH --json "$O/bench_$n.json" > "$O/bench_$n.txt" 2>&1
+  env ${!ev:-} timeout "$BENCH_S" python -m dsv4.bench moe "${bench_args[@]}" --json "$O/bench_$n.json" > "$O/bench_$n.txt" 2>&1
   echo "bench $n rc=$? at $(( $(date +%s) - T0 )) s" >> "$S"
 done
 cp "$O/tree.so" dsv4/_C.abi3.so
@@ -78,13 +79,14 @@ def rows(n):
     # graph replay where measured (decode rows), else the eager call; one row per CTA mode
     # (the NVFP4 rows repeat with cta 1 and 2 beside auto)
     for r in data.get("rows", []):
-        out[(r["model"], r["M"], r["experts"], str(r.get("cta", "auto")))] = r["graph_us"] if r.get("graph_us") else r["us"]
+        key = (r["model"], r["M"], r["experts"], str(r.get("cta", "auto")), r.get("variant", ""))
+        out[key] = r["graph_us"] if r.get("graph_us") else r["us"]
     return out
 ref = rows(names[0])
 print("dsv4 us, and the first build's time over each build's")
-print("case (model, M, experts, cta)".ljust(44) + "".join(n.rjust(16) for n in names))
+print("case (model, M, experts, cta, variant)".ljust(64) + "".join(n.rjust(16) for n in names))
 for k in sorted(ref, key=str):
-    line = str(k).ljust(44)
+    line = str(k).ljust(64)
     for n in names:
         v = rows(n).get(k)
         line += ("%9.1f %5.2fx" % (v, ref[k] / v) if v else "-".rjust(16))
