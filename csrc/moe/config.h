@@ -273,9 +273,6 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
     cfg.gemm1_ctas = occ.gemm1 * d.sms;
     cfg.gemm2_ctas = occ.gemm2 * d.sms;
     cfg.sk_ctas = std::max(cfg.gemm1_ctas, cfg.gemm2_ctas);
-  } else {
-    TORCH_CHECK(cfg.max_tiles <= 65535, "dsv4: mxfp4_moe's GEMM grid takes at most 65535 token tiles, got ",
-                cfg.max_tiles, " (M * k = ", S, " slots); call it on fewer tokens at a time");
   }
   cfg.pdl = o.moe_pdl.value_or(true);
   cfg.gemm2_rows = 1;
@@ -298,11 +295,12 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
   if (cfg.gemm1_pairs) {
     cfg.max_tiles += int(busy);
     cfg.max_tiles += cfg.max_tiles & 1;
-    TORCH_CHECK(cfg.max_tiles <= 65535, "dsv4: mxfp4_moe's GEMM grid takes at most 65535 token tiles, got ",
-                cfg.max_tiles, " (M * k = ", S, " slots); call it on fewer tokens at a time");
     // rows of mxfp4_gemm1_pair_kernel's grid: pick_grid_tiles in units of pairs (128 rows)
     cfg.grid_pairs = pick_grid_tiles(c.M, c.topk, c.E, c.E_global, 128, cfg.max_tiles / 2);
   }
+  // the classic grids (GEMM2's rows kernels have max_tiles rows), on the final bound
+  TORCH_CHECK(cfg.splitk || cfg.max_tiles <= 65535, "dsv4: mxfp4_moe's GEMM grid takes at most 65535 token tiles, ",
+              "got ", cfg.max_tiles, " (M * k = ", S, " slots); call it on fewer tokens at a time");
   cfg.fused_route = S <= kFusedRouteSlots && cfg.block_n <= 16 &&
                     int64_t(cfg.max_tiles) * cfg.block_n <= kFusedRouteRows && o.moe_fused_route.value_or(true);
   // GEMM1's input, 8 warps per CTA: fused, one warp per 128-group (up to 8 CTAs per SM);
