@@ -245,8 +245,9 @@ __device__ __forceinline__ void quantize_x(const W4A8Params& p, Route route, Slo
 // token's slot lookups are paid once per 32 elements of a lane instead of once per 4 (the
 // earlier form, a warp per group with 4 elements per lane, took 112 us at M = 8192 for ~25 us
 // of traffic on the H100, docs/perf-history/2026-12-05-mxfp4-w4a8-quant-x.md; decode sizes
-// keep it in the fused kernel, quantize_x). Each warp takes a contiguous range
-// of the M * ceil(G1 / 8) steps, the next step's loads in flight while it converts one;
+// keep it in the fused kernel, quantize_x). The warps stride over the M * ceil(G1 / 8)
+// steps (a window of consecutive tokens at a time), the next step's loads in flight while
+// it converts one;
 // the first step's loads are issued before the routing grid is done (PDL). The warp of a
 // token's first step also writes its combine_left entries and zeroes its output row when
 // it has no local slot. A group's arithmetic is quantize_raw's (group_scale,
@@ -261,10 +262,14 @@ __global__ void __launch_bounds__(256, 4) mxfp4_quant_x_kernel(const W4A8Params 
   // Steps in 32 bits: M * ceil(K / 1024) < 2^31 for any x that fits in memory.
   const int spt = (G1 + 7) / 8;  // steps per token
   const int steps = p.M * spt;
-  const int per_warp = (steps + nwarps - 1) / nwarps;
-  const int u0 = min(steps, warp * per_warp), u1 = min(steps, u0 + per_warp);
-  // (token, step) of u0, then advanced one step at a time: no division in the loop.
-  int tkn = u0 / spt, step = u0 - tkn * spt;
+  // Warp w takes steps w, w + nwarps, ...: at any time the grid works on one window of
+  // consecutive tokens, whose slots the routing placed in runs of consecutive rows of each
+  // expert's tiles, so the stores of a window land in runs of whole lines per tile and
+  // 128-group rather than scattered over all of xg (with a contiguous range per warp, the
+  // tokens in flight were ~M / nwarps apart: docs/perf-history/2026-12-05-mxfp4-w4a8-quant-window.md).
+  // (token, step) of warp, then advanced by (dq, dr) per iteration: no division in the loop.
+  const int dq = nwarps / spt, dr = nwarps - dq * spt;
+  int tkn = warp / spt, step = warp - tkn * spt;
   auto load = [&](int t, int st, uint4 (&raw)[4]) {
     const int grp = st * 8 + gl;
     if (grp < G1) {
@@ -274,14 +279,16 @@ __global__ void __launch_bounds__(256, 4) mxfp4_quant_x_kernel(const W4A8Params 
     }
   };
   uint4 cur[4];
-  if (u0 < u1) load(tkn, step, cur);
+  if (warp < steps) load(tkn, step, cur);
   pdl_wait();  // the routing's tables from here on
   const int RT2 = p.K / kTileRows;
   const size_t chunk_stride = size_t(BN) * kChunk;  // bytes from one 128-group of a tile row to the next
-  for (int u = u0; u < u1; ++u) {
-    const bool last_step = step + 1 == spt;
+  for (int u = warp; u < steps; u += nwarps) {
+    int ntkn = tkn + dq, nstep = step + dr;
+    if (nstep >= spt) nstep -= spt, ++ntkn;
+    const bool more = u < steps - nwarps;  // no overflow of u + nwarps
     uint4 nxt[4];
-    if (u + 1 < u1) load(last_step ? tkn + 1 : tkn, last_step ? 0 : step + 1, nxt);
+    if (more) load(ntkn, nstep, nxt);
     const int grp = step * 8 + gl;
     // The group's words: word i of half b holds elements 32i + 8a + 4b .. + 3. The floats
     // are converted from the bf16 twice (for the amax, then for the words) rather than
@@ -341,12 +348,12 @@ __global__ void __launch_bounds__(256, 4) mxfp4_quant_x_kernel(const W4A8Params 
         for (int c = lane; c < p.K / 8; c += 32) o[c] = make_uint4(0, 0, 0, 0);
       }
     }
-    if (u + 1 < u1) {
+    if (more) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) cur[i] = nxt[i];
     }
-    tkn += last_step;
-    step = last_step ? 0 : step + 1;
+    tkn = ntkn;
+    step = nstep;
   }
   const int* row_slot = p.row_slot;
   pad_rows_and_counters(p, __ldg(p.num_tiles) * BN, [=](int r) { return __ldg(row_slot + r) < 0; });
