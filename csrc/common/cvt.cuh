@@ -31,4 +31,10 @@ __device__ __forceinline__ __nv_fp8_e4m3 e4m3_rn_satfinite(float v) {
   return s;
 }
 
+// Two floats -> their two e4m3 bytes, lo in the low byte: e4m3_rn_satfinite of each, in
+// one cvt.rn.satfinite.e4m3x2.f32.
+__device__ __forceinline__ uint32_t e4m3x2_rn_satfinite(float lo, float hi) {
+  return uint32_t(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
+}
+
 }  // namespace dsv4

@@ -304,10 +304,11 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
   cfg.fused_route = S <= kFusedRouteSlots && cfg.block_n <= 16 &&
                     int64_t(cfg.max_tiles) * cfg.block_n <= kFusedRouteRows && o.moe_fused_route.value_or(true);
   // GEMM1's input, 8 warps per CTA: fused, one warp per 128-group (up to 8 CTAs per SM);
-  // else one warp per step of 8 groups of a token, at most one wave of the 4 CTAs per SM
-  // that mxfp4_quant_x_kernel's launch bounds keep resident (the warps stride over the steps).
+  // else one warp per step of 8 groups of a token, at most one wave of the CTAs per SM that
+  // mxfp4_quant_x_kernel's launch bounds keep resident (the warps stride over the steps).
   const int64_t G1 = c.K / 128, units = c.M * (cfg.fused_route ? G1 : (G1 + 7) / 8);
-  cfg.quant_ctas = int(std::max<int64_t>(1, std::min<int64_t>((units + 7) / 8, int64_t(d.sms) * (cfg.fused_route ? 8 : 4))));
+  cfg.quant_ctas = int(std::max<int64_t>(
+      1, std::min<int64_t>((units + 7) / 8, int64_t(d.sms) * (cfg.fused_route ? 8 : w4a8::kQuantXCtasPerSm))));
   return cfg;
 }
 

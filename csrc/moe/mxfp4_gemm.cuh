@@ -124,11 +124,13 @@ __device__ __forceinline__ uint2 load_group(const W4A8Params& p, int tkn, int gr
 
 // A group's scale by vLLM's rule from its amax: s = max(amax, 1e-10) / 448, rounded up to a
 // power of two when ue8m0 (then x / s = x * (1 / s) exactly, r = 1 / s). The one place
-// both quantizers of GEMM1's input take it from.
-__device__ __forceinline__ float group_scale(int ue8m0, float amax, float& r) {
+// both quantizers of GEMM1's input take it from; kUe8m0 fixed at compile time where the
+// kernel is instantiated per mode (mxfp4_quant_x_kernel), the int form for the others.
+template <bool kUe8m0>
+__device__ __forceinline__ float group_scale(float amax, float& r) {
   float s = __fdiv_rn(fmaxf(amax, 1e-10f), 448.0f);
   r = 0.0f;
-  if (ue8m0) {  // the exact ceil to a power of two (s is normal: >= 1e-10 / 448)
+  if constexpr (kUe8m0) {  // the exact ceil to a power of two (s is normal: >= 1e-10 / 448)
     const uint32_t b = __float_as_uint(s);
     s = __uint_as_float((b & 0x7F800000u) + ((b & 0x007FFFFFu) ? 0x00800000u : 0u));
     r = __frcp_rn(s);
@@ -136,17 +138,21 @@ __device__ __forceinline__ float group_scale(int ue8m0, float amax, float& r) {
   return s;
 }
 
+__device__ __forceinline__ float group_scale(int ue8m0, float amax, float& r) {
+  return ue8m0 ? group_scale<true>(amax, r) : group_scale<false>(amax, r);
+}
+
 // Four elements of a group -> their word of e4m3 (element i in byte i), by group_scale's s, r.
+template <bool kUe8m0>
+__device__ __forceinline__ uint32_t quantize_word(const float (&v)[4], float s, float r) {
+  float a[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) a[i] = kUe8m0 ? v[i] * r : __fdiv_rn(v[i], s);
+  return e4m3x2_rn_satfinite(a[0], a[1]) | (e4m3x2_rn_satfinite(a[2], a[3]) << 16);
+}
+
 __device__ __forceinline__ uint32_t quantize_word(int ue8m0, const float (&v)[4], float s, float r) {
-  uint32_t q = 0;
-  if (ue8m0) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) q |= uint32_t(e4m3_rn_satfinite(v[i] * r).__x) << (8 * i);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) q |= uint32_t(e4m3_rn_satfinite(__fdiv_rn(v[i], s)).__x) << (8 * i);
-  }
-  return q;
+  return ue8m0 ? quantize_word<true>(v, s, r) : quantize_word<false>(v, s, r);
 }
 
 // A group of x (load_group, warp-wide) -> the lane's word of 4 e4m3 and the group's scale.
@@ -252,7 +258,8 @@ __device__ __forceinline__ void quantize_x(const W4A8Params& p, Route route, Slo
 // token's first step also writes its combine_left entries and zeroes its output row when
 // it has no local slot. A group's arithmetic is quantize_raw's (group_scale,
 // quantize_word), so xg and xgs are the same bit for bit.
-__global__ void __launch_bounds__(256, 4) mxfp4_quant_x_kernel(const W4A8Params p) {
+template <bool kUe8m0>
+__global__ void __launch_bounds__(256, kQuantXCtasPerSm) mxfp4_quant_x_kernel(const W4A8Params p) {
   pdl_launch_dependents();
   const int G1 = p.K / kChunk, BN = p.block_n, topk = p.topk;
   const int lg_bn = __ffs(BN) - 1;  // block_n is a power of two (8, 16, 64)
@@ -278,9 +285,13 @@ __global__ void __launch_bounds__(256, 4) mxfp4_quant_x_kernel(const W4A8Params 
       for (int i = 0; i < 4; ++i) raw[i] = __ldg(src + 4 * i);
     }
   };
+  // The token's first 32 slot positions (lane j: slot j, -1 past top-k or not local), looked
+  // up a step ahead like its x, so the step's stores do not wait for the lookup.
+  auto lookup = [&](int t) { return lane < topk ? __ldg(p.slot_pos + size_t(t) * topk + lane) : -1; };
   uint4 cur[4];
   if (warp < steps) load(tkn, step, cur);
   pdl_wait();  // the routing's tables from here on
+  int pos_cur = warp < steps ? lookup(tkn) : -1;
   const int RT2 = p.K / kTileRows;
   const size_t chunk_stride = size_t(BN) * kChunk;  // bytes from one 128-group of a tile row to the next
   for (int u = warp; u < steps; u += nwarps) {
@@ -288,7 +299,8 @@ __global__ void __launch_bounds__(256, 4) mxfp4_quant_x_kernel(const W4A8Params 
     if (nstep >= spt) nstep -= spt, ++ntkn;
     const bool more = u < steps - nwarps;  // no overflow of u + nwarps
     uint4 nxt[4];
-    if (more) load(ntkn, nstep, nxt);
+    int pos_nxt = -1;
+    if (more) load(ntkn, nstep, nxt), pos_nxt = lookup(ntkn);
     const int grp = step * 8 + gl;
     // The group's words: word i of half b holds elements 32i + 8a + 4b .. + 3. The floats
     // are converted from the bf16 twice (for the amax, then for the words) rather than
@@ -308,7 +320,7 @@ __global__ void __launch_bounds__(256, 4) mxfp4_quant_x_kernel(const W4A8Params 
       }
       amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
       amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
-      s = group_scale(p.ue8m0, amax, inv_s);
+      s = group_scale<kUe8m0>(amax, inv_s);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -317,13 +329,13 @@ __global__ void __launch_bounds__(256, 4) mxfp4_quant_x_kernel(const W4A8Params 
       for (int b = 0; b < 2; ++b) {
         const float2 f0 = __bfloat1622float2(h2[2 * b]), f1 = __bfloat1622float2(h2[2 * b + 1]);
         const float e[4] = {f0.x, f0.y, f1.x, f1.y};
-        w[b][i] = quantize_word(p.ue8m0, e, s, inv_s);
+        w[b][i] = quantize_word<kUe8m0>(e, s, inv_s);
       }
     }
     // The token's local slots, 32 at a time: each lane looks one up, the warp walks the ballot.
     int local = 0;
     for (int j0 = 0; j0 < topk; j0 += 32) {
-      const int pos = j0 + lane < topk ? __ldg(p.slot_pos + size_t(tkn) * topk + j0 + lane) : -1;
+      const int pos = j0 == 0 ? pos_cur : j0 + lane < topk ? __ldg(p.slot_pos + size_t(tkn) * topk + j0 + lane) : -1;
       uint32_t mask = __ballot_sync(0xFFFFFFFFu, pos >= 0);
       local += __popc(mask);
       while (mask != 0) {
@@ -351,6 +363,7 @@ __global__ void __launch_bounds__(256, 4) mxfp4_quant_x_kernel(const W4A8Params 
     if (more) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) cur[i] = nxt[i];
+      pos_cur = pos_nxt;
     }
     tkn = ntkn;
     step = nstep;

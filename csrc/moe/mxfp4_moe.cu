@@ -313,7 +313,8 @@ void mxfp4_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else {
     moe::launch_routing(rp, cfg.multi_cta_route, stream);
-    launch_kernel(w4a8::mxfp4_quant_x_kernel, dim3(unsigned(cfg.quant_ctas)), dim3(256), 0, stream, cfg.pdl, p);
+    launch_kernel(p.ue8m0 ? w4a8::mxfp4_quant_x_kernel<true> : w4a8::mxfp4_quant_x_kernel<false>,
+                  dim3(unsigned(cfg.quant_ctas)), dim3(256), 0, stream, cfg.pdl, p);
   }
   switch (cfg.block_n) {
     case 8: launch_gemms<8>(cfg, p, stream); break;

@@ -153,6 +153,10 @@ namespace w4a8 {
 constexpr int kChunk = 128;                         // K per step: one FP8 activation group, 4 MXFP4 blocks
 constexpr int kCodeTile = kTileRows * kChunk / 2;   // 4096 bytes of e2m1 codes
 constexpr int kScaleTile = kTileRows * 4;           // 256 bytes: one scale word per row
+// mxfp4_quant_x_kernel's CTAs of 256 per SM: its launch bounds and config.h's one-wave grid.
+// 3 gives it 80 registers, so its two steps of x in flight are not spilled (at 4 CTAs and 64
+// registers they were: docs/perf-history/2026-12-05-mxfp4-w4a8-quant-lean.md).
+constexpr int kQuantXCtasPerSm = 3;
 
 // The MXFP4 W4A8 GEMMs' parameters (mxfp4_gemm.cuh). The routing tables are the ones
 // moe_route_kernel (routing.cuh) builds in MoeParams' workspace fields with the same
