@@ -6,7 +6,9 @@
 # ue8m0 off, M = 1 to 8192) compared bit for bit with the first build's, then the dsv4-only
 # benchmark (python -m dsv4.bench moe, MXFP4 W4A8 and NVFP4; BENCH overrides its
 # arguments), one process per build. Results
-# under ${OUT:-/tmp}/ab; summary.txt printed last. Budget: DUMP_S and BENCH_S per process.
+# under ${OUT:-/tmp}/ab; summary.txt printed last (with --profile in BENCH, each kernel's time
+# per build too: under PDL a kernel's time includes its wait for the one before it, so read
+# the op's time for the total). Budget: DUMP_S and BENCH_S per process.
 # A build NAME may name a variant of the same library instead: ENV_NAME="VAR=VALUE ..."
 # is set for its processes (the bitwise dump and the benchmark). The benchmark resets
 # every variable of its own --variants switches (dsv4/bench/routines/moe.py SWITCHES) to
@@ -91,5 +93,29 @@ for k in sorted(ref, key=str):
         v = rows(n).get(k)
         line += ("%9.1f %5.2fx" % (v, ref[k] / v) if v else "-".rjust(16))
     print(line)
+# with --profile: each kernel's time (torch.profiler) per build, and the first build's over each
+import re
+prof = {}
+for n in names:
+    try:
+        lines = open(f"{O}/bench_{n}.txt").read().splitlines()
+    except OSError:
+        continue
+    for ln in lines:
+        m = re.match(r"profile (.*) M=(\d+) \[(.*)\]: sum [\d.]+ us: (.*)", ln)
+        if not m:
+            continue
+        for part in m.group(4).split(", "):
+            kernel, _, us = part.rpartition(" ")
+            key = (m.group(1), int(m.group(2)), m.group(3), kernel.strip().split("::")[-1])
+            prof.setdefault(key, {})[n] = prof.get(key, {}).get(n, 0.0) + float(us)
+if prof:
+    print("per kernel (--profile), us, and the first build's time over each build's")
+    for k in sorted(prof, key=str):
+        ref_us, line = prof[k].get(names[0]), str(k)[:90].ljust(92)
+        for n in names:
+            v = prof[k].get(n)
+            line += ("%9.1f %5.2fx" % (v, ref_us / v) if v and ref_us else "-".rjust(16))
+        print(line)
 PY
 cat "$S"
