@@ -70,7 +70,7 @@ for b in $BUILDS; do
 done
 cp "$O/tree.so" dsv4/_C.abi3.so
 python - "$O" $BUILDS >> "$S" 2>&1 <<'PY'
-import json, sys
+import json, re, sys
 O, names = sys.argv[1], [b.split("=", 1)[0] for b in sys.argv[2:]]
 def rows(n):
     try:
@@ -94,7 +94,6 @@ for k in sorted(ref, key=str):
         line += ("%9.1f %5.2fx" % (v, ref[k] / v) if v else "-".rjust(16))
     print(line)
 # with --profile: each kernel's time (torch.profiler) per build, and the first build's over each
-import re
 prof = {}
 for n in names:
     try:

@@ -253,8 +253,8 @@ __device__ __forceinline__ void quantize_x(const W4A8Params& p, Route route, Slo
 // of traffic on the H100, docs/perf-history/2026-12-05-mxfp4-w4a8-quant-x.md; decode sizes
 // keep it in the fused kernel, quantize_x). The warps stride over the M * ceil(G1 / 8)
 // steps (a window of consecutive tokens at a time), the next step's loads in flight while
-// it converts one;
-// the first step's loads are issued before the routing grid is done (PDL). The warp of a
+// it converts one; the first step's loads are issued before the routing grid is done
+// (PDL). The warp of a
 // token's first step also writes its combine_left entries and zeroes its output row when
 // it has no local slot. A group's arithmetic is quantize_raw's (group_scale,
 // quantize_word), so xg and xgs are the same bit for bit.
