@@ -304,7 +304,8 @@ __global__ void __launch_bounds__(256, kQuantXCtasPerSm) mxfp4_quant_x_kernel(co
     const int grp = step * 8 + gl;
     // The group's words: word i of half b holds elements 32i + 8a + 4b .. + 3. The floats
     // are converted from the bf16 twice (for the amax, then for the words) rather than
-    // kept: with the next step's loads in flight, 32 live floats would spill at 64 registers.
+    // kept: 32 live floats beside both steps' x (32 registers) would not fit the launch
+    // bounds' 80 registers.
     uint32_t w[2][4];
     float s, inv_s;
     {
