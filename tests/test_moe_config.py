@@ -329,9 +329,9 @@ def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=Non
     tiles = max(1, (S + min(E, S) * (bn - 1)) // bn)
     # routing and GEMM1's input in one kernel at <= 128 slots on 8- / 16-row tiles (<= 2048 padded rows)
     fr = int(S <= 128 and bn <= 16 and tiles * bn <= 2048 and (fused is None or bool(fused)))
-    # GEMM1's input: fused, a warp per 128-group (8 CTAs per SM); else a warp per 8 groups (4 per SM)
+    # GEMM1's input: fused, a warp per 128-group (8 CTAs per SM); else a warp per 8 groups (3 per SM)
     units = M * (K // 128 if fr else -(-(K // 128) // 8))
-    qctas = max(1, min((units + 7) // 8, device[0] * (8 if fr else 4)))
+    qctas = max(1, min((units + 7) // 8, device[0] * (8 if fr else 3)))  # 3: params.cuh's kQuantXCtasPerSm
     # the classic GEMM grids' rows at 64-row tiles: expected tiles under uniform routing (full
     # tiles of the local slots plus one per touched expert) with a quarter more, at most the bound
     grid = _grid_tiles(M, topk, E, Eg, bn, tiles) if bn == 64 else tiles
