@@ -84,15 +84,14 @@ def rows(n):
         key = (r["model"], r["M"], r["experts"], str(r.get("cta", "auto")), r.get("variant", ""))
         out[key] = r["graph_us"] if r.get("graph_us") else r["us"]
     return out
-ref = rows(names[0])
+def cells(times, ref):  # each build's time and the first build's over it
+    return "".join("%9.1f %5.2fx" % (times[n], ref / times[n]) if times.get(n) and ref else "-".rjust(16)
+                   for n in names)
+table = {n: rows(n) for n in names}
 print("dsv4 us, and the first build's time over each build's")
 print("case (model, M, experts, cta, variant)".ljust(64) + "".join(n.rjust(16) for n in names))
-for k in sorted(ref, key=str):
-    line = str(k).ljust(64)
-    for n in names:
-        v = rows(n).get(k)
-        line += ("%9.1f %5.2fx" % (v, ref[k] / v) if v else "-".rjust(16))
-    print(line)
+for k in sorted(table[names[0]], key=str):
+    print(str(k).ljust(64) + cells({n: table[n].get(k) for n in names}, table[names[0]][k]))
 # with --profile: each kernel's time (torch.profiler) per build, and the first build's over each
 prof = {}
 for n in names:
@@ -106,15 +105,11 @@ for n in names:
             continue
         for part in m.group(4).split(", "):
             kernel, _, us = part.rpartition(" ")
-            key = (m.group(1), int(m.group(2)), m.group(3), kernel.strip().split("::")[-1])
-            prof.setdefault(key, {})[n] = prof.get(key, {}).get(n, 0.0) + float(us)
+            times = prof.setdefault((m.group(1), int(m.group(2)), m.group(3), kernel.strip().split("::")[-1]), {})
+            times[n] = times.get(n, 0.0) + float(us)
 if prof:
     print("per kernel (--profile), us, and the first build's time over each build's")
     for k in sorted(prof, key=str):
-        ref_us, line = prof[k].get(names[0]), str(k)[:90].ljust(92)
-        for n in names:
-            v = prof[k].get(n)
-            line += ("%9.1f %5.2fx" % (v, ref_us / v) if v and ref_us else "-".rjust(16))
-        print(line)
+        print(str(k)[:90].ljust(92) + cells(prof[k], prof[k].get(names[0])))
 PY
 cat "$S"

@@ -254,10 +254,9 @@ __device__ __forceinline__ void quantize_x(const W4A8Params& p, Route route, Slo
 // keep it in the fused kernel, quantize_x). The warps stride over the M * ceil(G1 / 8)
 // steps (a window of consecutive tokens at a time), the next step's loads in flight while
 // it converts one; the first step's loads are issued before the routing grid is done
-// (PDL). The warp of a
-// token's first step also writes its combine_left entries and zeroes its output row when
-// it has no local slot. A group's arithmetic is quantize_raw's (group_scale,
-// quantize_word), so xg and xgs are the same bit for bit.
+// (PDL). The warp of a token's first step also writes its combine_left entries and zeroes
+// its output row when it has no local slot. A group's arithmetic is quantize_raw's
+// (group_scale, quantize_word), so xg and xgs are the same bit for bit.
 template <bool kUe8m0>
 __global__ void __launch_bounds__(256, kQuantXCtasPerSm) mxfp4_quant_x_kernel(const W4A8Params p) {
   pdl_launch_dependents();
