@@ -278,6 +278,26 @@ def test_prefill_case_and_moe_builders():
     assert r["touched"] == len(set(r["ids"][r["ids"] < 4].tolist()))
 
 
+def test_moe_routing_balanced_gives_every_expert_the_same_slots():
+    """--routing balanced: each token's k experts distinct, every global expert M * k /
+    E_global slots when E_global divides M * k (within one otherwise), x and the weights
+    drawn as the uniform routing draws them; an unknown routing is refused."""
+    m = replace(MODELS["pro"], hidden=64, moe_inter=64)  # 384 experts, top 6
+    for M, per in ((8192, 128), (8256, 129)):
+        r = X.moe_routing(m, M, torch.Generator().manual_seed(0), "cpu", ep=8, routing="balanced")
+        counts = torch.bincount(r["ids"].flatten().long(), minlength=384)
+        assert counts.min() == counts.max() == per
+        assert all(len(set(row.tolist())) == 6 for row in r["ids"][:64])
+        assert r["n_local"] == 48 * per and r["touched"] == 48
+        u = X.moe_routing(m, M, torch.Generator().manual_seed(0), "cpu", ep=8)
+        assert torch.equal(r["x"], u["x"]) and torch.equal(r["tw"], u["tw"])
+    r = X.moe_routing(m, 100, torch.Generator().manual_seed(0), "cpu", ep=8, routing="balanced")
+    counts = torch.bincount(r["ids"].flatten().long(), minlength=384)
+    assert counts.max() - counts.min() <= 1
+    with pytest.raises(ValueError, match="dsv4: routing must be one of uniform, balanced"):
+        X.moe_routing(m, 4, torch.Generator().manual_seed(0), "cpu", routing="zipf")
+
+
 def test_moe_routing_drawn_on_the_host_equals_drawn_on_the_device():
     """The moe routine draws its routing with a CPU generator and moves it; the values are
     those a CPU run of the same draw gives (x, then the scores)."""

@@ -171,16 +171,30 @@ def _dequantize_bf16(w: dict, fmt: str):
     return w13, w2, ""
 
 
-def moe_routing(model: ModelShape, M: int, gen: torch.Generator, device=None, ep: int = BENCH_EP) -> dict:
+ROUTINGS = ("uniform", "balanced")
+
+
+def moe_routing(model: ModelShape, M: int, gen: torch.Generator, device=None, ep: int = BENCH_EP,
+                routing: str = "uniform") -> dict:
     """Inputs of one routed-MoE call for ``M`` tokens, drawn with ``gen`` on its device,
-    then moved to ``device`` (default: the generator's): ``x`` bf16 [M, K], random
-    distinct top-k ``ids`` int32 [M, k] over the global experts with normalised ``tw``
-    fp32 [M, k], and ``emap`` int32 [E_global] of EP rank 0. ``n_local`` = local
-    (token, expert) routes, ``touched`` = distinct local experts used (host sync)."""
+    then moved to ``device`` (default: the generator's): ``x`` bf16 [M, K], distinct top-k
+    ``ids`` int32 [M, k] over the global experts with normalised ``tw`` fp32 [M, k], and
+    ``emap`` int32 [E_global] of EP rank 0. ``n_local`` = local (token, expert) routes,
+    ``touched`` = distinct local experts used (host sync).
+
+    ``routing``: "uniform" draws each token's experts at random (the top-k of random
+    scores); "balanced" sends token m to experts (k * m + j) mod E_global, j < k, so every
+    expert gets M * k / E_global slots (exactly when E_global divides M * k, else within
+    one): token tiles then fill exactly where that count is a multiple of the tile, which
+    isolates what a partial last tile costs (docs/perf-history/2026-12-06-mxfp4-w4a8-remainder-tiles.md)."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"dsv4: routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
     device = gen.device if device is None else device
-    e_local = model.local_experts(ep)
+    e_local, k = model.local_experts(ep), model.experts_per_token
     x = torch.randn(M, model.hidden, generator=gen, device=gen.device).to(torch.bfloat16)
-    tw, ids = torch.rand(M, model.n_experts, generator=gen, device=gen.device).topk(model.experts_per_token, dim=1)
+    tw, ids = torch.rand(M, model.n_experts, generator=gen, device=gen.device).topk(k, dim=1)
+    if routing == "balanced":
+        ids = (torch.arange(M, device=gen.device)[:, None] * k + torch.arange(k, device=gen.device)) % model.n_experts
     tw = (tw / tw.sum(1, keepdim=True)).float()
     emap = torch.full((model.n_experts,), -1, dtype=torch.int32, device=device)
     emap[:e_local] = torch.arange(e_local, dtype=torch.int32, device=device)

@@ -5,7 +5,8 @@ bf16 grouped-GEMM baseline in the same run.
 Shapes (dsv4.bench.models): the local experts of EP8 rank 0 (V4-Flash 32 of 256, V4-Pro 48
 of 384, V4.1-Flash 48 of 384), quantized from random float weights; random top-6 routing
 over the GLOBAL experts and an expert map making E_local of them local (~1/8 of the slots,
-as on one EP8 rank). Decode M in {1, 8, 32, 64, 128}; prefill M in {2048, 8192, 16384}.
+as on one EP8 rank). --routing balanced gives every expert M * 6 / E_global slots instead
+(dsv4.bench.experts.moe_routing), to time full token tiles against partial ones. Decode M in {1, 8, 32, 64, 128}; prefill M in {2048, 8192, 16384}.
 
 Baseline: bf16 torch._grouped_mm over the dequantized local weights + torch clamped SwiGLU
 (routing sort / gather and the weighted combine in torch too). Per case: median us of
@@ -43,7 +44,7 @@ import torch
 from .. import traffic
 from ..argtypes import name_list
 from ..experts import MOE_LABELS, MoeSetup, dsv4_moe, moe_bf16_baseline, moe_cases, moe_format_list, moe_routing
-from ..experts import quantized_experts
+from ..experts import ROUTINGS, quantized_experts
 from ..models import MOE_MODELS
 from ..report import Table, print_tables, to_markdown
 
@@ -112,6 +113,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--variants", default="", help="';'-separated sets of k=v switches, e.g. 'sk=0,pdl=0;sk=1,pdl=1' "
                                                    f"(k one of {', '.join(SWITCHES)}; v 0 or 1, bn: a token tile)")
     ap.add_argument("--profile", action="store_true", help="per-kernel device times at every size")
+    ap.add_argument("--routing", choices=ROUTINGS, default="uniform",
+                    help="uniform: random top-k per token (default); balanced: every expert gets M * k / E_global slots "
+                         "(the model column says so)")
     ap.add_argument("--vs", choices=["vllm"], default=None,
                     help="side by side with vLLM 0.33.0's Humming W4A16 (NVFP4) and W4A8 (MXFP4) MoE instead: runs "
                          "the compare routine's MoE section (--anchors / DSV4_ANCHORS)")
@@ -248,10 +252,12 @@ def _model_rows(args, m, fmt, acts, decode, prefill, variant, copy_tbps, gemm_tf
     from ..timing import time_us
 
     K, N, E = m.hidden, m.moe_inter, m.local_experts()
+    label = m.moe_name() + ("" if args.routing == "uniform" else f" ({args.routing})")
     setup = MoeSetup.build(quantized_experts(fmt, E, N, K, "cuda"), fmt, acts)
     rows = []
     for M in decode + prefill:
-        sets = [moe_routing(m, M, torch.Generator().manual_seed(seed), "cuda") for seed in range(N_SETS)]
+        sets = [moe_routing(m, M, torch.Generator().manual_seed(seed), "cuda", routing=args.routing)
+                for seed in range(N_SETS)]
         touched = sum(s["touched"] for s in sets) / N_SETS
         n_local = sum(s["n_local"] for s in sets) / N_SETS
         ours, base = traffic.moe(n_local, touched, K, N, fmt), traffic.moe(n_local, touched, K, N, "bf16")
@@ -282,7 +288,7 @@ def _model_rows(args, m, fmt, acts, decode, prefill, variant, copy_tbps, gemm_tf
                     print(f"graph timing failed at M={M}: {ex}", flush=True)
             for cta, us in res.items():
                 t_us = graph_us if graph_us is not None else us
-                row = dict(model=m.moe_name(), M=M, format=fmt, act=act, experts=MOE_LABELS[(fmt, act)],
+                row = dict(model=label, M=M, format=fmt, act=act, experts=MOE_LABELS[(fmt, act)],
                            variant=variant, cta=str(cta), us=us, graph_us=graph_us, tbps=ours.tbps(t_us),
                            pct_copy=100 * ours.tbps(t_us) / copy_tbps, tflops=ours.tflops(t_us),
                            pct_gemm=100 * ours.tflops(t_us) / gemm_tflops, base_us=base_us,
@@ -292,11 +298,11 @@ def _model_rows(args, m, fmt, acts, decode, prefill, variant, copy_tbps, gemm_tf
                 print(row, flush=True)
     if args.profile:
         for M in decode + prefill:
-            inp = moe_routing(m, M, torch.Generator().manual_seed(0), "cuda")
+            inp = moe_routing(m, M, torch.Generator().manual_seed(0), "cuda", routing=args.routing)
             out = torch.empty(M, K, dtype=torch.bfloat16, device="cuda")
             act = acts[0]
             try:
-                profile_kernels(f"{m.moe_name()} {MOE_LABELS[(fmt, act)]}", M, variant,
+                profile_kernels(f"{label} {MOE_LABELS[(fmt, act)]}", M, variant,
                                 lambda: dsv4_moe(inp, fmt, act, setup.weights[act], out, swiglu_limit=m.swiglu_limit,
                                                  scales=setup.scales))
             except Exception as ex:  # keep the timings if the profiler cannot run here
