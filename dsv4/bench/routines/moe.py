@@ -5,8 +5,9 @@ bf16 grouped-GEMM baseline in the same run.
 Shapes (dsv4.bench.models): the local experts of EP8 rank 0 (V4-Flash 32 of 256, V4-Pro 48
 of 384, V4.1-Flash 48 of 384), quantized from random float weights; random top-6 routing
 over the GLOBAL experts and an expert map making E_local of them local (~1/8 of the slots,
-as on one EP8 rank). --routing balanced gives every expert M * 6 / E_global slots instead
-(dsv4.bench.experts.moe_routing), to time full token tiles against partial ones. Decode M in {1, 8, 32, 64, 128}; prefill M in {2048, 8192, 16384}.
+as on one EP8 rank); --routing balanced gives every expert M * 6 / E_global slots instead
+(dsv4.bench.experts.moe_routing), to time full token tiles against partial ones. Decode M
+in {1, 8, 32, 64, 128}; prefill M in {2048, 8192, 16384}.
 
 Baseline: bf16 torch._grouped_mm over the dequantized local weights + torch clamped SwiGLU
 (routing sort / gather and the weighted combine in torch too). Per case: median us of
