@@ -730,6 +730,43 @@ def test_gpu_gemm1_pairs_bitwise(tmp_path):
         assert torch.isfinite(b).all() and torch.equal(a, b), i
 
 
+def _child_partial_tiles(path: str) -> None:
+    """Every token on the same 6 local experts (no map), so each expert's tiles hold the
+    tokens in full tiles then one partial tile: calls of 64 + 16, 64 + 32 and 128 tokens
+    (pairs with a 16-, 32- and 64-row second tile), 16, 32 and 64 (one tile: the one-tile
+    kernel without pairs). The outputs saved to ``path``."""
+    outs = {}
+    for name in ("flash", "pro"):
+        w, p = _gpu_model(name)
+        K = SHAPES[name][0]
+        gen = torch.Generator().manual_seed(77)
+        x = (torch.randn(128, K, generator=gen) * 2).to(torch.bfloat16).cuda()
+        tw = torch.rand(128, 6, generator=gen).cuda()
+        ids = torch.arange(6, dtype=torch.int32).repeat(128, 1).cuda()
+        for M in (16, 32, 64, 80, 96, 128):
+            outs[(name, M)] = routed_moe(x[:M], ids[:M], tw[:M], p).cpu()
+    torch.save(outs, path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pairs", ["0", "1"])
+def test_gpu_partial_tiles_bitwise(tmp_path, pairs):
+    """A token's output does not depend on how full its token tile is: a partly filled
+    64-token tile runs 16- or 32-row wgmmas and promotions (tile_mma_rows), whose sums are
+    the 64-row ones of the same columns (docs/perf-history/2026-12-06-mxfp4-w4a8-remainder-tiles.md).
+    So each call's rows equal the same tokens' rows of the 128-token call (full tiles),
+    bitwise, on the one-tile kernels (pairs 0) and the pair kernel (pairs 1)."""
+    path = tmp_path / "partial.pt"
+    env = dict(DSV4_MOE_BLOCK_N="64", DSV4_MOE_SPLITK="0", DSV4_MOE_GEMM1_PAIRS=pairs)
+    _run_child(env, f"_child_partial_tiles({str(path)!r})")
+    outs = torch.load(path)
+    for name in ("flash", "pro"):
+        ref = outs[(name, 128)]
+        assert torch.isfinite(ref).all() and ref.abs().amax() > 0
+        for M in (16, 32, 64, 80, 96):
+            assert torch.equal(outs[(name, M)], ref[:M]), (name, M)
+
+
 # decode sizes (<= 128 slots), with and without an expert map, split-K (1-17 tokens) and not
 # (21 tokens on the classic grid), a token of one slot per expert and 21 * 6 = 126 slots
 FUSED_CASES = (("flash", 1, True), ("v41", 3, False), ("pro", 8, True), ("v41_tp8", 17, False), ("flash", 21, True))
