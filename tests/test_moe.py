@@ -389,6 +389,29 @@ def _case(shape, M, routing, use_map, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["bf16", "nvfp4"])
+def test_gpu_partial_tiles_bitwise(activation):
+    """A token's output does not depend on how full its 64-token tile is: a tile of at most
+    32 rows runs m64n32 wgmmas (moe_gemm_kernel, tile_mma_rows), whose sums are the 64-row
+    ones of the same columns (docs/perf-history/2026-12-06-mxfp4-w4a8-remainder-tiles.md).
+    Every token on the same 6 of V4-Flash's 32 local experts (of 256: 64-token tiles from
+    1025 tokens, the one-warpgroup kernel below 2560), calls of 16 full tiles + 16 or 32
+    rows, 17 and 18 full tiles: each call's rows equal the same tokens' rows of the
+    largest call, bitwise."""
+    w, p = _gpu_model(FLASH)
+    kw = _call_kwargs(w, activation, 10.0, torch.full((256,), -1, dtype=torch.int32, device="cuda"))
+    kw["expert_map"][:32] = torch.arange(32, dtype=torch.int32, device="cuda")
+    gen = torch.Generator().manual_seed(78)
+    x = (torch.randn(1152, FLASH["K"], generator=gen) * 2.0).to(torch.bfloat16).cuda()
+    tw = torch.rand(1152, 6, generator=gen).cuda()
+    ids = torch.arange(6, dtype=torch.int32).repeat(1152, 1).cuda()
+    ref = nvfp4_moe(x, ids, tw, p, **kw)
+    assert torch.isfinite(ref).all() and ref.abs().amax() > 0
+    for M in (1040, 1056, 1088):
+        assert torch.equal(nvfp4_moe(x[:M], ids[:M], tw[:M], p, **kw), ref[:M]), M
+
+
+@pytest.mark.gpu
 def test_gpu_opcheck():
     w = _weights(4, 64, 128, seed=9, device="cuda")
     p = prepare_nvfp4_moe_weights(*(w[k] for k in KEYS))
