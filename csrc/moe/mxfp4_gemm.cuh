@@ -284,9 +284,12 @@ __global__ void __launch_bounds__(256, kQuantXCtasPerSm) mxfp4_quant_x_kernel(co
       for (int i = 0; i < 4; ++i) raw[i] = __ldg(src + 4 * i);
     }
   };
-  // The token's first 32 slot positions (lane j: slot j, -1 past top-k or not local), looked
-  // up a step ahead like its x, so the step's stores do not wait for the lookup.
-  auto lookup = [&](int t) { return lane < topk ? __ldg(p.slot_pos + size_t(t) * topk + lane) : -1; };
+  // The token's slot positions j0 .. j0 + 31 (lane j: slot j0 + j, -1 past top-k or not
+  // local); the first 32 looked up a step ahead like its x, so the step's stores do not
+  // wait for the lookup.
+  auto lookup = [&](int t, int j0 = 0) {
+    return j0 + lane < topk ? __ldg(p.slot_pos + size_t(t) * topk + j0 + lane) : -1;
+  };
   uint4 cur[4];
   if (warp < steps) load(tkn, step, cur);
   pdl_wait();  // the routing's tables from here on
@@ -335,7 +338,7 @@ __global__ void __launch_bounds__(256, kQuantXCtasPerSm) mxfp4_quant_x_kernel(co
     // The token's local slots, 32 at a time: each lane looks one up, the warp walks the ballot.
     int local = 0;
     for (int j0 = 0; j0 < topk; j0 += 32) {
-      const int pos = j0 == 0 ? pos_cur : j0 + lane < topk ? __ldg(p.slot_pos + size_t(tkn) * topk + j0 + lane) : -1;
+      const int pos = j0 == 0 ? pos_cur : lookup(tkn, j0);
       uint32_t mask = __ballot_sync(0xFFFFFFFFu, pos >= 0);
       local += __popc(mask);
       while (mask != 0) {
