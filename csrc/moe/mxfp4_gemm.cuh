@@ -285,24 +285,40 @@ __global__ void __launch_bounds__(256, kQuantXCtasPerSm) mxfp4_quant_x_kernel(co
     }
   };
   // The token's slot positions j0 .. j0 + 31 (lane j: slot j0 + j, -1 past top-k or not
-  // local); the first 32 looked up a step ahead like its x, so the step's stores do not
-  // wait for the lookup.
+  // local); the first 32 looked up two steps ahead (below), so neither the step's x loads
+  // nor its stores wait for the lookup.
   auto lookup = [&](int t, int j0 = 0) {
     return j0 + lane < topk ? __ldg(p.slot_pos + size_t(t) * topk + j0 + lane) : -1;
   };
+  // Under expert parallelism many tokens have no local slot (45% at EP8, top-6 of 384),
+  // and neither their x nor its conversion is needed: a step's first 32 slot positions
+  // are looked up two steps ahead, so the warp knows whether the next step's token has a
+  // local slot before it issues that step's x loads, and skips them and the conversion
+  // when it has none (docs/perf-history/2026-12-06-mxfp4-w4a8-quant-skip.md). With more
+  // than 32 slots per token the first 32 do not tell: every step is converted.
+  auto needed = [&](int pos) { return topk > 32 || __ballot_sync(0xFFFFFFFFu, pos >= 0) != 0; };
+  auto advance = [&](int& t, int& st) {
+    st += dr, t += dq;
+    if (st >= spt) st -= spt, ++t;
+  };
+  int tkn1 = tkn, step1 = step;  // the next step's (token, step), then the one after it
+  advance(tkn1, step1);
   uint4 cur[4];
-  if (warp < steps) load(tkn, step, cur);
+  if (warp < steps) load(tkn, step, cur);  // before the routing is known: x is the call's input
   pdl_wait();  // the routing's tables from here on
   int pos_cur = warp < steps ? lookup(tkn) : -1;
+  int pos_nxt = warp < steps - nwarps ? lookup(tkn1) : -1;
   const int RT2 = p.K / kTileRows;
   const size_t chunk_stride = size_t(BN) * kChunk;  // bytes from one 128-group of a tile row to the next
   for (int u = warp; u < steps; u += nwarps) {
-    int ntkn = tkn + dq, nstep = step + dr;
-    if (nstep >= spt) nstep -= spt, ++ntkn;
+    int tkn2 = tkn1, step2 = step1;
+    advance(tkn2, step2);
     const bool more = u < steps - nwarps;  // no overflow of u + nwarps
+    const bool more2 = u < steps - 2 * nwarps;
     uint4 nxt[4];
-    int pos_nxt = -1;
-    if (more) load(ntkn, nstep, nxt), pos_nxt = lookup(ntkn);
+    const bool need_nxt = more && needed(pos_nxt);
+    if (need_nxt) load(tkn1, step1, nxt);
+    const int pos_nn = more2 ? lookup(tkn2) : -1;
     const int grp = step * 8 + gl;
     // The group's words: word i of half b holds elements 32i + 8a + 4b .. + 3. The floats
     // are converted from the bf16 twice (for the amax, then for the words) rather than
@@ -310,7 +326,7 @@ __global__ void __launch_bounds__(256, kQuantXCtasPerSm) mxfp4_quant_x_kernel(co
     // bounds' 80 registers.
     uint32_t w[2][4];
     float s, inv_s;
-    {
+    if (needed(pos_cur)) {  // else no slot of the token is local: nothing is stored
       float amax = 0.0f;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -324,15 +340,15 @@ __global__ void __launch_bounds__(256, kQuantXCtasPerSm) mxfp4_quant_x_kernel(co
       amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
       amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
       s = group_scale<kUe8m0>(amax, inv_s);
-    }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&cur[i]);
+      for (int i = 0; i < 4; ++i) {
+        const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&cur[i]);
 #pragma unroll
-      for (int b = 0; b < 2; ++b) {
-        const float2 f0 = __bfloat1622float2(h2[2 * b]), f1 = __bfloat1622float2(h2[2 * b + 1]);
-        const float e[4] = {f0.x, f0.y, f1.x, f1.y};
-        w[b][i] = quantize_word<kUe8m0>(e, s, inv_s);
+        for (int b = 0; b < 2; ++b) {
+          const float2 f0 = __bfloat1622float2(h2[2 * b]), f1 = __bfloat1622float2(h2[2 * b + 1]);
+          const float e[4] = {f0.x, f0.y, f1.x, f1.y};
+          w[b][i] = quantize_word<kUe8m0>(e, s, inv_s);
+        }
       }
     }
     // The token's local slots, 32 at a time: each lane looks one up, the warp walks the ballot.
@@ -363,13 +379,14 @@ __global__ void __launch_bounds__(256, kQuantXCtasPerSm) mxfp4_quant_x_kernel(co
         for (int c = lane; c < p.K / 8; c += 32) o[c] = make_uint4(0, 0, 0, 0);
       }
     }
-    if (more) {
+    if (need_nxt) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) cur[i] = nxt[i];
-      pos_cur = pos_nxt;
     }
-    tkn = ntkn;
-    step = nstep;
+    pos_cur = pos_nxt;
+    pos_nxt = pos_nn;
+    tkn = tkn1, step = step1;
+    tkn1 = tkn2, step1 = step2;
   }
   const int* row_slot = p.row_slot;
   pad_rows_and_counters(p, __ldg(p.num_tiles) * BN, [=](int r) { return __ldg(row_slot + r) < 0; });
