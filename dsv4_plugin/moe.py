@@ -85,6 +85,7 @@ from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
 from vllm.models.deepseek_v41.quant_config import DeepseekV4FP8Config
 
 from dsv4 import _env
+from dsv4.formats import MXFP4_BLOCK, NVFP4_BLOCK
 from dsv4.moe import modes
 
 logger = init_logger(__name__)
@@ -334,11 +335,15 @@ def check_supported(vllm_config, moe_config: FusedMoEConfig, fmt: str) -> None:
     for formats, feature, why, is_on in REFUSALS:
         if fmt in formats and is_on(vllm_config, moe_config):
             raise _refusal(fmt, feature, why)
+    # Any multiple of the scale block runs: dsv4's prepare pads N with zeros to its
+    # kernels' tile (NVFP4 and MXFP4 W4A16: 64, V4.1-Flash at TP 8: 288 -> 320; MXFP4
+    # W4A8: 32).
     n = moe_config.intermediate_size_per_partition
-    if fmt == "mxfp4" and n % 32:
-        raise _refusal(fmt, f"a per-rank expert intermediate size of {n}", "an MXFP4 scale "
-                       "covers 32 elements along it, so it must be a multiple of 32",
-                       "pick a tensor-parallel size that divides it into multiples of 32")
+    block = {"nvfp4": NVFP4_BLOCK, "mxfp4": MXFP4_BLOCK}[fmt]
+    if n % block:
+        raise _refusal(fmt, f"a per-rank expert intermediate size of {n}", f"an {fmt.upper()} scale "
+                       f"covers {block} elements along it, so it must be a multiple of {block}",
+                       f"pick a tensor-parallel size that divides it into multiples of {block}")
 
 
 def _refuse_eplb(fmt: str, moe_config: FusedMoEConfig) -> None:
@@ -391,7 +396,9 @@ class _DSV4Method:
 # picks the ModelOpt loading rules (per-tensor weight_scale_2 / input_scale, combined
 # w13 scales) by the quantization method's class name (fused_moe/routed_experts.py).
 class DSV4ModelOptNvFp4FusedMoE(_DSV4Method, ModelOptNvFp4FusedMoE):
-    """vLLM's ModelOpt NVFP4 MoE method (same weights and loading), dsv4 kernel."""
+    """vLLM's ModelOpt NVFP4 MoE method (same weights and loading), dsv4 kernel. The
+    per-rank N of vLLM's parameters (a multiple of 16, check_supported) need not fit
+    dsv4's tile: its prepare pads N with zeros (V4.1-Flash at TP 8: 288 -> 320)."""
 
     def __init__(self, quant_config: ModelOptNvFp4Config, moe_config: FusedMoEConfig,
                  activation: str | None = None) -> None:

@@ -152,6 +152,28 @@ def test_model_table_has_the_design_facts():
     assert tp8.moe_name() == "V4.1-Flash TP8 N=288"
 
 
+def test_nvfp4_experts_prepare_and_run_at_v41flash_tp8():
+    """The compare routine's NVFP4 path at V4.1-Flash TP8 (N = 288, K = 5120): prepare
+    pads N to the kernels' 320 (it raised 'needs N and K multiples of 64' before) and
+    dsv4_moe on the prepared experts (the CPU op here) is the float32 reference on the
+    unpadded ones. 8 experts stand in for the 384 (a TP rank holds them all)."""
+    from dsv4 import reference
+    from dsv4.bench.models import MOE_MODELS
+    from dsv4.formats.nvfp4_moe_layout import check_prepared
+
+    m = replace(MOE_MODELS["v41flash-tp8"], n_experts=8)
+    E, N, K = m.local_experts(), m.moe_inter, m.hidden
+    assert (E, N, K) == (8, 288, 5120)
+    w = X.random_experts("nvfp4", E, N, K, "cpu")
+    prepared = X.prepare(w, "nvfp4", "bf16")
+    assert check_prepared("t", prepared) == (E, 320, K)
+    inp = X.moe_routing(m, 3, torch.Generator().manual_seed(5))
+    out = torch.empty(3, K, dtype=torch.bfloat16)
+    got = X.dsv4_moe(inp, "nvfp4", "bf16", prepared, out, swiglu_limit=m.swiglu_limit)
+    ref = reference.nvfp4_moe(inp["x"], inp["ids"], inp["tw"], *(w[k] for k in X.NVFP4_KEYS),
+                              swiglu_limit=m.swiglu_limit, expert_map=inp["emap"])
+    assert ref.abs().amax() > 0 and ((got.float() - ref).norm() / ref.norm()).item() <= 4e-3
+
 def test_one_room_for_head_dim_and_window():
     """HEAD_DIM is dsv4.formats.kv_cache's KV_DIM; no benchmark file declares its own
     HEAD_DIM, WINDOW or model numbers."""

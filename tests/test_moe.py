@@ -6,10 +6,13 @@ import torch
 
 import dsv4._ops
 from dsv4 import formats, reference
+from dsv4.formats.nvfp4_moe_layout import check_prepared, pad_nvfp4_moe_weights
 from dsv4.moe import (
     Nvfp4MoeWeights,
     nvfp4_moe,
+    prepare_moe_weights,
     prepare_nvfp4_moe_weights,
+    routed_moe,
     unprepare_nvfp4_moe_weights,
 )
 
@@ -337,6 +340,133 @@ def test_cpu_equal_gate_and_up_global_scales():
     p2 = prepare_nvfp4_moe_weights(*(both[k] for k in KEYS))
     assert torch.equal(p1.w13_scale_2, p2.w13_scale_2)
     assert torch.equal(nvfp4_moe(x, ids, tw, p1, swiglu_limit=10.0), ref.to(torch.bfloat16))
+
+
+# ------------------------------------------- N not a multiple of 64: padding ---------
+# V4.1-Flash at tensor parallel 8: N = 2304 / 8 = 288 per gate / up half; prepare pads it
+# to 320 (dsv4.formats.nvfp4_moe_layout.pad_nvfp4_moe_weights). 80 = one 64-row tile and
+# one NVFP4 block. (N must be a multiple of 16, the NVFP4 block: w2_scale is [E, K, N/16].)
+PAD = ("w13", "w13_scale", "w2", "w2_scale")
+
+
+def _padded(w):
+    """``w`` with its four code / scale tensors padded, global and input scales as they are."""
+    return {**w, **pad_nvfp4_moe_weights(*(w[k] for k in PAD))}
+
+
+@pytest.mark.parametrize("N,Np", [(288, 320), (80, 128)])
+def test_pad_keeps_values(N, Np):
+    """Padded, then dequantized: the original values bitwise in the original rows and
+    columns (gate rows 0..N-1, up rows Np..Np+N-1 under their own global scale), exact
+    zeros in the padded ones."""
+    E, K = 2, 128
+    w = _modelopt_weights(E, N, K, seed=N, up_ratio=4.0)  # w1 / w3 global scales differ
+    p = pad_nvfp4_moe_weights(*(w[k] for k in PAD))
+    assert {k: tuple(v.shape) for k, v in p.items()} == {
+        "w13": (E, 2 * Np, K // 2), "w13_scale": (E, 2 * Np, K // 16), "w2": (E, K, Np // 2),
+        "w2_scale": (E, K, Np // 16)}
+    assert p["w13_scale"].dtype == p["w2_scale"].dtype == torch.float8_e4m3fn
+    d13 = formats.dequantize_experts(p["w13"], p["w13_scale"], w["w13_scale_2"]).reshape(E, 2, Np, K)
+    ref13 = formats.dequantize_experts(w["w13"], w["w13_scale"], w["w13_scale_2"]).reshape(E, 2, N, K)
+    assert torch.equal(d13[:, :, :N], ref13) and ref13.abs().amax() > 0
+    assert torch.equal(d13[:, :, N:], torch.zeros_like(d13[:, :, N:]))  # +0.0: codes 0, scales 0
+    d2 = formats.dequantize_experts(p["w2"], p["w2_scale"], w["w2_scale_2"])
+    assert torch.equal(d2[..., :N], formats.dequantize_experts(w["w2"], w["w2_scale"], w["w2_scale_2"]))
+    assert torch.equal(d2[..., N:], torch.zeros_like(d2[..., N:]))
+    # N already a multiple: the inputs themselves
+    same = pad_nvfp4_moe_weights(*(p[k] for k in PAD))
+    assert all(same[k] is p[k] for k in PAD)
+    assert pad_nvfp4_moe_weights(*(w[k] for k in PAD), multiple=16)["w13"] is w["w13"]
+
+
+def test_prepare_pads_n():
+    """prepare_nvfp4_moe_weights pads N = 288 to 320 itself: the prepared set is the
+    padded one (its unprepare gives the padded tensors back bitwise), prepare_moe_weights
+    reports both sizes, and a prepared set passes through unchanged."""
+    E, N, K = 2, 288, 128
+    w = _weights(E, N, K, seed=31)
+    p = prepare_nvfp4_moe_weights(*(w[k] for k in KEYS))
+    assert check_prepared("t", p) == (E, 320, K) and p.w13.shape == (E, 10, 2, 2048) and p.w2.shape == (E, 2, 5, 2048)
+    back, want = unprepare_nvfp4_moe_weights(p), _padded(w)
+    for k in PAD:
+        assert torch.equal(back[k].view(torch.uint8), want[k].view(torch.uint8)), k
+    m = prepare_moe_weights(*(w[k] for k in PAD), w13_scale_2=w["w13_scale_2"], w2_scale_2=w["w2_scale_2"])
+    assert (m.report["N"], m.report["N_padded"]) == (288, 320)
+    again = prepare_moe_weights(*(p[i] for i in (0, 1, 3, 4)), w13_scale_2=p.w13_scale_2, w2_scale_2=p.w2_scale_2,
+                                format="nvfp4")  # prepared scale bytes are uint8: name the format
+    assert all(a is b for a, b in zip(again.tensors, p)) and again.report["N"] == again.report["N_padded"] == 320
+
+
+@pytest.mark.parametrize("activation", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("N", [288, 80])
+def test_padded_moe_is_the_unpadded_math(N, activation):
+    """The float32 reference MoE on padded vs unpadded weights, fresh random data: the
+    padded columns' SwiGLU outputs are exact zeros (and in W4A4 whole zero NVFP4
+    blocks), so the outputs agree up to the order of the fp32 sums (GEMM2 sums Np
+    terms, the extra ones 0; torch's matmul blocks K = Np and K = N differently); the
+    CPU op on the prepared (padded) weights, through routed_moe, is the reference on
+    them bitwise."""
+    E, K, M = 4, 256, 37
+    w = _modelopt_weights(E, N, K, seed=N + 1, up_ratio=2.0)
+    gen = torch.Generator().manual_seed(N + 2)
+    x = (torch.randn(M, K, generator=gen) * 2).to(torch.bfloat16)
+    ids, tw = _routing(M, 3, E, gen)
+    kw = dict(swiglu_limit=10.0, activation=activation)
+    if activation == "nvfp4":
+        kw.update(a13_scale=torch.tensor([0.004]), a2_scale=torch.tensor([0.001]))
+    wp = _padded(w)
+    want = _ref(x, ids, tw, w, **kw)
+    got = _ref(x, ids, tw, wp, **kw)
+    assert torch.isfinite(want).all() and want.abs().amax() > 1e-3  # fresh data, not zeros
+    assert _rel_l2(got, want) <= 1e-6 and (got - want).abs().amax() <= 1e-6 * want.abs().amax()
+    # the padded columns' SwiGLU output: exact zeros
+    d13 = formats.dequantize_experts(wp["w13"], wp["w13_scale"], wp["w13_scale_2"])
+    Np = d13.shape[1] // 2
+    h = reference.swiglu(x.float() @ d13[0, :Np].T, x.float() @ d13[0, Np:].T, 10.0)
+    assert h[:, :N].abs().amax() > 0 and torch.equal(h[:, N:], torch.zeros_like(h[:, N:]))
+    # the CPU op, from the unpadded vLLM-layout tensors
+    m = prepare_moe_weights(*(w[k] for k in PAD), w13_scale_2=w["w13_scale_2"], w2_scale_2=w["w2_scale_2"],
+                            activation=activation)
+    assert m.report["N_padded"] == Np
+    out = routed_moe(x, ids, tw, m, **{k: v for k, v in kw.items() if k != "activation"})  # m knows its mode
+    assert out.shape == (M, K) and torch.equal(out, got.to(torch.bfloat16))
+    assert _rel_l2(out, want) <= 4e-3  # bf16 output rounding
+
+
+def test_pad_and_prepare_errors():
+    """N not a multiple of 16 (V4.1-Flash at tensor parallel 32: 72), K not a multiple
+    of 64, a padding multiple that is not whole NVFP4 blocks: dsv4: errors naming them."""
+    w = _weights(2, 64, 128, seed=33)
+    args = [w[k] for k in KEYS]
+    # N = 72 (w13 [E, 144, K/2]): not whole NVFP4 blocks
+    w128 = _weights(2, 128, 128, seed=35)
+    n72 = dict(w13=w128["w13"][:, :144].contiguous(), w13_scale=w128["w13_scale"][:, :144].contiguous(),
+               w2=w128["w2"][:, :, :36].contiguous(), w2_scale=w128["w2_scale"][:, :, :4].contiguous())
+    for fn, a in ((prepare_nvfp4_moe_weights, [n72["w13"], n72["w13_scale"], w["w13_scale_2"], n72["w2"],
+                                               n72["w2_scale"], w["w2_scale_2"]]),
+                  (pad_nvfp4_moe_weights, [n72[k] for k in PAD])):
+        with pytest.raises(ValueError, match=rf"^dsv4: {fn.__name__}: w13 \[E, 2N, K/2\] needs the intermediate "
+                                             r"size N and the hidden size K to be positive multiples of 16"):
+            fn(*a)
+    # K = 96: whole NVFP4 blocks, not whole 64-wide K tiles (padding only pads N)
+    k96 = _weights(2, 64, 96, seed=34)
+    with pytest.raises(ValueError, match=r"^dsv4: prepare_nvfp4_moe_weights: the hidden size K = 96 must be a "
+                                         r"multiple of 64 \(the MoE kernels' K tile\)"):
+        prepare_nvfp4_moe_weights(*(k96[k] for k in KEYS))
+    with pytest.raises(ValueError, match=r"^dsv4: prepare_nvfp4_moe_weights: the hidden size K = 96 must be"):
+        prepare_moe_weights(*(k96[k] for k in PAD), w13_scale_2=k96["w13_scale_2"], w2_scale_2=k96["w2_scale_2"])
+    assert pad_nvfp4_moe_weights(*(k96[k] for k in PAD))["w13"] is k96["w13"]  # K is not pad's business
+    with pytest.raises(ValueError, match=r"^dsv4: pad_nvfp4_moe_weights: multiple must be a multiple of 16"):
+        pad_nvfp4_moe_weights(*(w[k] for k in PAD), multiple=24)
+    with pytest.raises(ValueError, match=r"^dsv4: pad_nvfp4_moe_weights: multiple must be a positive int"):
+        pad_nvfp4_moe_weights(*(w[k] for k in PAD), multiple=0)
+    with pytest.raises(ValueError, match=r"^dsv4: pad_nvfp4_moe_weights: w2 must have shape \[2, 128, 32\] to "
+                                         r"match w13"):
+        pad_nvfp4_moe_weights(w["w13"], w["w13_scale"], w["w2"][:, :, :16], w["w2_scale"])
+    with pytest.raises(ValueError, match=r"^dsv4: pad_nvfp4_moe_weights: w13_scale must be a 3-D "
+                                         r"torch.float8_e4m3fn tensor"):
+        pad_nvfp4_moe_weights(w["w13"], w["w13_scale"].float(), w["w2"], w["w2_scale"])
+    assert prepare_nvfp4_moe_weights(*args).w13.shape == (2, 2, 2, 2048)  # the base case is fine
 
 
 # ---------------------------------------------------------------- GPU ---------
@@ -737,3 +867,33 @@ def test_gpu_prefill_cuda_graph_replay(cta):
         tw.copy_(tw2)
         graph.replay()
         assert torch.equal(out, nvfp4_moe(x, ids, tw, p, **kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("M", [5, 200, 3000])  # decode, one-warpgroup and prefill kernels
+def test_gpu_tp8_n288_padded(activation, M):
+    """V4.1-Flash at tensor parallel 8 (K = 5120, N = 2304 / 8 = 288, all 384 experts):
+    prepare pads N to 320 (the kernels read N from the prepared shapes: hf / h buffers
+    and GEMM2's K are 320 wide), routed_moe against the float32 reference on the
+    UNPADDED weights. 24 experts stand in for the 384 (routing over all of them as
+    global ids, the map keeping 24): the tiles per expert are the same, memory is not."""
+    K, N, E_global, E_local = 5120, 288, 384, 24
+    w = _weights(E_local, N, K, seed=288, device="cuda")
+    m = prepare_moe_weights(*(w[k] for k in ("w13", "w13_scale", "w2", "w2_scale")), w13_scale_2=w["w13_scale_2"],
+                            w2_scale_2=w["w2_scale_2"], activation=activation)
+    assert (m.report["N"], m.report["N_padded"]) == (288, 320) and m.tensors.w13.shape[1] == 10
+    gen = torch.Generator().manual_seed(M)
+    x = (torch.randn(M, K, generator=gen) * 2.0).to(torch.bfloat16).cuda()
+    ids, tw = _routing(M, 6, E_global, gen, "cuda")
+    emap = _expert_map(E_global, E_local, gen, "cuda")
+    ids[:, 0] = (emap >= 0).nonzero()[torch.randint(0, E_local, (M,), generator=gen)].squeeze(1).to(torch.int32)
+    kw = _call_kwargs(w, activation, 10.0, emap)
+    call = {k: v for k, v in kw.items() if k != "activation"}  # m knows its mode
+    out = torch.full((M, K), float("nan"), dtype=torch.bfloat16, device="cuda")  # poisoned
+    got = routed_moe(x, ids, tw, m, out=out, **call)
+    ref = _ref(x, ids, tw, w, **kw)
+    assert torch.isfinite(got).all() and ref.abs().amax() > 0
+    err = _rel_l2(got, ref)
+    assert err <= (5e-3 if activation == "bf16" else 2e-2), f"relative L2 {err:.3e}"
+    assert torch.equal(routed_moe(x, ids, tw, m, **call), got)  # deterministic

@@ -108,7 +108,8 @@ def moe_cases(names, nvfp4_acts=("bf16",)) -> list[tuple[str, str]]:
 
 def prepare(w: dict, fmt: str, act: str):
     """dsv4's prepared weights of experts ``w`` for activation mode ``act``: one NVFP4
-    layout serves both NVFP4 modes (``Nvfp4MoeWeights``); MXFP4 is prepared per mode."""
+    layout serves both NVFP4 modes (``Nvfp4MoeWeights``, N padded to a multiple of 64:
+    V4.1-Flash TP8's 288 -> 320); MXFP4 is prepared per mode."""
     from .. import prepare_moe_weights, prepare_nvfp4_moe_weights
 
     if fmt == "nvfp4":

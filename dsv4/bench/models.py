@@ -82,8 +82,10 @@ MODELS = {
                            n_experts=384, moe_inter=2304, layers=None),
 }
 # The MoE benchmarks' shapes: each model's EP8 rank, and V4.1-Flash at tensor parallel 8
-# (all 384 experts, 2304 / 8 = 288 columns per gate / up half; dsv4's W4A8 layout takes
-# 288, its W4A16 (NVFP4) kernels pad to 320).
+# (all 384 experts, 2304 / 8 = 288 columns per gate / up half; dsv4's MXFP4 W4A8 layout
+# takes 288; for its W4A16 kernels (NVFP4, and MXFP4 W4A16) prepare pads N with zeros to
+# 320, dsv4.formats.nvfp4_moe_layout.pad_nvfp4_moe_weights; the rows' FLOP and byte
+# counts are those of the 288 real columns).
 MOE_MODELS = {**MODELS, "v41flash-tp8": replace(MODELS["v41flash"], key="v41flash-tp8", moe_tp=8,
                                                 moe_inter=MODELS["v41flash"].moe_inter // 8)}
 # The models with a V4 layer schedule (SWA / CSA / HCA): the attention benchmarks' choices.

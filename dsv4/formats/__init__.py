@@ -6,7 +6,8 @@
   stacked layout, and the conversions the MoE prepare step makes of it;
 - ``dsv4.formats.kv_cache``: vLLM's paged ``fp8_ds_mla`` and bf16 KV caches;
 - ``dsv4.formats.nvfp4_moe_layout``: the prepared NVFP4 MoE weights, the tile layout
-  dsv4::nvfp4_moe's kernels read (``prepare_nvfp4_moe_weights`` and its inverse);
+  dsv4::nvfp4_moe's kernels read (``prepare_nvfp4_moe_weights``, which pads N with
+  ``pad_nvfp4_moe_weights``, and its inverse);
 - ``dsv4.formats.mxfp4_w4a8``: the tiles the MXFP4 W4A8 kernels read (made by the MoE
   prepare step, activation "fp8"), and their inverse.
 
@@ -60,7 +61,12 @@ from .nvfp4 import (
     stack_modelopt_experts,
     unpack_fp4,
 )
-from .nvfp4_moe_layout import Nvfp4MoeWeights, prepare_nvfp4_moe_weights, unprepare_nvfp4_moe_weights
+from .nvfp4_moe_layout import (
+    Nvfp4MoeWeights,
+    pad_nvfp4_moe_weights,
+    prepare_nvfp4_moe_weights,
+    unprepare_nvfp4_moe_weights,
+)
 
 __all__ = [
     # nvfp4
@@ -72,7 +78,7 @@ __all__ = [
     "check_mxfp4_moe_weights", "pad_mxfp4_moe_weights", "random_mxfp4_moe_weights", "mxfp4_to_nvfp4",
     "fit_fp8_operand",
     # nvfp4_moe_layout
-    "Nvfp4MoeWeights", "prepare_nvfp4_moe_weights", "unprepare_nvfp4_moe_weights",
+    "Nvfp4MoeWeights", "prepare_nvfp4_moe_weights", "unprepare_nvfp4_moe_weights", "pad_nvfp4_moe_weights",
     # kv_cache
     "KV_DIM", "NOPE_DIM", "ROPE_DIM", "FP8_NUM_GROUPS", "FP8_DS_MLA_TOKEN_DATA_BYTES", "FP8_DS_MLA_TOKEN_SCALE_BYTES",
     "FP8_DS_MLA_VIEW_LAST_DIM", "fp8_ds_mla_block_bytes", "new_fp8_ds_mla_cache", "kv_cache_layout", "write_fp8_ds_mla",

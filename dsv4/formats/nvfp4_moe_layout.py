@@ -18,7 +18,10 @@ Layout (csrc/moe/params.cuh has the same in the kernels' terms; the bit placemen
 * block scales re-encoded as one byte each: 0 for 0, else ``(X + 10) << 3 | m`` for
   ``2^X * (1 + m/8)`` (lossless for every e4m3 value >= 0), thread (w, g) reading 8 bytes
   at 8 * (8w + g), byte 2j the scale of row 16w + g, byte 2j + 1 of row 16w + g + 8;
-* w13_scale_2 as float32 [E, 2] (gate, up).
+* w13_scale_2 as float32 [E, 2] (gate, up);
+* N padded first to a multiple of 64 (:func:`pad_nvfp4_moe_weights`: zero gate rows after
+  row N-1, zero up rows after row 2N-1, zero w2 columns; V4.1-Flash at tensor parallel 8:
+  288 -> 320), which adds exactly nothing to the op's output; K must be a multiple of 64.
 
 The layout belongs to the dsv4 build that made it (no version mark): prepare at load
 time and store checkpoints in the vLLM layout.
@@ -31,17 +34,18 @@ from typing import NamedTuple
 import torch
 
 from .. import _checks as C
-from .nvfp4 import pack_fp4, unpack_fp4
+from .nvfp4 import NVFP4_BLOCK, pack_fp4, unpack_fp4
 
-__all__ = ["Nvfp4MoeWeights", "prepare_nvfp4_moe_weights", "unprepare_nvfp4_moe_weights", "is_prepared",
-           "check_prepared", "TILE"]
+__all__ = ["Nvfp4MoeWeights", "prepare_nvfp4_moe_weights", "unprepare_nvfp4_moe_weights", "pad_nvfp4_moe_weights",
+           "is_prepared", "check_prepared", "TILE"]
 
 TILE = 64  # weight rows and K elements per prepared tile (csrc/moe/params.cuh kTileRows, kTileK)
 
 
 class Nvfp4MoeWeights(NamedTuple):
     """Expert weights in the layout the dsv4 MoE kernels read (see
-    :func:`prepare_nvfp4_moe_weights`). E experts, hidden K, intermediate N.
+    :func:`prepare_nvfp4_moe_weights`). E experts, hidden K, intermediate N (the padded
+    one, a multiple of 64: :func:`pad_nvfp4_moe_weights`).
 
     w13: uint8 [E, 2N/64, K/64, 2048] (e2m1 code bits); w13_scale: uint8 [E, 2N/64, K/64, 256]
     (block scales re-encoded losslessly, see _encode_scales); w13_scale_2: float32 [E, 2]
@@ -195,17 +199,112 @@ def check_prepared(op: str, w: Nvfp4MoeWeights) -> tuple[int, int, int]:
         t = getattr(w, name)
         C.dtype(op, name, t, dtype, note=hint)
         C.shape(op, name, t, shape, f" (the prepared layout){hint}")
-    if N % 64:
-        raise C.error(op, f"the intermediate size N = {N} must be a multiple of 64")
+    if N % TILE:
+        raise C.error(op, f"the intermediate size N = {N} must be a multiple of {TILE} (pass the output of "
+                          "dsv4.prepare_nvfp4_moe_weights, which pads it)")
     return E, N, K
+
+
+def _check_stacked(op: str, w13, w13_scale, w2, w2_scale) -> tuple[int, int, int]:
+    """Validates vLLM's stacked NVFP4 expert codes and block scales (dsv4.formats.nvfp4:
+    w13 uint8 [E, 2N, K/2], w13_scale float8_e4m3fn [E, 2N, K/16], w2 uint8 [E, K, N/2],
+    w2_scale float8_e4m3fn [E, K, N/16]; N and K positive multiples of 16, the NVFP4
+    block); returns (E, N, K). ``op``: the caller, named in the errors."""
+    for name, t, dtype in (("w13", w13, torch.uint8), ("w13_scale", w13_scale, torch.float8_e4m3fn),
+                           ("w2", w2, torch.uint8), ("w2_scale", w2_scale, torch.float8_e4m3fn)):
+        C.tensor(op, name, t)
+        if t.dtype != dtype or t.dim() != 3:
+            raise C.error(op, f"{name} must be a 3-D {dtype} tensor (vLLM stacked layout), got {t.dtype} "
+                              f"{tuple(t.shape)}")
+    E, two_n, half_k = w13.shape
+    N, K = two_n // 2, half_k * 2
+    if two_n % 2 or N == 0 or N % NVFP4_BLOCK or K == 0 or K % NVFP4_BLOCK:
+        raise C.error(op, f"w13 [E, 2N, K/2] needs the intermediate size N and the hidden size K to be positive "
+                          f"multiples of {NVFP4_BLOCK} (the NVFP4 block), got shape {tuple(w13.shape)} "
+                          f"(2N = {two_n}, K = {K})")
+    note = f" to match w13 {list(w13.shape)} (E = {E}, N = {N}, K = {K})"
+    C.shape(op, "w13_scale", w13_scale, (E, 2 * N, K // NVFP4_BLOCK), note)
+    C.shape(op, "w2", w2, (E, K, N // 2), note)
+    C.shape(op, "w2_scale", w2_scale, (E, K, N // NVFP4_BLOCK), note)
+    for name, t in (("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
+        C.same_device(op, name, t, "w13", w13)
+    return E, N, K
+
+
+def _pad_halves(t: torch.Tensor, N: int, Np: int) -> torch.Tensor:
+    """[E, 2N, c] -> [E, 2Np, c]: gate rows 0..N-1 then zeros, up rows then zeros."""
+    E, c = t.shape[0], t.shape[2]
+    out = t.new_zeros(E, 2, Np, c)
+    out[:, :, :N] = t.reshape(E, 2, N, c)
+    return out.reshape(E, 2 * Np, c)
+
+
+def _pad_last(t: torch.Tensor, width: int) -> torch.Tensor:
+    """[..., c] -> [..., width], zeros after column c - 1."""
+    out = t.new_zeros(*t.shape[:-1], width)
+    out[..., : t.shape[-1]] = t
+    return out
+
+
+def pad_nvfp4_moe_weights(w13, w13_scale, w2, w2_scale, multiple: int = TILE) -> dict:
+    """Pads vLLM's stacked NVFP4 expert weights from intermediate size N to the next
+    multiple of ``multiple`` (default :data:`TILE`, the kernels' 64-row tile; V4.1-Flash
+    at tensor parallel 8: N = 2304 / 8 = 288 -> 320), as
+    ``dsv4.formats.mxfp4.pad_mxfp4_moe_weights`` does for MXFP4: gate rows N..Np-1 and
+    up rows N..Np-1 of w13 (each half padded at its end), columns N..Np-1 of w2.
+
+    Padded elements get code 0 (+0.0) and block scale 0 (e4m3 byte 0x00, +0.0): their
+    value ``0 * scale * g`` is 0 for any finite global scale g, so the global scales
+    (``w13_scale_2``, ``w2_scale_2``) need no change and are not taken. Scale 0 rather
+    than some nonzero scale: a zero code is 0 under any finite scale anyway, and 0 is what
+    vLLM's zero-filled padded parameters hold, what prepare already reads as "this block
+    is zero" (its codes stored as 0, scale byte 0, decoded by the kernels as 0:
+    csrc/moe/dequant.cuh) and what no scale statistic can mistake for a real block.
+
+    Exact: a padded intermediate column j computes gate = up = 0, so ``swiglu(0, 0) =
+    silu(min(0, L)) * clamp(0, -L, L) = 0``; in W4A4 its NVFP4 blocks (N and Np multiples
+    of 16) are whole zero blocks (scale 0, codes 0) and the real blocks are unchanged;
+    GEMM2 multiplies it by the zero column j of w2. The output [M, K] is the unpadded
+    math's: a product that is exactly 0 changes no fp32 partial sum. What can differ is
+    only where a kernel (or torch's matmul) cuts GEMM2's now longer sum into chunks, the
+    fp32 summation order (the float32 reference on padded vs unpadded weights: ~1e-7).
+
+    Args (vLLM layout, dsv4.formats.nvfp4; E experts, hidden K, intermediate N, both
+    positive multiples of 16):
+        w13: uint8 [E, 2N, K/2]; w13_scale: float8_e4m3fn [E, 2N, K/16];
+        w2: uint8 [E, K, N/2]; w2_scale: float8_e4m3fn [E, K, N/16].
+        multiple: a positive multiple of 16 (so the padded columns of w2 are whole
+            NVFP4 blocks).
+
+    Returns:
+        dict w13 uint8 [E, 2Np, K/2], w13_scale float8_e4m3fn [E, 2Np, K/16], w2 uint8
+        [E, K, Np/2], w2_scale float8_e4m3fn [E, K, Np/16] (new tensors on the inputs'
+        device; the inputs themselves when N is already a multiple).
+    """
+    op = "pad_nvfp4_moe_weights"
+    E, N, K = _check_stacked(op, w13, w13_scale, w2, w2_scale)
+    C.host_int(op, "multiple", multiple, lo=1)
+    if multiple % NVFP4_BLOCK:
+        raise C.error(op, f"multiple must be a multiple of {NVFP4_BLOCK} (the NVFP4 block: w2's padded columns "
+                          f"are whole blocks), got {multiple}")
+    Np = -(-N // multiple) * multiple
+    if Np == N:
+        return dict(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale)
+    # scales padded as their bytes: byte 0 is e4m3 +0.0
+    return dict(
+        w13=_pad_halves(w13, N, Np),
+        w13_scale=_pad_halves(w13_scale.view(torch.uint8), N, Np).view(torch.float8_e4m3fn),
+        w2=_pad_last(w2, Np // 2),
+        w2_scale=_pad_last(w2_scale.view(torch.uint8), Np // NVFP4_BLOCK).view(torch.float8_e4m3fn))
 
 
 def prepare_nvfp4_moe_weights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2) -> Nvfp4MoeWeights:
     """One-time conversion of vLLM's stacked ModelOpt NVFP4 expert weights into the
-    layout the dsv4 MoE kernels read (a pure byte permutation; no value changes).
+    layout the dsv4 MoE kernels read (a byte permutation after zero padding; no value
+    changes).
 
     Args (vLLM layout, docs/design.md section 2; E experts, hidden K, intermediate N;
-    K and N multiples of 64):
+    K a multiple of 64, N a positive multiple of 16):
         w13: uint8 [E, 2N, K/2] (gate rows 0..N-1, up rows N..2N-1; low nibble = even element).
         w13_scale: float8_e4m3fn [E, 2N, K/16].
         w13_scale_2: float32 [E] or [E, 2] (gate, up) global scales; with [E, 2] each
@@ -216,17 +315,20 @@ def prepare_nvfp4_moe_weights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scal
         w2_scale_2: float32 [E].
 
     Returns:
-        :class:`Nvfp4MoeWeights` on the same device: each projection cut into 64x64
-        tiles (w13 rows interleaved per tile so gate and up of one column meet in one
-        thread), tile bytes ordered as the wgmma A fragments of the consumer threads,
-        code bits placed for a 1-3 instruction bf16 expansion, block scales
-        re-encoded as one byte whose bf16 form is one PRMT + one IMAD away
+        :class:`Nvfp4MoeWeights` on the same device, for the padded intermediate size
+        Np = N rounded up to a multiple of 64 (:func:`pad_nvfp4_moe_weights`: zero gate
+        and up rows, zero w2 columns, which add exactly nothing: the op's output is the
+        unpadded math's; V4.1-Flash at tensor parallel 8: 288 -> 320): each projection
+        cut into 64x64 tiles (w13 rows interleaved per tile so gate and up of one
+        column meet in one thread), tile bytes ordered as the wgmma A fragments of the
+        consumer threads, code bits placed for a 1-3 instruction bf16 expansion, block
+        scales re-encoded as one byte whose bf16 form is one PRMT + one IMAD away
         (this module's docstring; csrc/moe/params.cuh and dequant.cuh); w13_scale_2 as
         [E, 2]. Lossless: the dequantized values are unchanged (codes of blocks whose
         scale is 0 are stored as 0, which is the same value). Block scales must be
         finite and >= 0.
         Idempotent: passing a prepared set returns it unchanged (same tensors).
-        :func:`unprepare_nvfp4_moe_weights` inverts it.
+        :func:`unprepare_nvfp4_moe_weights` inverts it (giving the padded tensors).
         The prepared layout is internal to the dsv4 build that made it and changes with
         the kernels, without a version mark: prepare at load time (as the vLLM plugin
         does) and store checkpoints in the vLLM layout, never prepared sets.
@@ -236,40 +338,33 @@ def prepare_nvfp4_moe_weights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scal
         w = Nvfp4MoeWeights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
         check_prepared(op, w)
         return w
-    for name, t, dtype in (("w13", w13, torch.uint8), ("w13_scale", w13_scale, torch.float8_e4m3fn),
-                           ("w2", w2, torch.uint8), ("w2_scale", w2_scale, torch.float8_e4m3fn)):
-        C.tensor(op, name, t)
-        if t.dtype != dtype or t.dim() != 3:
-            raise C.error(op, f"{name} must be a 3-D {dtype} tensor (vLLM stacked layout), got {t.dtype} "
-                              f"{tuple(t.shape)}")
-    E, two_n, half_k = w13.shape
-    N, K = two_n // 2, half_k * 2
-    if two_n % 128 or K % 64:
-        raise C.error(op, f"w13 [E, 2N, K/2] needs N and K multiples of 64, got shape {tuple(w13.shape)}")
-    C.shape(op, "w13_scale", w13_scale, (E, 2 * N, K // 16), " to match w13")
-    C.shape(op, "w2", w2, (E, K, N // 2), " to match w13")
-    C.shape(op, "w2_scale", w2_scale, (E, K, N // 16), " to match w13")
+    E, N, K = _check_stacked(op, w13, w13_scale, w2, w2_scale)
+    if K % TILE:
+        raise C.error(op, f"the hidden size K = {K} must be a multiple of {TILE} (the MoE kernels' K tile), got "
+                          f"w13 shape {tuple(w13.shape)}")
     for name, t, shapes in (("w13_scale_2", w13_scale_2, ((E,), (E, 2))), ("w2_scale_2", w2_scale_2, ((E,),))):
         C.tensor(op, name, t)
         if t.dtype != torch.float32 or tuple(t.shape) not in shapes:
             want = " or ".join(str(list(x)) for x in shapes)
             raise C.error(op, f"{name} must be float32 {want}, got {t.dtype} {tuple(t.shape)}")
-    for name, t in (("w13_scale", w13_scale), ("w13_scale_2", w13_scale_2), ("w2", w2), ("w2_scale", w2_scale),
-                    ("w2_scale_2", w2_scale_2)):
         C.same_device(op, name, t, "w13", w13)
     g13 = w13_scale_2 if w13_scale_2.dim() == 2 else w13_scale_2.unsqueeze(1).expand(E, 2)
     for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
         v = t.float()
         if bool(((v < 0) | ~torch.isfinite(v)).any()):
             raise C.error(op, f"{name} must hold finite non-negative block scales")
+    p = pad_nvfp4_moe_weights(w13, w13_scale, w2, w2_scale, multiple=TILE)
     return Nvfp4MoeWeights(
-        _tile_codes(w13, w13_scale, True), _tile_scales(w13_scale, True), g13.contiguous().clone(),
-        _tile_codes(w2, w2_scale, False), _tile_scales(w2_scale, False), w2_scale_2.contiguous().clone())
+        _tile_codes(p["w13"], p["w13_scale"], True), _tile_scales(p["w13_scale"], True), g13.contiguous().clone(),
+        _tile_codes(p["w2"], p["w2_scale"], False), _tile_scales(p["w2_scale"], False), w2_scale_2.contiguous().clone())
 
 
 def unprepare_nvfp4_moe_weights(weights: Nvfp4MoeWeights) -> dict:
     """Inverse of :func:`prepare_nvfp4_moe_weights`: the vLLM stacked layout
-    (dict w13, w13_scale, w13_scale_2 [E, 2], w2, w2_scale, w2_scale_2)."""
+    (dict w13, w13_scale, w13_scale_2 [E, 2], w2, w2_scale, w2_scale_2) of the prepared
+    set's N, i.e. with the zero rows and columns of :func:`pad_nvfp4_moe_weights` when
+    prepare padded N (``w13[:, :N]`` / ``w13[:, Np:Np + N]`` and ``w2[..., :N/2]`` are the
+    original tensors)."""
     w = Nvfp4MoeWeights(*weights)
     check_prepared("unprepare_nvfp4_moe_weights", w)
     return {

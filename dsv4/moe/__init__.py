@@ -4,7 +4,8 @@ call (:func:`routed_moe`) that dispatches to the op of the weights' format and a
 mode (the one table of those: ``dsv4.moe.modes``):
 
 * NVFP4, "bf16" (W4A16) or "nvfp4" (W4A4): :func:`dsv4.nvfp4_moe` (``dsv4.moe.nvfp4``,
-  op dsv4::nvfp4_moe, csrc/moe/nvfp4_moe.cu);
+  op dsv4::nvfp4_moe, csrc/moe/nvfp4_moe.cu), N padded with zeros to the kernels' 64-row
+  tile (``dsv4.formats.nvfp4_moe_layout.pad_nvfp4_moe_weights``; 288 -> 320);
 * MXFP4, "fp8" (W4A8, vLLM 0.33.0's Hopper numerics): :func:`dsv4.mxfp4_moe`
   (``dsv4.moe.mxfp4``, op dsv4::mxfp4_moe, csrc/moe/mxfp4_moe.cu);
 * MXFP4, "bf16" (W4A16): prepare folds each block's e8m0 exponent into NVFP4 e4m3 block
@@ -156,7 +157,8 @@ def prepare_moe_weights(w13, w13_scale, w2, w2_scale, *, w13_scale_2=None, w2_sc
 
     Returns:
         :class:`MoeWeights`. See :func:`prepare_nvfp4_moe_weights` and
-        :func:`prepare_mxfp4_moe_weights` for what each does.
+        :func:`prepare_mxfp4_moe_weights` for what each does. Both pad N with zeros where
+        their kernels need it (``report``: "N" as given, "N_padded" as prepared).
     """
     op = "prepare_moe_weights"
     fmt = _detect_format(op, w13_scale, format)
@@ -168,9 +170,10 @@ def prepare_moe_weights(w13, w13_scale, w2, w2_scale, *, w13_scale_2=None, w2_sc
             raise C.error(op, f'activation must be "bf16" (W4A16) or "nvfp4" (W4A4) for NVFP4 weights, got '
                               f'{activation!r}')
         w = prepare_nvfp4_moe_weights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
-        E, N, K = check_prepared(op, w)
+        E, Np, K = check_prepared(op, w)
+        N = Np if w.w13 is w13 else w13.shape[1] // 2  # a prepared set came in: only its padded N is known
         return MoeWeights("nvfp4", activation, w, {"format": "nvfp4", "activation": activation, "E": E, "N": N,
-                                                   "N_padded": N, "K": K, "inexact_blocks": 0})
+                                                   "N_padded": Np, "K": K, "inexact_blocks": 0})
     if w13_scale_2 is not None or w2_scale_2 is not None:
         raise C.error(op, "MXFP4 weights have no global scales: w13_scale_2 and w2_scale_2 must be None")
     if activation is None:

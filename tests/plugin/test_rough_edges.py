@@ -198,6 +198,24 @@ def test_mxfp4_only_refusals(plugin, monkeypatch):
     assert "tensor-parallel size" in str(ei.value) and "DSV4_MOE=0" in str(ei.value)
 
 
+def test_per_rank_n_by_scale_block(plugin):
+    """The per-rank N each format's scales can tile: NVFP4 any multiple of 16 (288, V4.1-
+    Flash at TP 8, and 144 at TP 16 run: prepare pads them with zeros to 320 / 192),
+    MXFP4 of 32; anything else is refused at construction with one line, not a crash
+    in prepare (V4.1-Flash at TP 32: 72)."""
+    from dsv4_plugin.moe import DSV4MoEUnsupportedError, check_supported
+
+    for n in (288, 144, 80):
+        check_supported(*_feature_cfg(n=n), "nvfp4")
+    check_supported(*_feature_cfg(n=288), "mxfp4")
+    for fmt, n, block in (("nvfp4", 72, 16), ("nvfp4", 40, 16), ("mxfp4", 80, 32)):
+        with pytest.raises(DSV4MoEUnsupportedError) as ei:
+            check_supported(*_feature_cfg(n=n), fmt)
+        msg = str(ei.value)
+        assert msg.startswith(f"dsv4 {fmt.upper()} MoE does not support a per-rank expert intermediate size of {n} (")
+        assert f"multiples of {block}" in msg and "DSV4_MOE=0" in msg and "\n" not in msg
+
+
 def test_refusal_happens_while_the_real_model_is_built(plugin, monkeypatch):
     """Sleep mode on the real V4 model: refused at the first routed-expert layer;
     with DSV4_MOE=0 the same model builds with vLLM's MoE and dsv4 attention."""
