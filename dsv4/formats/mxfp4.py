@@ -42,7 +42,7 @@ import torch
 
 from .. import _checks as C
 from ._float import ceil_log2, pow2
-from .nvfp4 import E2M1_MAX, e2m1_to_float, pack_fp4, round_to_e2m1, unpack_fp4
+from .nvfp4 import E2M1_MAX, e2m1_to_float, pack_fp4, pad_columns, pad_gate_up_rows, round_to_e2m1, unpack_fp4
 
 
 MXFP4_BLOCK = 32
@@ -190,20 +190,8 @@ def pad_mxfp4_moe_weights(w13, w13_scale, w2, w2_scale, multiple: int = 64) -> d
     Np = -(-N // multiple) * multiple
     if Np == N:
         return dict(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2)
-
-    def pad_rows(t):  # [E, 2N, c] -> [E, 2Np, c], each half padded at its end
-        halves = t.reshape(E, 2, N, t.shape[-1])
-        out = t.new_zeros(E, 2, Np, t.shape[-1])
-        out[:, :, :N] = halves
-        return out.reshape(E, 2 * Np, t.shape[-1])
-
-    def pad_cols(t, width):
-        out = t.new_zeros(*t.shape[:-1], width)
-        out[..., : t.shape[-1]] = t
-        return out
-
-    return dict(w13=pad_rows(w13), w13_scale=pad_rows(s13), w2=pad_cols(w2, Np // 2),
-                w2_scale=pad_cols(s2, Np // MXFP4_BLOCK))
+    return dict(w13=pad_gate_up_rows(w13, N, Np), w13_scale=pad_gate_up_rows(s13, N, Np), w2=pad_columns(w2, Np // 2),
+                w2_scale=pad_columns(s2, Np // MXFP4_BLOCK))
 
 
 def random_mxfp4_moe_weights(E: int, N: int, K: int, *, generator: Optional[torch.Generator] = None,

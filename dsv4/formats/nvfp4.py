@@ -237,6 +237,23 @@ def quantize_nvfp4_weight(w: torch.Tensor):
     return weight, weight_scale, scale_2
 
 
+def pad_gate_up_rows(t: torch.Tensor, N: int, Np: int) -> torch.Tensor:
+    """The stacked experts' w13 layout [E, 2N, c] (gate rows 0..N-1, then up rows) ->
+    [E, 2Np, c] with each half padded at its end by zero bytes (vLLM's padded
+    parameters; used by the NVFP4 and MXFP4 padding steps)."""
+    E, c = t.shape[0], t.shape[2]
+    out = t.new_zeros(E, 2, Np, c)
+    out[:, :, :N] = t.reshape(E, 2, N, c)
+    return out.reshape(E, 2 * Np, c)
+
+
+def pad_columns(t: torch.Tensor, width: int) -> torch.Tensor:
+    """[..., c] -> [..., width], zero bytes after column c - 1 (w2's padded N)."""
+    out = t.new_zeros(*t.shape[:-1], width)
+    out[..., : t.shape[-1]] = t
+    return out
+
+
 def stack_modelopt_experts(experts: list[dict]) -> dict:
     """Stacks per-expert ModelOpt NVFP4 tensors into the vLLM MoE layout.
 

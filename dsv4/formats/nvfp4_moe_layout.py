@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 
 from .. import _checks as C
-from .nvfp4 import NVFP4_BLOCK, pack_fp4, unpack_fp4
+from .nvfp4 import NVFP4_BLOCK, pack_fp4, pad_columns, pad_gate_up_rows, unpack_fp4
 
 __all__ = ["Nvfp4MoeWeights", "prepare_nvfp4_moe_weights", "unprepare_nvfp4_moe_weights", "pad_nvfp4_moe_weights",
            "is_prepared", "check_prepared", "TILE"]
@@ -231,21 +231,6 @@ def _check_stacked(op: str, w13, w13_scale, w2, w2_scale) -> tuple[int, int, int
     return E, N, K
 
 
-def _pad_halves(t: torch.Tensor, N: int, Np: int) -> torch.Tensor:
-    """[E, 2N, c] -> [E, 2Np, c]: gate rows 0..N-1 then zeros, up rows then zeros."""
-    E, c = t.shape[0], t.shape[2]
-    out = t.new_zeros(E, 2, Np, c)
-    out[:, :, :N] = t.reshape(E, 2, N, c)
-    return out.reshape(E, 2 * Np, c)
-
-
-def _pad_last(t: torch.Tensor, width: int) -> torch.Tensor:
-    """[..., c] -> [..., width], zeros after column c - 1."""
-    out = t.new_zeros(*t.shape[:-1], width)
-    out[..., : t.shape[-1]] = t
-    return out
-
-
 def pad_nvfp4_moe_weights(w13, w13_scale, w2, w2_scale, multiple: int = TILE) -> dict:
     """Pads vLLM's stacked NVFP4 expert weights from intermediate size N to the next
     multiple of ``multiple`` (default :data:`TILE`, the kernels' 64-row tile; V4.1-Flash
@@ -292,10 +277,10 @@ def pad_nvfp4_moe_weights(w13, w13_scale, w2, w2_scale, multiple: int = TILE) ->
         return dict(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale)
     # scales padded as their bytes: byte 0 is e4m3 +0.0
     return dict(
-        w13=_pad_halves(w13, N, Np),
-        w13_scale=_pad_halves(w13_scale.view(torch.uint8), N, Np).view(torch.float8_e4m3fn),
-        w2=_pad_last(w2, Np // 2),
-        w2_scale=_pad_last(w2_scale.view(torch.uint8), Np // NVFP4_BLOCK).view(torch.float8_e4m3fn))
+        w13=pad_gate_up_rows(w13, N, Np),
+        w13_scale=pad_gate_up_rows(w13_scale.view(torch.uint8), N, Np).view(torch.float8_e4m3fn),
+        w2=pad_columns(w2, Np // 2),
+        w2_scale=pad_columns(w2_scale.view(torch.uint8), Np // NVFP4_BLOCK).view(torch.float8_e4m3fn))
 
 
 def prepare_nvfp4_moe_weights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2) -> Nvfp4MoeWeights:
