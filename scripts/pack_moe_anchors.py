@@ -18,36 +18,21 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
-import lzma
 import os
 import shutil
 import subprocess
 import sys
-import tarfile
 import zipfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run by path
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..")]  # run by path: the sibling script and dsv4
 
 from dsv4.bench.anchors import (HUMMING_VERSION, MANIFEST, MOE_C_FILES, VLLM_C_FILES, VLLM_VERSION,  # noqa: E402
                                 fetch)
+from pack_vllm_for_device import LEFT_OUT, _xz_tar  # noqa: E402  (the serve pack's tree rule and tar.xz)
 
 PART = 34_000_000  # bytes of the libraries' xz per part: three parts, each call's carry well under 64 MiB
-SKIP = (".so", "vllm/vllm-rs")  # compiled files and the Rust frontend are not needed by vllm_py
-SKIP_DIRS = ("vllm/third_party/fmha_sm100/",)  # SM100-only sources
-
-
-def _tar_xz(members, path: str) -> None:
-    """members: [(name, bytes)] -> an xz-compressed tar at path (preset 9, threads: all)."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as t:
-        for name, data in members:
-            ti = tarfile.TarInfo(name)
-            ti.size, ti.mode = len(data), 0o644
-            t.addfile(ti, io.BytesIO(data))
-    with open(path, "wb") as f:
-        f.write(lzma.compress(buf.getvalue(), preset=9))
 
 
 def main(argv=None) -> int:
@@ -74,16 +59,15 @@ def main(argv=None) -> int:
         for p in parts:
             os.makedirs(p)
         fetch(os.path.join(parts[0], "anc"), wheel_dir=wheel_dir)  # FlashMLA + humming, ~6 MB
-        manifest = ("va/" + MANIFEST, json.dumps({"versions": {"vllm": VLLM_VERSION}}).encode())
+        manifest = ("va/" + MANIFEST, json.dumps({"versions": {"vllm": VLLM_VERSION}}).encode(), 0o644)
         with zipfile.ZipFile(os.path.join(wheel_dir, whl[0])) as z:
-            names = z.namelist()
-            libs = [manifest] + [("va/" + n, z.read(n)) for n in MOE_C_FILES + VLLM_C_FILES]
-            tree = [manifest] + [("va/" + n, z.read(n)) for n in names
-                                 if (n.startswith("vllm/") or n.startswith(f"vllm-{VLLM_VERSION}.dist-info/"))
-                                 and not n.endswith(SKIP) and not n.startswith(SKIP_DIRS)]
-        _tar_xz(tree, os.path.join(parts[2], "vtree.tar.xz"))
+            libs = [manifest] + [("va/" + n, z.read(n), 0o644) for n in MOE_C_FILES + VLLM_C_FILES]
+            # the Python tree: scripts/pack_vllm_for_device.py's rule (no compiled file, nothing of LEFT_OUT)
+            tree = [manifest] + [("va/" + i.filename, z.read(i), 0o644) for i in z.infolist()
+                                 if not i.filename.endswith(("/", ".so")) and not i.filename.startswith(LEFT_OUT)]
+        _xz_tar(tree, os.path.join(parts[2], "vtree.tar.xz"))
         lib_xz = os.path.join(args.out, "vl.tar.xz")
-        _tar_xz(libs, lib_xz)
+        _xz_tar(libs, lib_xz)
         data = open(lib_xz, "rb").read()
         os.remove(lib_xz)
         if len(data) > 3 * PART:
