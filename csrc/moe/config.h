@@ -141,7 +141,7 @@ inline Nvfp4MoeConfig get_best_config(const Nvfp4MoeShape& c, int64_t cta_mode, 
                                       const env::Switches& o) {
   Nvfp4MoeConfig cfg{};
   const int64_t S = c.M * c.topk;
-  cfg.block_n = pick_block_n(c.M, c.topk, c.E_global);
+  cfg.block_n = o.moe_block_n.value_or(pick_block_n(c.M, c.topk, c.E_global));
   // Every local slot in a tile; at most one partly filled tile per busy expert.
   const int64_t busy = std::min<int64_t>(c.E, S);
   cfg.max_tiles = int(std::max<int64_t>(1, (S + busy * (cfg.block_n - 1)) / cfg.block_n));
