@@ -187,7 +187,7 @@ needs_extension = pytest.mark.skipif(not dsv4._ops.HAS_CUDA_EXTENSION,
 # dsv4_testing::nvfp4_moe_config's result, in order (Nvfp4MoeConfig's fields, config.h)
 NVFP4_CONFIG_FIELDS = ("block_n", "max_tiles", "multi_cta_route", "splitk", "gemm1_ctas", "gemm2_ctas", "sk_ctas",
                        "direct_x", "ws", "cluster", "ws_ctas", "pdl", "gather_ctas", "combine_ctas")
-OVERRIDE_KEYS = ("ws", "splitk", "direct_x", "pdl")  # the op's override order (DSV4_MOE_WS, ...)
+OVERRIDE_KEYS = ("ws", "splitk", "direct_x", "pdl", "block_n")  # the op's override order (DSV4_MOE_WS, ...)
 # Device facts: SMs, per token tile (split-K GEMM1, split-K GEMM2, classic GEMM1) CTAs
 # per SM, CTAs of the 2-CTA prefill grid. Made up, near what an H200 reports, plus a
 # device where no 2-CTA cluster fits.
@@ -203,14 +203,20 @@ def _nvfp4_config(M, K, N, E, E_global, topk, activation="bf16", cta_mode=0, dev
     return dict(zip(NVFP4_CONFIG_FIELDS, got))
 
 
+def _nvfp4_block_n(per_expert: float, N: int) -> int:
+    """config.h pick_block_n with nvfp4_max16: 8 up to 4 tokens per expert, 16 up to 20
+    (36 where N <= 512), 64 above."""
+    return 8 if per_expert <= 4 else 16 if per_expert <= (36 if N <= 512 else 20) else 64
+
+
 def _expected_full(M, K, N, E, E_global, topk, activation, cta_mode, device, **overrides) -> dict:
     """Every field of the config by the rules written out (config.h), overrides applied."""
     S = M * topk
-    bn = 8 if S / E_global <= 4 else 16 if S / E_global <= 24 else 64
+    bn = overrides.get("block_n") or _nvfp4_block_n(S / E_global, N)
     occ = device["occ"][bn]
     c = dict(M=M, topk=topk, E=E, E_global=E_global, K=K, N=N, activation=activation, cta_mode=cta_mode,
              classic1=occ[2], sms=device["sms"])
-    e = _expected_config(c)
+    e = _expected_config(c, overrides.get("block_n"))
     if overrides.get("splitk") is not None:
         e["splitk"] = int(overrides["splitk"])
     if overrides.get("direct_x") is not None:
@@ -257,7 +263,9 @@ def test_nvfp4_config_follows_the_rules(shape, activation, cta_mode):
 @needs_extension
 @pytest.mark.parametrize("override", [dict(splitk=True), dict(splitk=False), dict(ws=True), dict(ws=False),
                                       dict(direct_x=False), dict(direct_x=True), dict(pdl=False), dict(pdl=True),
-                                      dict(ws=True, splitk=True, pdl=False)], ids=str)
+                                      dict(ws=True, splitk=True, pdl=False), dict(block_n=8), dict(block_n=16),
+                                      dict(block_n=64), dict(block_n=16, splitk=False), dict(block_n=64, ws=True)],
+                         ids=str)
 def test_nvfp4_config_overrides(override):
     for M in (1, 7, 64, 512, 2048, 4096, 16384):
         for activation in ("bf16", "nvfp4"):
@@ -286,6 +294,10 @@ def test_nvfp4_config_plain_cases():
     assert _nvfp4_config(16384, *flash)["multi_cta_route"] == 1
     assert _nvfp4_config(1365, *flash)["multi_cta_route"] == 0  # 8190 slots
     assert _nvfp4_config(1366, *flash)["multi_cta_route"] == 1  # 8196 slots
+    # the 16-token tile up to 20 expected tokens per expert, up to 36 where N <= 512
+    assert [_nvfp4_config(M, *flash)["block_n"] for M in (853, 854)] == [16, 64]  # 19.99, 20.02
+    tp8 = (5120, 320, 384, 384, 6)  # V4.1-Flash at tensor parallel 8, N = 288 padded to 320
+    assert [_nvfp4_config(M, *tp8)["block_n"] for M in (2048, 2304, 2305)] == [16, 16, 64]  # 32, 36, 36.02
 
 
 @needs_extension
@@ -301,6 +313,9 @@ def test_nvfp4_config_refusals():
                                            "tiles, got 65536"):
         _nvfp4_config(M, 128, 64, 1, 1, 1, ws=False)
     assert _nvfp4_config(M, 128, 64, 1, 1, 1)["ws"] == 1  # the persistent grid has no such bound
+    with pytest.raises(RuntimeError, match="dsv4_testing::nvfp4_moe_config: the block_n override is 8, 16, 64 or -1, "
+                                           "got 32"):
+        _nvfp4_config(2048, 4096, 2048, 32, 256, 6, block_n=32)
 
 
 # sms; split-K GEMM1, GEMM2, classic GEMM1 CTAs per SM at 8, 16, 64 tokens
@@ -312,7 +327,7 @@ def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=Non
                     resident=None, fused=None, pairs=None):
     """mxfp4_moe's get_best_config, written out (csrc/moe/config.h)."""
     S, per_expert = M * topk, M * topk / Eg
-    bn = block_n or (8 if per_expert <= 4 else 16 if per_expert <= 24 else 64)
+    bn = block_n or (8 if per_expert <= 4 else 16 if per_expert <= 16 else 64)  # config.h kMxfp4Max16
     i = MX_BLOCK_NS.index(bn)
     occ = device[1 + 3 * i:4 + 3 * i]
     touched = E * (1 - (1 - 1 / E) ** (S * E / Eg))
@@ -367,7 +382,7 @@ def test_mxfp4_config():
     # the token tile grows with the expected tokens per local expert (M * 6 / 256 here)
     assert config([1, 4096, 2048, 32, 256, 6], MX_DEVICE, [-1, -1, -1, -1, -1])[3] == 1
     assert [config([M, 4096, 2048, 32, 256, 6], MX_DEVICE, [-1, -1, -1, -1, -1])[0]
-            for M in (170, 171, 1024, 1025, 16384)] == [8, 16, 16, 64, 64]
+            for M in (170, 171, 682, 683, 16384)] == [8, 16, 16, 64, 64]
     assert config([4096, 4096, 2048, 32, 256, 6], MX_DEVICE, [-1, -1, -1, -1, -1])[:4] == [64, 415, 1, 0]
     with pytest.raises(RuntimeError, match="dsv4: mxfp4_moe's GEMM grid takes at most 65535 token tiles, got 65536"):
         config([65535 * 16 + 1, 128, 64, 1, 1, 1], MX_DEVICE, [0, -1, 16, -1, -1])
@@ -538,10 +553,10 @@ PRINT_CASES = [  # (model, M, activation, cta_mode, expert_map?)
 ]
 
 
-def _expected_config(c: dict) -> dict:
+def _expected_config(c: dict, block_n: int | None = None) -> dict:
     M, topk, E, Eg, N = c["M"], c["topk"], c["E"], c["E_global"], c["N"]
     S, per_expert = M * topk, M * topk / Eg
-    bn = 8 if per_expert <= 4 else 16 if per_expert <= 24 else 64
+    bn = block_n or _nvfp4_block_n(per_expert, N)
     touched = E * (1 - (1 - 1 / E) ** (S * E / Eg))
     splitk = bn <= 16 and touched * (2 * N // 64) < c["classic1"] * c["sms"]
     ws = bn == 64 and not splitk and (c["cta_mode"] != 0 or per_expert >= 60)
@@ -668,6 +683,13 @@ def child_override(which: str) -> None:
         vs_ref(F, 64, "uniform", True, 10.0, "bf16", "auto")
         vs_ref(F, 1, "uniform", True, None, "bf16", "auto")
         t.test_gpu_odd_k_steps("bf16", 5)
+    elif which == "bn16":  # the 16-token tile at prefill sizes (48 and 32 tokens per expert)
+        vs_ref(F, 2048, "uniform", True, 10.0, "bf16", "auto")
+        vs_ref(F, 2048, "uniform", True, None, "nvfp4", "auto")
+        vs_ref(P, 2048, "uniform", True, 10.0, "bf16", "auto")
+    elif which == "bn64":  # the 64-token tile at decode sizes (1.5 tokens per expert)
+        vs_ref(F, 64, "uniform", True, 10.0, "bf16", "auto")
+        vs_ref(F, 64, "uniform", True, None, "nvfp4", "auto")
     else:
         raise ValueError(which)
     torch.cuda.synchronize()
@@ -682,6 +704,8 @@ def child_override(which: str) -> None:
     ({"DSV4_MOE_PDL": "1"}, "pdl1", {"pdl": 1}),
     ({"DSV4_MOE_DIRECT_X": "0"}, "direct_x", {"direct_x": 0}),
     ({"DSV4_MOE_DIRECT_X": "1"}, "direct_x", {"direct_x": 1}),
+    ({"DSV4_MOE_BLOCK_N": "16"}, "bn16", {"block_n": 16, "ws": 0}),
+    ({"DSV4_MOE_BLOCK_N": "64"}, "bn64", {"block_n": 64, "splitk": 0}),
 ], ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else None)
 def test_override_vs_reference(env, which, expect):
     configs = _configs(_child({**env, "DSV4_PRINT_CONFIG": "1"}, "child_override", which).stderr)

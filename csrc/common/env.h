@@ -43,7 +43,7 @@ inline std::optional<int> parse_int_choice(const char* name, const char* value, 
 
 struct Switches {
   // MoE kernel choice (csrc/moe/config.h, get_best_config; split-K, PDL and the token tile
-  // serve both ops, each other switch the op its comment names); unset: automatic.
+  // serve both ops, WS and DIRECT_X nvfp4_moe, the others mxfp4_moe); unset: automatic.
   std::optional<bool> moe_ws;        // DSV4_MOE_WS: the warp-specialized prefill GEMMs at 64-token tiles
   std::optional<bool> moe_splitk;    // DSV4_MOE_SPLITK: the split-K persistent GEMM grid
   std::optional<bool> moe_direct_x;  // DSV4_MOE_DIRECT_X: 0 keeps the gather kernel in bf16 decode

@@ -65,15 +65,29 @@ struct Nvfp4MoeConfig {
   int gather_ctas, combine_ctas;
 };
 
-// Token tile of the grouped GEMMs from shapes only: expected tokens per local
-// expert under uniform routing over the global experts. 64 is the prefill tile (the
-// warp-specialized kernel groups up to three of them into one unit).
-inline int pick_block_n(int64_t M, int64_t topk, int64_t E_global) {
+// Token tile of the grouped GEMMs from shapes only: expected tokens per local expert
+// under uniform routing over the global experts, 8 up to 4, 16 up to the op's max16, 64
+// above. 64 is the prefill tile (NVFP4's warp-specialized kernel groups up to three of
+// them into one unit). Each op's max16 is where its 64-token kernels overtook its
+// 16-token ones when both tiles were timed side by side at every model's shape on an
+// H100 (docs/perf-history/2026-12-06-moe-token-tile-crossover.md).
+inline int pick_block_n(int64_t M, int64_t topk, int64_t E_global, double max16) {
   const double per_expert = double(M) * double(topk) / double(E_global);
   if (per_expert <= 4.0) return 8;
-  if (per_expert <= 24.0) return 16;
+  if (per_expert <= max16) return 16;
   return 64;
 }
+
+// nvfp4_moe's max16: crossovers at 19-22 tokens per expert at the expert-parallel shapes
+// (N = 2048-3072), ~37 at V4.1-Flash tensor parallel 8 (N = 288, padded to 320). There the
+// 64-token GEMM2 (K = N: 5 K steps) reads its 64-row bf16 token tile again for every
+// 64-column weight tile, which the short K cannot amortize (ncu: 45,600 CTAs, DRAM at
+// 45%); a 16-token tile reads a quarter of it.
+inline double nvfp4_max16(int64_t N) { return N <= 512 ? 36.0 : 20.0; }
+
+// mxfp4_moe's max16: crossovers at 16 tokens per expert at V4-Pro, V4.1-Flash local-48
+// and tensor parallel 8, ~20 at V4-Flash local-32 (the 16-token tile 6% faster at 18).
+constexpr double kMxfp4Max16 = 16.0;
 
 // Above this many slots (M * k) the routing runs on many CTAs (moe_count_kernel); below
 // it one CTA is faster (one launch instead of three, plus a memset).
@@ -141,7 +155,7 @@ inline Nvfp4MoeConfig get_best_config(const Nvfp4MoeShape& c, int64_t cta_mode, 
                                       const env::Switches& o) {
   Nvfp4MoeConfig cfg{};
   const int64_t S = c.M * c.topk;
-  cfg.block_n = o.moe_block_n.value_or(pick_block_n(c.M, c.topk, c.E_global));
+  cfg.block_n = o.moe_block_n.value_or(pick_block_n(c.M, c.topk, c.E_global, nvfp4_max16(c.N)));
   // Every local slot in a tile; at most one partly filled tile per busy expert.
   const int64_t busy = std::min<int64_t>(c.E, S);
   cfg.max_tiles = int(std::max<int64_t>(1, (S + busy * (cfg.block_n - 1)) / cfg.block_n));
@@ -248,7 +262,7 @@ inline int pick_gemm2_rows(int64_t G2, int64_t row_tiles) {
 }
 
 // The kernel choice, the NVFP4 op's rules where they apply: the token tile of
-// pick_block_n (8, 16, then 64 from 24 expected tokens per local expert; tiles of 32 and
+// pick_block_n (8, 16, then 64 above kMxfp4Max16 expected tokens per local expert; tiles of 32 and
 // 128 rows measured slower than 64 at every prefill size of the three models,
 // docs/perf-history/2026-12-04-mxfp4-w4a8-token-tiles.md; DSV4_MOE_BLOCK_N overrides),
 // split-K by splitk_by_items with this op's occupancy (decode tiles only), PDL on; at
@@ -262,7 +276,7 @@ inline int pick_gemm2_rows(int64_t G2, int64_t row_tiles) {
 inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceFacts& d, const env::Switches& o) {
   Mxfp4MoeConfig cfg{};
   const int64_t S = c.M * c.topk;
-  cfg.block_n = o.moe_block_n.value_or(pick_block_n(c.M, c.topk, c.E_global));
+  cfg.block_n = o.moe_block_n.value_or(pick_block_n(c.M, c.topk, c.E_global, kMxfp4Max16));
   const int64_t busy = std::min<int64_t>(c.E, S);
   cfg.max_tiles = int(std::max<int64_t>(1, (S + busy * (cfg.block_n - 1)) / cfg.block_n));
   cfg.multi_cta_route = S > kMultiCtaRouteSlots;

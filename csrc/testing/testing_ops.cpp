@@ -24,6 +24,13 @@ int64_t as_int(std::optional<bool> v) { return v.has_value() ? int64_t(*v) : -1;
 
 std::optional<bool> as_switch(int64_t v) { return v < 0 ? std::nullopt : std::optional<bool>(v != 0); }
 
+// A token tile override: -1 unset, else 8, 16 or 64 (DSV4_MOE_BLOCK_N's values).
+std::optional<int> as_block_n(int64_t v, const char* op) {
+  if (v < 0) return std::nullopt;
+  TORCH_CHECK(v == 8 || v == 16 || v == 64, "dsv4_testing::", op, ": the block_n override is 8, 16, 64 or -1, got ", v);
+  return int(v);
+}
+
 // -1: unset or empty, 0 or 1; any other value raises the error an op call would.
 int64_t parse_env_switch(c10::string_view name, std::optional<c10::string_view> value) {
   const std::string n(name);
@@ -46,14 +53,15 @@ std::vector<int64_t> env_switches() {
 //   shape: [M, K, N, E, E_global, topk]; nvfp4: activation "nvfp4" (else "bf16");
 //   device: [sms, then per token tile 8, 16, 64 the resident split-K GEMM1, split-K GEMM2
 //     and classic GEMM1 CTAs per SM, then ws_grid2] (11 values, DeviceFacts);
-//   overrides: [DSV4_MOE_WS, DSV4_MOE_SPLITK, DSV4_MOE_DIRECT_X, DSV4_MOE_PDL], -1 = unset.
+//   overrides: [DSV4_MOE_WS, DSV4_MOE_SPLITK, DSV4_MOE_DIRECT_X, DSV4_MOE_PDL,
+//     DSV4_MOE_BLOCK_N], -1 = unset.
 // Returns [block_n, max_tiles, multi_cta_route, splitk, gemm1_ctas, gemm2_ctas, sk_ctas,
 // direct_x, ws, cluster, ws_ctas, pdl, gather_ctas, combine_ctas] (Nvfp4MoeConfig's
 // fields in order); an error get_best_config raises comes through as a RuntimeError.
 std::vector<int64_t> nvfp4_moe_config(c10::IntArrayRef shape, bool nvfp4, int64_t cta_mode, c10::IntArrayRef device,
                                       c10::IntArrayRef overrides) {
-  TORCH_CHECK(shape.size() == 6 && device.size() == 11 && overrides.size() == 4,
-              "dsv4_testing::nvfp4_moe_config: shape has 6 values, device 11, overrides 4");
+  TORCH_CHECK(shape.size() == 6 && device.size() == 11 && overrides.size() == 5,
+              "dsv4_testing::nvfp4_moe_config: shape has 6 values, device 11, overrides 5");
   const moe::Nvfp4MoeShape c{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], nvfp4};
   moe::DeviceFacts d{};
   d.sms = int(device[0]);
@@ -65,6 +73,7 @@ std::vector<int64_t> nvfp4_moe_config(c10::IntArrayRef shape, bool nvfp4, int64_
   o.moe_splitk = as_switch(overrides[1]);
   o.moe_direct_x = as_switch(overrides[2]);
   o.moe_pdl = as_switch(overrides[3]);
+  o.moe_block_n = as_block_n(overrides[4], "nvfp4_moe_config");
   const moe::Nvfp4MoeConfig g = moe::get_best_config(c, cta_mode, d, o);
   return {g.block_n,  g.max_tiles, g.multi_cta_route, g.splitk,  g.gemm1_ctas, g.gemm2_ctas,  g.sk_ctas,
           g.direct_x, g.ws,        g.cluster,         g.ws_ctas, g.pdl,        g.gather_ctas, g.combine_ctas};
@@ -90,11 +99,7 @@ std::vector<int64_t> mxfp4_moe_config(c10::IntArrayRef shape, c10::IntArrayRef d
   env::Switches o{};
   o.moe_splitk = as_switch(overrides[0]);
   o.moe_pdl = as_switch(overrides[1]);
-  if (overrides[2] >= 0) {
-    TORCH_CHECK(overrides[2] == 8 || overrides[2] == 16 || overrides[2] == 64,
-                "dsv4_testing::mxfp4_moe_config: the block_n override is 8, 16, 64 or -1, got ", overrides[2]);
-    o.moe_block_n = int(overrides[2]);
-  }
+  o.moe_block_n = as_block_n(overrides[2], "mxfp4_moe_config");
   if (overrides[3] >= 0) {
     TORCH_CHECK(overrides[3] == 1 || overrides[3] == 2 || overrides[3] == 4 || overrides[3] == 8,
                 "dsv4_testing::mxfp4_moe_config: the gemm2_rows override is 1, 2, 4, 8 or -1, got ", overrides[3]);
