@@ -245,7 +245,7 @@ def _grid_tiles(M, topk, E, E_global, bn, max_tiles):
 
 CONFIG_SHAPES = [  # (K, N, E, E_global, topk): V4-Flash / V4-Pro local shards, one expert, no map
     (4096, 2048, 32, 256, 6), (7168, 3072, 48, 384, 6), (4096, 256, 256, 256, 6), (128, 64, 1, 1, 1),
-    (5120, 320, 48, 384, 6),
+    (5120, 320, 48, 384, 6), (5120, 320, 384, 384, 6),
 ]
 
 
