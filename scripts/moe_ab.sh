@@ -3,7 +3,8 @@
 #   BUILDS="main=devrun/main.so branch=dsv4/_C.abi3.so" bash scripts/moe_ab.sh
 # For each build (NAME=PATH of a dsv4/_C.abi3.so, carried): the MXFP4 W4A8 routed_moe's
 # outputs on fixed cases (uniform routing with and without an expert map, skewed routing,
-# ue8m0 off, M = 1 to 8192) compared bit for bit with the first build's, then the dsv4-only
+# ue8m0 off, M = 1 to 8192) and NVFP4 nvfp4_moe's (both activation modes, decode and
+# 64-token tiles, tensor parallel 8) compared bit for bit with the first build's, then the dsv4-only
 # benchmark (python -m dsv4.bench moe, MXFP4 W4A8 and NVFP4; BENCH overrides its
 # arguments), one process per build. Results
 # under ${OUT:-/tmp}/ab; summary.txt printed last (with --profile in BENCH, each kernel's time
@@ -43,6 +44,26 @@ for name, M, kind in cases:
     kw = {} if emap is None else {"expert_map": emap}
     for ue8m0 in (True, False) if M in (64, 2048) and kind == "map" else (True,):
         res[(name, M, kind, ue8m0)] = routed_moe(x, ids, tw, p, ue8m0=ue8m0, **kw).cpu()
+# NVFP4 (nvfp4_moe): 64-token tiles partly and fully filled, decode tiles, both activation
+# modes, and V4.1-Flash at tensor parallel 8 (N = 288 padded to 320; 24 local experts of 384)
+import test_moe as nt
+for shape, M, act in (("FLASH", 5, "nvfp4"), ("FLASH", 64, "bf16"), ("FLASH", 1500, "bf16"), ("FLASH", 1500, "nvfp4"),
+                      ("PRO", 2048, "bf16"), ("FLASH", 4096, "bf16")):
+    w, p = nt._gpu_model(getattr(nt, shape))
+    x, ids, tw, emap = nt._case(getattr(nt, shape), M, "uniform", True, seed=M + 17)
+    res[("nvfp4", shape, M, act)] = nt.nvfp4_moe(x, ids, tw, p, **nt._call_kwargs(w, act, 10.0, emap)).cpu()
+from dsv4 import prepare_moe_weights
+w = nt._weights(24, 288, 5120, seed=288, device="cuda")
+for act in ("bf16", "nvfp4"):
+    m = prepare_moe_weights(*(w[k] for k in ("w13", "w13_scale", "w2", "w2_scale")), w13_scale_2=w["w13_scale_2"],
+                            w2_scale_2=w["w2_scale_2"], activation=act)
+    for M in (2048, 2500):
+        gen = torch.Generator().manual_seed(M)
+        x = (torch.randn(M, 5120, generator=gen) * 2.0).to(torch.bfloat16).cuda()
+        ids, tw = nt._routing(M, 6, 384, gen, "cuda")
+        emap = nt._expert_map(384, 24, gen, "cuda")
+        kw = {k: v for k, v in nt._call_kwargs(w, act, 10.0, emap).items() if k != "activation"}
+        res[("nvfp4", "TP8", M, act)] = routed_moe(x, ids, tw, m, **kw).cpu()
 torch.save(res, sys.argv[1])
 print("dumped", len(res), "outputs")
 PY
