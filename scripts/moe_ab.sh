@@ -4,8 +4,8 @@
 # For each build (NAME=PATH of a dsv4/_C.abi3.so, carried): the MXFP4 W4A8 routed_moe's
 # outputs on fixed cases (uniform routing with and without an expert map, skewed routing,
 # ue8m0 off, M = 1 to 8192) and NVFP4 nvfp4_moe's (both activation modes, decode and
-# 64-token tiles, tensor parallel 8) compared bit for bit with the first build's, then the dsv4-only
-# benchmark (python -m dsv4.bench moe, MXFP4 W4A8 and NVFP4; BENCH overrides its
+# 64-token tiles, tensor parallel 8) compared bit for bit with the first build's, then the
+# dsv4-only benchmark (python -m dsv4.bench moe, MXFP4 W4A8 and NVFP4; BENCH overrides its
 # arguments), one process per build. Results
 # under ${OUT:-/tmp}/ab; summary.txt printed last (with --profile in BENCH, each kernel's time
 # per build too: under PDL a kernel's time includes its wait for the one before it, so read

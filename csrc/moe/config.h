@@ -262,8 +262,8 @@ inline int pick_gemm2_rows(int64_t G2, int64_t row_tiles) {
 }
 
 // The kernel choice, the NVFP4 op's rules where they apply: the token tile of
-// pick_block_n (8, 16, then 64 above kMxfp4Max16 expected tokens per local expert; tiles of 32 and
-// 128 rows measured slower than 64 at every prefill size of the three models,
+// pick_block_n (8, 16, then 64 above kMxfp4Max16 expected tokens per local expert; tiles
+// of 32 and 128 rows measured slower than 64 at every prefill size of the three models,
 // docs/perf-history/2026-12-04-mxfp4-w4a8-token-tiles.md; DSV4_MOE_BLOCK_N overrides),
 // split-K by splitk_by_items with this op's occupancy (decode tiles only), PDL on; at
 // 64-token tiles on the classic grid, GEMM2 CTAs of pick_gemm2_rows weight tiles (and one

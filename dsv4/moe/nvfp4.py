@@ -169,10 +169,11 @@ def nvfp4_moe(
         cta_mode: "auto" (0), 1 or 2: the prefill GEMM kernel. At 64-token tiles (above
             20 expected tokens per local expert, 36 where N <= 512), 1 or 2 run the
             warp-specialized prefill kernel with single CTAs or with pairs of CTAs
-            that share each token tile by multicast; "auto" runs it with single CTAs (pairs measured 0.97-0.99x of
-            them) from 60 expected tokens per local expert and the one-warpgroup
-            kernel below 60 (docs/perf-history/2026-11-30-nvfp4-moe-prefill-ws.md).
-            Smaller sizes always run the 8- and 16-token kernels, whatever the mode.
+            that share each token tile by multicast; "auto" runs it with single CTAs
+            (pairs measured 0.97-0.99x of them) from 60 expected tokens per local
+            expert and the one-warpgroup kernel below 60
+            (docs/perf-history/2026-11-30-nvfp4-moe-prefill-ws.md). Smaller sizes
+            always run the 8- and 16-token kernels, whatever the mode.
         out: optional bf16 [M, K] output buffer.
         check_ids: check the id ranges on the host (one device sync; skipped while
             capturing a CUDA graph or compiling). Out-of-range ids are dropped by
