@@ -1,7 +1,9 @@
 #!/bin/bash
 # Attention variants side by side, one GPU call from the repo root (issue 34):
 #   VARIANTS="today=DSV4_ATTN_CROSSOVER=0 crossover=DSV4_ATTN_CROSSOVER=1" bash scripts/attn_ab.sh
-# For each variant (NAME=VAR=VALUE[,VAR=VALUE...], the first one the reference): one process of
+#   VARIANTS="main=so:/tmp/so/main.so branch=so:/tmp/so/branch.so" bash scripts/attn_ab.sh
+# For each variant (NAME=VAR=VALUE[,VAR=VALUE...], or NAME=so:PATH for another build of
+# dsv4/_C.abi3.so, carried; the first one the reference): one process of
 # scripts/attn_splits_sweep.py at the rule's split count (its cases: V4-Pro CSA / HCA at 4K
 # and 128K over B = 1-256, V4-Pro SWA, V4-Flash HCA / CSA 4K; FlashMLA in the same timed
 # call), the variables set in that process only. Then per case: dsv4 us per variant and
@@ -14,17 +16,23 @@ export DSV4_ANCHORS=${DSV4_ANCHORS:-.anchors}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 VARIANTS=${VARIANTS:?VARIANTS="NAME=VAR=VALUE[,VAR=VALUE] ..." names the variants; the first is the reference}
 BUDGET_S=${BUDGET_S:-150}; ITERS=${ITERS:-50}
-O=${OUT:-/tmp}/attn_ab; mkdir -p "$O"; S=$O/summary.txt; : > "$S"
+O=${OUT:-/tmp}/attn_ab; mkdir -p "$O"; S=$O/summary.txt; : > "$S"; rm -f "$O/tree.so"
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader >> "$S" 2>/dev/null
 git log -1 --format='tree %h %s' 2>/dev/null | cut -c1-100 >> "$S"
 names=()
 for v in $VARIANTS; do
   n=${v%%=*}; sets=${v#*=}; names+=("$n"); mkdir -p "$O/$n"
   deadline=$(( $(date +%s) + BUDGET_S - 25 ))
+  if [ "${sets#so:}" != "$sets" ]; then  # a build: its library for this process only
+    [ -f "$O/tree.so" ] || [ ! -f dsv4/_C.abi3.so ] || cp dsv4/_C.abi3.so "$O/tree.so"
+    cp "${sets#so:}" dsv4/_C.abi3.so; sets=
+  fi
   ( for kv in ${sets//,/ }; do export "$kv"; done
     timeout "$BUDGET_S" python scripts/attn_splits_sweep.py run --forced auto --sweep 1 --out "$O/$n" \
       --iters "$ITERS" --deadline "$deadline" ) > "$O/log_$n.txt" 2>&1
-  echo "variant $n ($sets): rc=$?, $(grep -c dsv4_us "$O/$n/forced_auto.jsonl" 2>/dev/null) cases" >> "$S"
+  rc=$?
+  [ -f "$O/tree.so" ] && cp "$O/tree.so" dsv4/_C.abi3.so
+  echo "variant $n (${sets:-${v#*=}}): rc=$rc, $(grep -c dsv4_us "$O/$n/forced_auto.jsonl" 2>/dev/null) cases" >> "$S"
 done
 python - "$O" "${names[@]}" >> "$S" 2>&1 <<'PY'
 import json, sys
