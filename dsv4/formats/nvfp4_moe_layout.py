@@ -272,7 +272,11 @@ def pad_nvfp4_moe_weights(w13, w13_scale, w2, w2_scale, multiple: int = TILE) ->
     if multiple % NVFP4_BLOCK:
         raise C.error(op, f"multiple must be a multiple of {NVFP4_BLOCK} (the NVFP4 block: w2's padded columns "
                           f"are whole blocks), got {multiple}")
-    Np = -(-N // multiple) * multiple
+    return _pad_checked(w13, w13_scale, w2, w2_scale, N, -(-N // multiple) * multiple)
+
+
+def _pad_checked(w13, w13_scale, w2, w2_scale, N: int, Np: int) -> dict:
+    """pad_nvfp4_moe_weights on tensors its caller has checked (_check_stacked): N -> Np."""
     if Np == N:
         return dict(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale)
     # scales padded as their bytes: byte 0 is e4m3 +0.0
@@ -338,7 +342,7 @@ def prepare_nvfp4_moe_weights(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scal
         v = t.float()
         if bool(((v < 0) | ~torch.isfinite(v)).any()):
             raise C.error(op, f"{name} must hold finite non-negative block scales")
-    p = pad_nvfp4_moe_weights(w13, w13_scale, w2, w2_scale, multiple=TILE)
+    p = _pad_checked(w13, w13_scale, w2, w2_scale, N, -(-N // TILE) * TILE)  # pad_nvfp4_moe_weights, checked above
     return Nvfp4MoeWeights(
         _tile_codes(p["w13"], p["w13_scale"], True), _tile_scales(p["w13_scale"], True), g13.contiguous().clone(),
         _tile_codes(p["w2"], p["w2_scale"], False), _tile_scales(p["w2_scale"], False), w2_scale_2.contiguous().clone())
