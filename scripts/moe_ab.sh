@@ -52,18 +52,10 @@ for shape, M, act in (("FLASH", 5, "nvfp4"), ("FLASH", 64, "bf16"), ("FLASH", 15
     w, p = nt._gpu_model(getattr(nt, shape))
     x, ids, tw, emap = nt._case(getattr(nt, shape), M, "uniform", True, seed=M + 17)
     res[("nvfp4", shape, M, act)] = nt.nvfp4_moe(x, ids, tw, p, **nt._call_kwargs(w, act, 10.0, emap)).cpu()
-from dsv4 import prepare_moe_weights
-w = nt._weights(24, 288, 5120, seed=288, device="cuda")
 for act in ("bf16", "nvfp4"):
-    m = prepare_moe_weights(*(w[k] for k in ("w13", "w13_scale", "w2", "w2_scale")), w13_scale_2=w["w13_scale_2"],
-                            w2_scale_2=w["w2_scale_2"], activation=act)
     for M in (2048, 2500):
-        gen = torch.Generator().manual_seed(M)
-        x = (torch.randn(M, 5120, generator=gen) * 2.0).to(torch.bfloat16).cuda()
-        ids, tw = nt._routing(M, 6, 384, gen, "cuda")
-        emap = nt._expert_map(384, 24, gen, "cuda")
-        kw = {k: v for k, v in nt._call_kwargs(w, act, 10.0, emap).items() if k != "activation"}
-        res[("nvfp4", "TP8", M, act)] = routed_moe(x, ids, tw, m, **kw).cpu()
+        _, m, x, ids, tw, _, call = nt._tp8_inputs(act, M)
+        res[("nvfp4", "TP8", M, act)] = routed_moe(x, ids, tw, m, **call).cpu()
 torch.save(res, sys.argv[1])
 print("dumped", len(res), "outputs")
 PY

@@ -869,15 +869,12 @@ def test_gpu_prefill_cuda_graph_replay(cta):
         assert torch.equal(out, nvfp4_moe(x, ids, tw, p, **kw))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("activation", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("M", [5, 200, 3000])  # decode, one-warpgroup and prefill kernels
-def test_gpu_tp8_n288_padded(activation, M):
-    """V4.1-Flash at tensor parallel 8 (K = 5120, N = 2304 / 8 = 288, all 384 experts):
-    prepare pads N to 320 (the kernels read N from the prepared shapes: hf / h buffers
-    and GEMM2's K are 320 wide), routed_moe against the float32 reference on the
-    UNPADDED weights. 24 experts stand in for the 384 (routing over all of them as
-    global ids, the map keeping 24): the tiles per expert are the same, memory is not."""
+def _tp8_inputs(activation, M):
+    """V4.1-Flash at tensor parallel 8 (K = 5120, N = 2304 / 8 = 288, all 384 experts),
+    24 experts standing in for the 384 (routing over all of them as global ids, the map
+    keeping 24; every token's first route local): the tiles per expert are the same, memory
+    is not. Returns (w, m, x, ids, tw, kw, call): the UNPADDED weights, their prepared
+    (padded) set, the inputs, the reference's keyword arguments and routed_moe's."""
     K, N, E_global, E_local = 5120, 288, 384, 24
     w = _weights(E_local, N, K, seed=288, device="cuda")
     m = prepare_moe_weights(*(w[k] for k in ("w13", "w13_scale", "w2", "w2_scale")), w13_scale_2=w["w13_scale_2"],
@@ -890,7 +887,18 @@ def test_gpu_tp8_n288_padded(activation, M):
     ids[:, 0] = (emap >= 0).nonzero()[torch.randint(0, E_local, (M,), generator=gen)].squeeze(1).to(torch.int32)
     kw = _call_kwargs(w, activation, 10.0, emap)
     call = {k: v for k, v in kw.items() if k != "activation"}  # m knows its mode
-    out = torch.full((M, K), float("nan"), dtype=torch.bfloat16, device="cuda")  # poisoned
+    return w, m, x, ids, tw, kw, call
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("M", [5, 200, 3000])  # decode, one-warpgroup and prefill kernels
+def test_gpu_tp8_n288_padded(activation, M):
+    """prepare pads N to 320 (the kernels read N from the prepared shapes: hf / h buffers
+    and GEMM2's K are 320 wide); routed_moe against the float32 reference on the UNPADDED
+    weights (_tp8_inputs)."""
+    w, m, x, ids, tw, kw, call = _tp8_inputs(activation, M)
+    out = torch.full((M, x.shape[1]), float("nan"), dtype=torch.bfloat16, device="cuda")  # poisoned
     got = routed_moe(x, ids, tw, m, out=out, **call)
     ref = _ref(x, ids, tw, w, **kw)
     assert torch.isfinite(got).all() and ref.abs().amax() > 0

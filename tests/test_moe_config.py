@@ -203,10 +203,14 @@ def _nvfp4_config(M, K, N, E, E_global, topk, activation="bf16", cta_mode=0, dev
     return dict(zip(NVFP4_CONFIG_FIELDS, got))
 
 
+def _block_n(per_expert: float, max16: float) -> int:
+    """config.h pick_block_n: 8 up to 4 tokens per expert, 16 up to the op's max16, 64 above."""
+    return 8 if per_expert <= 4 else 16 if per_expert <= max16 else 64
+
+
 def _nvfp4_block_n(per_expert: float, N: int) -> int:
-    """config.h pick_block_n with nvfp4_max16: 8 up to 4 tokens per expert, 16 up to 20
-    (36 where N <= 512), 64 above."""
-    return 8 if per_expert <= 4 else 16 if per_expert <= (36 if N <= 512 else 20) else 64
+    """pick_block_n with nvfp4_max16: 16-token tiles up to 20 tokens per expert, 36 where N <= 512."""
+    return _block_n(per_expert, 36 if N <= 512 else 20)
 
 
 def _expected_full(M, K, N, E, E_global, topk, activation, cta_mode, device, **overrides) -> dict:
@@ -327,7 +331,7 @@ def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=Non
                     resident=None, fused=None, pairs=None):
     """mxfp4_moe's get_best_config, written out (csrc/moe/config.h)."""
     S, per_expert = M * topk, M * topk / Eg
-    bn = block_n or (8 if per_expert <= 4 else 16 if per_expert <= 16 else 64)  # config.h kMxfp4Max16
+    bn = block_n or _block_n(per_expert, 16)  # config.h kMxfp4Max16
     i = MX_BLOCK_NS.index(bn)
     occ = device[1 + 3 * i:4 + 3 * i]
     touched = E * (1 - (1 - 1 / E) ** (S * E / Eg))
