@@ -892,7 +892,7 @@ def _tp8_inputs(activation, M):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("M", [5, 200, 3000])  # decode, one-warpgroup and prefill kernels
+@pytest.mark.parametrize("M", [5, 200, 2500, 3000])  # decode, one-warpgroup (GEMM2 resident at 2500, 3000) kernels
 def test_gpu_tp8_n288_padded(activation, M):
     """prepare pads N to 320 (the kernels read N from the prepared shapes: hf / h buffers
     and GEMM2's K are 320 wide); routed_moe against the float32 reference on the UNPADDED

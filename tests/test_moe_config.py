@@ -186,8 +186,8 @@ needs_extension = pytest.mark.skipif(not dsv4._ops.HAS_CUDA_EXTENSION,
 
 # dsv4_testing::nvfp4_moe_config's result, in order (Nvfp4MoeConfig's fields, config.h)
 NVFP4_CONFIG_FIELDS = ("block_n", "max_tiles", "multi_cta_route", "splitk", "gemm1_ctas", "gemm2_ctas", "sk_ctas",
-                       "direct_x", "ws", "cluster", "ws_ctas", "pdl", "gather_ctas", "combine_ctas")
-OVERRIDE_KEYS = ("ws", "splitk", "direct_x", "pdl", "block_n")  # the op's override order (DSV4_MOE_WS, ...)
+                       "direct_x", "ws", "cluster", "ws_ctas", "pdl", "gather_ctas", "combine_ctas", "gemm2_rows")
+OVERRIDE_KEYS = ("ws", "splitk", "direct_x", "pdl", "block_n", "gemm2_rows")  # the op's override order (DSV4_MOE_WS, ...)
 # Device facts: SMs, per token tile (split-K GEMM1, split-K GEMM2, classic GEMM1) CTAs
 # per SM, CTAs of the 2-CTA prefill grid. Made up, near what an H200 reports, plus a
 # device where no 2-CTA cluster fits.
@@ -236,7 +236,19 @@ def _expected_full(M, K, N, E, E_global, topk, activation, cta_mode, device, **o
     e["ws_ctas"] = 0 if not e["ws"] else device["ws_grid2"] if e["cluster"] == 2 else sms
     e["gather_ctas"] = min(e["max_tiles"] * bn, sms * 8)
     e["combine_ctas"] = min(M, sms * 16)
+    e["gemm2_rows"] = _nvfp4_gemm2_rows(bn, e["ws"], e["splitk"], N, K, overrides.get("gemm2_rows"))
     return e
+
+
+def _nvfp4_gemm2_rows(bn, ws, splitk, N, K, override=None) -> int:
+    """config.h: where N <= 512 at 64-token tiles on the classic grid, 8 weight-row tiles per
+    GEMM2 CTA halved until it divides K / 64 (or the override); else 1."""
+    if bn != 64 or ws or splitk or N > 512:
+        return 1
+    r = 8
+    while (K // 64) % r:
+        r //= 2
+    return override or r
 
 
 def _grid_tiles(M, topk, E, E_global, bn, max_tiles):
@@ -268,7 +280,8 @@ def test_nvfp4_config_follows_the_rules(shape, activation, cta_mode):
 @pytest.mark.parametrize("override", [dict(splitk=True), dict(splitk=False), dict(ws=True), dict(ws=False),
                                       dict(direct_x=False), dict(direct_x=True), dict(pdl=False), dict(pdl=True),
                                       dict(ws=True, splitk=True, pdl=False), dict(block_n=8), dict(block_n=16),
-                                      dict(block_n=64), dict(block_n=16, splitk=False), dict(block_n=64, ws=True)],
+                                      dict(block_n=64), dict(block_n=16, splitk=False), dict(block_n=64, ws=True),
+                                      dict(gemm2_rows=1), dict(gemm2_rows=2), dict(gemm2_rows=8, block_n=64)],
                          ids=str)
 def test_nvfp4_config_overrides(override):
     for M in (1, 7, 64, 512, 2048, 4096, 16384):
@@ -302,6 +315,12 @@ def test_nvfp4_config_plain_cases():
     assert [_nvfp4_config(M, *flash)["block_n"] for M in (853, 854)] == [16, 64]  # 19.99, 20.02
     tp8 = (5120, 320, 384, 384, 6)  # V4.1-Flash at tensor parallel 8, N = 288 padded to 320
     assert [_nvfp4_config(M, *tp8)["block_n"] for M in (2048, 2304, 2305)] == [16, 16, 64]  # 32, 36, 36.02
+    # GEMM2 over a resident token tile, 8 weight-row tiles per CTA, where N <= 512 at 64-token
+    # tiles on the classic grid (K / 64 = 80); not on the warp-specialized kernel (64 and more)
+    assert [_nvfp4_config(M, *tp8)["gemm2_rows"] for M in (2304, 2560, 3839, 3840)] == [1, 8, 8, 1]
+    assert _nvfp4_config(2560, *tp8, gemm2_rows=2)["gemm2_rows"] == 2
+    assert _nvfp4_config(2048, *flash, gemm2_rows=2)["gemm2_rows"] == 1  # N = 2048: no effect
+    assert _nvfp4_config(2560, 4160, 320, 384, 384, 6)["gemm2_rows"] == 1  # K / 64 = 65: odd, 8 -> 1
 
 
 @needs_extension
@@ -320,6 +339,9 @@ def test_nvfp4_config_refusals():
     with pytest.raises(RuntimeError, match="dsv4_testing::nvfp4_moe_config: the block_n override is 8, 16, 64 or -1, "
                                            "got 32"):
         _nvfp4_config(2048, 4096, 2048, 32, 256, 6, block_n=32)
+    with pytest.raises(RuntimeError, match="dsv4: DSV4_MOE_GEMM2_ROWS=8 must divide nvfp4_moe's K / 64 = 65 GEMM2 "
+                                           "weight tiles"):
+        _nvfp4_config(2560, 4160, 320, 384, 384, 6, gemm2_rows=8)
 
 
 # sms; split-K GEMM1, GEMM2, classic GEMM1 CTAs per SM at 8, 16, 64 tokens
@@ -566,7 +588,8 @@ def _expected_config(c: dict, block_n: int | None = None) -> dict:
     ws = bn == 64 and not splitk and (c["cta_mode"] != 0 or per_expert >= 60)
     return dict(block_n=bn, max_tiles=max(1, (S + min(E, S) * (bn - 1)) // bn), multi_cta_route=int(S > 8192),
                 splitk=int(splitk), direct_x=int(c["activation"] == "bf16" and bn <= 16), ws=int(ws),
-                cluster=c["cta_mode"] if ws and c["cta_mode"] else 1, pdl=int(bn <= 16))
+                cluster=c["cta_mode"] if ws and c["cta_mode"] else 1, pdl=int(bn <= 16),
+                gemm2_rows=_nvfp4_gemm2_rows(bn, ws, splitk, N, c["K"]))
 
 
 def _expected_workspace(c: dict, full: bool = True) -> int:
@@ -730,6 +753,36 @@ def child_ws_off(path: str) -> None:
         assert t._rel_l2(out, ref) <= tol
         outs.append(out.cpu())
     torch.save(outs, path)
+
+
+def child_gemm2_rows(path: str) -> None:
+    """V4.1-Flash tensor-parallel cases (N = 288 padded to 320) at 64-token tiles on the
+    one-warpgroup GEMMs, against the reference; the outputs go to `path`."""
+    import test_moe as t
+
+    outs = []
+    for activation in ("bf16", "nvfp4"):
+        for M in (2500, 3000):
+            w, m, x, ids, tw, kw, call = t._tp8_inputs(activation, M)
+            got, ref = t.routed_moe(x, ids, tw, m, **call), t._ref(x, ids, tw, w, **kw)
+            assert t._rel_l2(got, ref) <= (5e-3 if activation == "bf16" else 2e-2), (activation, M)
+            outs.append(got.cpu())
+    torch.save(outs, path)
+
+
+@pytest.mark.gpu
+def test_gemm2_rows_keep_results(tmp_path):
+    """nvfp4_moe's GEMM2 over a resident token tile (N <= 512 at 64-token tiles), 2 and 8
+    weight-row tiles per CTA: bitwise the classic kernel's outputs (DSV4_MOE_GEMM2_ROWS=1)."""
+    outs = {}
+    for rows in ("1", "2", "8"):
+        path = tmp_path / f"rows{rows}.pt"
+        proc = _child({"DSV4_MOE_GEMM2_ROWS": rows, "DSV4_PRINT_CONFIG": "1"}, "child_gemm2_rows", str(path))
+        configs = [c for c in _configs(proc.stderr) if c["op"] == "nvfp4_moe"]
+        assert configs and all(c["block_n"] == 64 and c["gemm2_rows"] == int(rows) for c in configs), configs
+        outs[rows] = torch.load(path)
+    for rows in ("2", "8"):
+        assert all(torch.equal(a, b) for a, b in zip(outs["1"], outs[rows])), rows
 
 
 @pytest.mark.gpu

@@ -42,14 +42,15 @@ inline std::optional<int> parse_int_choice(const char* name, const char* value, 
 }
 
 struct Switches {
-  // MoE kernel choice (csrc/moe/config.h, get_best_config; split-K, PDL and the token tile
-  // serve both ops, WS and DIRECT_X nvfp4_moe, the others mxfp4_moe); unset: automatic.
+  // MoE kernel choice (csrc/moe/config.h, get_best_config; split-K, PDL, the token tile and
+  // GEMM2's rows serve both ops, WS and DIRECT_X nvfp4_moe, the others mxfp4_moe); unset:
+  // automatic.
   std::optional<bool> moe_ws;        // DSV4_MOE_WS: the warp-specialized prefill GEMMs at 64-token tiles
   std::optional<bool> moe_splitk;    // DSV4_MOE_SPLITK: the split-K persistent GEMM grid
   std::optional<bool> moe_direct_x;  // DSV4_MOE_DIRECT_X: 0 keeps the gather kernel in bf16 decode
   std::optional<bool> moe_pdl;       // DSV4_MOE_PDL: programmatic dependent launches
   std::optional<int> moe_block_n;    // DSV4_MOE_BLOCK_N: the token tile of both ops (8, 16 or 64)
-  std::optional<int> moe_gemm2_rows;  // DSV4_MOE_GEMM2_ROWS: mxfp4_moe's 64-row weight tiles per GEMM2 CTA (1, 2, 4, 8)
+  std::optional<int> moe_gemm2_rows;  // DSV4_MOE_GEMM2_ROWS: 64-row weight tiles per GEMM2 CTA (1, 2, 4, 8)
   std::optional<bool> moe_gemm2_resident;  // DSV4_MOE_GEMM2_RESIDENT: 0 = GEMM2's token tile fetched per weight tile
   std::optional<bool> moe_fused_route;  // DSV4_MOE_FUSED_ROUTE: 0 = mxfp4_moe's routing kernel at decode sizes too
   std::optional<bool> moe_gemm1_pairs;  // DSV4_MOE_GEMM1_PAIRS: 1 = mxfp4_moe's GEMM1 on pairs of 64-token tiles

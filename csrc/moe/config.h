@@ -63,6 +63,8 @@ struct Nvfp4MoeConfig {
   int ws_ctas;           // ws: the persistent grid
   bool pdl;              // programmatic dependent launches
   int gather_ctas, combine_ctas;
+  int gemm2_rows;        // 64-token one-warpgroup GEMM2: weight-row tiles per CTA over a
+                         // resident token tile (moe_gemm2_resident_kernel); 1 = the classic kernel
 };
 
 // Token tile of the grouped GEMMs from shapes only: expected tokens per local expert
@@ -143,6 +145,13 @@ inline int pick_grid_tiles(int64_t M, int64_t topk, int64_t E, int64_t E_global,
 // 64-token tile (0: the one-warpgroup kernel).
 constexpr double kWsMinTokensPerExpert = 60.0;
 
+// moe_gemm2_resident_kernel (nvfp4_gemm.cuh): GEMM2's K = N in at most 8 steps of 64 (the
+// token tile, two weight slots and the y staging: 72 KB at N = 320, 3 CTAs per SM as the
+// classic kernel's 64 KB; 109 KB at 512), 8 weight-row tiles per CTA as mxfp4_moe's GEMM2
+// at the same shape (pick_gemm2_rows; not yet timed for this op).
+constexpr int64_t kNvfp4ResidentMaxN = 512;
+constexpr int kNvfp4Gemm2Rows = 8;
+
 // CTAs per cluster of the prefill kernel: cta_mode 1 or 2; auto: 1. With the modes timed
 // round-robin, pairs measured 0.97-0.99x of single CTAs at every prefill size (the kernel
 // is bound by dequant and MMA issue, not by the L2 traffic that multicasting the token
@@ -192,6 +201,18 @@ inline Nvfp4MoeConfig get_best_config(const Nvfp4MoeShape& c, int64_t cta_mode, 
   cfg.pdl = o.moe_pdl.value_or(cfg.block_n <= 16);
   cfg.gather_ctas = int(std::min<int64_t>(int64_t(cfg.max_tiles) * cfg.block_n, int64_t(d.sms) * 8));
   cfg.combine_ctas = int(std::min<int64_t>(c.M, int64_t(d.sms) * 16));
+  // GEMM2 with a short K (N <= 512: tensor parallel 8) at 64-token tiles on the classic
+  // grid: kNvfp4Gemm2Rows weight-row tiles per CTA over a resident token tile, halved until
+  // it divides K / 64 (DSV4_MOE_GEMM2_ROWS overrides there; 1 runs the classic kernel).
+  cfg.gemm2_rows = 1;
+  if (cfg.block_n == 64 && !cfg.ws && !cfg.splitk && c.N <= kNvfp4ResidentMaxN) {
+    const int64_t row_tiles = c.K / 64;
+    int r = kNvfp4Gemm2Rows;
+    while (row_tiles % r != 0) r /= 2;
+    cfg.gemm2_rows = o.moe_gemm2_rows.value_or(r);
+    TORCH_CHECK(row_tiles % cfg.gemm2_rows == 0, "dsv4: DSV4_MOE_GEMM2_ROWS=", cfg.gemm2_rows,
+                " must divide nvfp4_moe's K / 64 = ", row_tiles, " GEMM2 weight tiles");
+  }
   return cfg;
 }
 
@@ -204,7 +225,7 @@ inline void print_config(const char* op, const Nvfp4MoeShape& c, int64_t cta_mod
       " classic1=", d.occupancy(cfg.block_n).classic1, " -> block_n=", cfg.block_n, " max_tiles=", cfg.max_tiles,
       " multi_cta_route=", int(cfg.multi_cta_route), " splitk=", int(cfg.splitk), " sk_ctas=", cfg.sk_ctas,
       " direct_x=", int(cfg.direct_x), " ws=", int(cfg.ws), " cluster=", cfg.cluster, " ws_ctas=", cfg.ws_ctas,
-      " pdl=", int(cfg.pdl), " workspace_bytes=", workspace_bytes);
+      " pdl=", int(cfg.pdl), " gemm2_rows=", cfg.gemm2_rows, " workspace_bytes=", workspace_bytes);
   std::fprintf(stderr, "%s\n", line.c_str());
   std::fflush(stderr);
 }

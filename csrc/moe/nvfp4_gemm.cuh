@@ -488,6 +488,130 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
   });
 }
 
+// Shared memory of moe_gemm2_resident_kernel (64-token tiles; GEMM2 of KT = N / 64 <=
+// kMaxSteps K steps): the token tile's KT steps (resident), two weight slots of KT steps
+// (codes, then scales), then the y staging of one 64-row weight tile.
+struct ResidentSmem {
+  static constexpr int kB = 64 * 128;  // one 64-wide K step of 64 token rows (bf16)
+  static constexpr int kMaxSteps = 8;  // N <= 512 (V4.1-Flash at tensor parallel 8: N = 320, 5 steps)
+  static constexpr int kStaging = 64 * 128;
+  __host__ __device__ static constexpr int slot(int KT) { return KT * (kCodeTileBytes + kScaleTileBytes); }
+  __host__ __device__ static constexpr int bytes(int KT) { return KT * kB + 2 * slot(KT) + kStaging + 1024; }
+};
+
+// GEMM2 at 64-token tiles where its K (= N) is short, R weight-row tiles per CTA: the token
+// tile comes in once and stays, and the weights of row tile r + 1 (one slot ahead) arrive
+// while row tile r is multiplied and its y stored. The classic kernel (moe_gemm_kernel)
+// runs one row tile per CTA: at N = 320 that is 5 K steps behind a fetch of the whole
+// 64 x 320 bf16 token tile (4x the weight bytes) per 64 output columns, and its CTAs are
+// mostly prologue (docs/perf-history/2026-12-06-moe-token-tile-crossover.md: 45,600 CTAs,
+// DRAM at 45%, at V4.1-Flash TP8 M = 2048). Each row tile's K loop is the classic one
+// (steps two at a time, one wgmma commit / wait per pair, the last odd step alone; the
+// same dequant and wgmmas) and its epilogue is gemm2_epilogue, so y is bitwise the
+// classic kernel's.
+template <int R>
+__global__ void __launch_bounds__(kThreads) moe_gemm2_resident_kernel(const MoeParams p) {
+  using S = ResidentSmem;
+  gemm_grid_dependencies<false>();
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = align_smem_1024(smem_raw);
+  __shared__ uint64_t full[2];  // weight slot s
+  const int tile = blockIdx.y;
+  if (tile >= __ldcg(p.num_tiles)) return;
+  init_ring(full);
+  const int tid = threadIdx.x, warp = tid >> 5, g = (tid & 31) >> 2;
+  const int KT = p.N / kTileK, RT = p.K / kTileRows, rt0 = blockIdx.x * R;
+  const int e = __ldcg(p.tile_expert + tile);
+  const int row0 = tile * 64;
+  uint8_t* const sB = smem;
+  // slot s at slot0 + s * slot_bytes (arithmetic, not an array: a runtime index into a
+  // local array puts it on the stack)
+  uint8_t* const slot0 = sB + KT * S::kB;
+  const int slot_bytes = S::slot(KT);
+  __nv_bfloat16* const stg = reinterpret_cast<__nv_bfloat16*>(slot0 + 2 * slot_bytes);
+
+  // Row tile r's codes and scales into slot s: two bulk copies by thread 0.
+  auto load_w = [&](int r, int s) {
+    if (r >= R || tid != 0) return;
+    const size_t first = (size_t(e) * RT + rt0 + r) * KT;
+    uint8_t* d = slot0 + s * slot_bytes;
+    mbar_arrive_expect_tx(full + s, KT * (kCodeTileBytes + kScaleTileBytes));
+    bulk_g2s(smem_u32(d), p.w2 + first * kCodeTileBytes, KT * kCodeTileBytes, full + s);
+    bulk_g2s(smem_u32(d + KT * kCodeTileBytes), p.w2_scale + first * kScaleTileBytes, KT * kScaleTileBytes,
+             full + s);
+  };
+  load_w(0, 0);
+  load_w(1, 1);
+  gemm2_wait_h(p, tile);
+  // The token tile, stored as gemm_segment stores it: row r of step q at q * kB + r * 128,
+  // its 16-byte chunk c at (c ^ (r & 7)) << 4. Thread: chunk tid & 7 of rows
+  // (tid >> 3) + 16 i.
+  {
+    const int c = tid & 7, r0 = tid >> 3;
+    const __nv_bfloat16* src = p.h + size_t(row0 + r0) * p.N + c * 8;
+    const uint32_t dst = smem_u32(sB) + r0 * 128 + ((c ^ (r0 & 7)) << 4);
+#pragma unroll 1
+    for (int q = 0; q < KT; ++q) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        cp_async_16_unordered(dst + q * S::kB + i * 16 * 128, src + size_t(16 * i) * p.N + q * kTileK, 0);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_proxy_async_smem();  // written through the generic proxy, read by the wgmmas
+    __syncthreads();
+  }
+
+  const uint64_t desc0 = wgmma_desc_sw128(smem_u32(sB), 16, 1024);
+  auto cta_sync = [] { __syncthreads(); };
+#pragma unroll 1
+  for (int r = 0; r < R; ++r) {
+    const int s = r & 1;
+    uint8_t* const slot = slot0 + s * slot_bytes;
+    const uint32_t sW_rd = smem_u32(slot) + tid * 16;
+    const uint32_t sS_rd = smem_u32(slot + KT * kCodeTileBytes) + (warp * 8 + g) * 8;
+    auto dequant_step = [&](int q, uint32_t(&af)[4][4]) {
+      dequant_tile(lds_v4(sW_rd + q * kCodeTileBytes), lds_v2(sS_rd + q * kScaleTileBytes), af);
+    };
+    float acc[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[i] = 0.0f;
+    auto mma_step = [&](int q, const uint32_t(&af)[4][4]) {
+      const uint64_t desc = desc0 + uint32_t(q * (S::kB >> 4));
+#pragma unroll
+      for (int j = 0; j < 4; ++j) WgmmaRS<64>::mma(acc, af[j], desc + 2 * j, 1);
+    };
+    mbar_wait(full + s, (r >> 1) & 1);
+    int q = 0;
+#pragma unroll 1
+    for (; q + 2 <= KT; q += 2) {
+      uint32_t a0[4][4], a1[4][4];
+      dequant_step(q, a0);
+      dequant_step(q + 1, a1);
+      wgmma_fence();
+      mma_step(q, a0);
+      mma_step(q + 1, a1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(acc);
+    }
+    if (q < KT) {
+      uint32_t a[4][4];
+      dequant_step(q, a);
+      wgmma_fence();
+      mma_step(q, a);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(acc);
+    }
+    // Every warp is done with slot s's weights (refilled below) and with the staging
+    // reads of the previous row tile's epilogue (written again in this one).
+    __syncthreads();
+    load_w(r + 2, s);
+    gemm2_epilogue<64>(p, acc, stg, e, row0, rt0 + r, tid, cta_sync);
+  }
+}
+
 // Register caps of the split-K kernel at decode tiles: without them the unit loop's
 // state pushed GEMM1 to ~83-121 registers (5 or fewer CTAs per SM instead of the
 // classic kernel's 7). The caps are the tightest that ptxas meets without spills. They

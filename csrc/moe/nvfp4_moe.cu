@@ -179,6 +179,12 @@ GemmOccupancy gemm_setup() {
     C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, SK::kBytes));
   for (auto k : {moe::moe_gemm_kernel<BN, STAGES, true>, moe::moe_gemm_kernel<BN, STAGES, false>})
     C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
+  if constexpr (BN == 64) {
+    for (auto k : {moe::moe_gemm2_resident_kernel<2>, moe::moe_gemm2_resident_kernel<4>,
+                   moe::moe_gemm2_resident_kernel<8>})
+      C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          moe::ResidentSmem::bytes(moe::ResidentSmem::kMaxSteps)));
+  }
   GemmOccupancy o{};
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o.gemm1, k1, moe::kThreads, SK::kBytes));
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o.gemm2, k2, moe::kThreads, SK::kBytes));
@@ -342,8 +348,19 @@ void launch_gemms(const Nvfp4MoeConfig& cfg, const MoeParams& p, bool gemm2, cud
   const dim3 g1(unsigned(2 * p.N / moe::kTileRows), unsigned(p.max_tiles));
   const dim3 g2(unsigned(p.K / moe::kTileRows), unsigned(p.max_tiles));
   launch_kernel(moe::moe_gemm_kernel<BN, STAGES, true>, g1, moe::kThreads, S::kBytes, stream, cfg.pdl, p);
-  if (gemm2)
-    launch_kernel(moe::moe_gemm_kernel<BN, STAGES, false>, g2, moe::kThreads, S::kBytes, stream, cfg.pdl, p);
+  if (!gemm2) return;
+  if constexpr (BN == 64) {
+    if (cfg.gemm2_rows > 1) {  // a resident token tile, gemm2_rows weight-row tiles per CTA
+      const dim3 gr(unsigned(p.K / moe::kTileRows / cfg.gemm2_rows), unsigned(p.max_tiles));
+      const int bytes = moe::ResidentSmem::bytes(p.N / moe::kTileK);
+      auto k = cfg.gemm2_rows == 2 ? moe::moe_gemm2_resident_kernel<2>
+               : cfg.gemm2_rows == 4 ? moe::moe_gemm2_resident_kernel<4>
+                                     : moe::moe_gemm2_resident_kernel<8>;
+      launch_kernel(k, gr, moe::kThreads, bytes, stream, cfg.pdl, p);
+      return;
+    }
+  }
+  launch_kernel(moe::moe_gemm_kernel<BN, STAGES, false>, g2, moe::kThreads, S::kBytes, stream, cfg.pdl, p);
 }
 
 // The chain on the current stream; with full unset it stops after GEMM1 (debug op).

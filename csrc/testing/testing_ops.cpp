@@ -31,6 +31,14 @@ std::optional<int> as_block_n(int64_t v, const char* op) {
   return int(v);
 }
 
+// A GEMM2 rows override: -1 unset, else 1, 2, 4 or 8 (DSV4_MOE_GEMM2_ROWS's values).
+std::optional<int> as_gemm2_rows(int64_t v, const char* op) {
+  if (v < 0) return std::nullopt;
+  TORCH_CHECK(v == 1 || v == 2 || v == 4 || v == 8, "dsv4_testing::", op, ": the gemm2_rows override is 1, 2, 4, 8 or -1, got ",
+              v);
+  return int(v);
+}
+
 // -1: unset or empty, 0 or 1; any other value raises the error an op call would.
 int64_t parse_env_switch(c10::string_view name, std::optional<c10::string_view> value) {
   const std::string n(name);
@@ -54,14 +62,14 @@ std::vector<int64_t> env_switches() {
 //   device: [sms, then per token tile 8, 16, 64 the resident split-K GEMM1, split-K GEMM2
 //     and classic GEMM1 CTAs per SM, then ws_grid2] (11 values, DeviceFacts);
 //   overrides: [DSV4_MOE_WS, DSV4_MOE_SPLITK, DSV4_MOE_DIRECT_X, DSV4_MOE_PDL,
-//     DSV4_MOE_BLOCK_N], -1 = unset.
+//     DSV4_MOE_BLOCK_N, DSV4_MOE_GEMM2_ROWS], -1 = unset.
 // Returns [block_n, max_tiles, multi_cta_route, splitk, gemm1_ctas, gemm2_ctas, sk_ctas,
-// direct_x, ws, cluster, ws_ctas, pdl, gather_ctas, combine_ctas] (Nvfp4MoeConfig's
-// fields in order); an error get_best_config raises comes through as a RuntimeError.
+// direct_x, ws, cluster, ws_ctas, pdl, gather_ctas, combine_ctas, gemm2_rows]
+// (Nvfp4MoeConfig's fields in order); an error get_best_config raises comes through as a RuntimeError.
 std::vector<int64_t> nvfp4_moe_config(c10::IntArrayRef shape, bool nvfp4, int64_t cta_mode, c10::IntArrayRef device,
                                       c10::IntArrayRef overrides) {
-  TORCH_CHECK(shape.size() == 6 && device.size() == 11 && overrides.size() == 5,
-              "dsv4_testing::nvfp4_moe_config: shape has 6 values, device 11, overrides 5");
+  TORCH_CHECK(shape.size() == 6 && device.size() == 11 && overrides.size() == 6,
+              "dsv4_testing::nvfp4_moe_config: shape has 6 values, device 11, overrides 6");
   const moe::Nvfp4MoeShape c{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], nvfp4};
   moe::DeviceFacts d{};
   d.sms = int(device[0]);
@@ -74,9 +82,10 @@ std::vector<int64_t> nvfp4_moe_config(c10::IntArrayRef shape, bool nvfp4, int64_
   o.moe_direct_x = as_switch(overrides[2]);
   o.moe_pdl = as_switch(overrides[3]);
   o.moe_block_n = as_block_n(overrides[4], "nvfp4_moe_config");
+  o.moe_gemm2_rows = as_gemm2_rows(overrides[5], "nvfp4_moe_config");
   const moe::Nvfp4MoeConfig g = moe::get_best_config(c, cta_mode, d, o);
-  return {g.block_n,  g.max_tiles, g.multi_cta_route, g.splitk,  g.gemm1_ctas, g.gemm2_ctas,  g.sk_ctas,
-          g.direct_x, g.ws,        g.cluster,         g.ws_ctas, g.pdl,        g.gather_ctas, g.combine_ctas};
+  return {g.block_n, g.max_tiles, g.multi_cta_route, g.splitk,      g.gemm1_ctas,   g.gemm2_ctas, g.sk_ctas, g.direct_x,
+          g.ws,      g.cluster,   g.ws_ctas,         g.pdl,         g.gather_ctas,  g.combine_ctas, g.gemm2_rows};
 }
 
 // get_best_config of dsv4::mxfp4_moe.
@@ -100,11 +109,7 @@ std::vector<int64_t> mxfp4_moe_config(c10::IntArrayRef shape, c10::IntArrayRef d
   o.moe_splitk = as_switch(overrides[0]);
   o.moe_pdl = as_switch(overrides[1]);
   o.moe_block_n = as_block_n(overrides[2], "mxfp4_moe_config");
-  if (overrides[3] >= 0) {
-    TORCH_CHECK(overrides[3] == 1 || overrides[3] == 2 || overrides[3] == 4 || overrides[3] == 8,
-                "dsv4_testing::mxfp4_moe_config: the gemm2_rows override is 1, 2, 4, 8 or -1, got ", overrides[3]);
-    o.moe_gemm2_rows = int(overrides[3]);
-  }
+  o.moe_gemm2_rows = as_gemm2_rows(overrides[3], "mxfp4_moe_config");
   o.moe_gemm2_resident = as_switch(overrides[4]);
   o.moe_fused_route = as_switch(overrides[5]);
   o.moe_gemm1_pairs = as_switch(overrides[6]);

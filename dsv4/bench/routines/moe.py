@@ -22,7 +22,7 @@ split-K persistent GEMM grid off/on; pdl -> DSV4_MOE_PDL: programmatic dependent
 off/on; dx -> DSV4_MOE_DIRECT_X: bf16 decode GEMM1 reading x itself instead of a gather
 kernel; ws -> DSV4_MOE_WS: 0 runs the one-warpgroup prefill GEMMs instead of the
 warp-specialized ones; bn -> DSV4_MOE_BLOCK_N: the token tile (both formats), 8, 16 or 64;
-rows -> DSV4_MOE_GEMM2_ROWS: the MXFP4 W4A8 GEMM2 weight tiles per CTA, 1, 2, 4 or 8;
+rows -> DSV4_MOE_GEMM2_ROWS: GEMM2's weight tiles per CTA (NVFP4: where N <= 512), 1, 2, 4 or 8;
 res -> DSV4_MOE_GEMM2_RESIDENT: 0 fetches GEMM2's token tile per weight tile; fr ->
 DSV4_MOE_FUSED_ROUTE: 0 keeps MXFP4 W4A8's routing kernel at decode sizes; pair ->
 DSV4_MOE_GEMM1_PAIRS: 1 runs MXFP4 W4A8's GEMM1 on pairs of 64-token tiles;
