@@ -743,6 +743,19 @@ def test_gpu_vs_reference(shape, M, routing, use_map, limit, activation, cta):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("shape,M", [(FLASH, 1500), (FLASH, 5)])  # 64-token tiles, partly filled; 8-token tiles
+def test_gpu_padding_rows_never_read(shape, M, activation):
+    """The gather writes no padding rows of GEMM1's input for the one-warpgroup GEMMs (which
+    zero-fill them as they copy): a workspace left full of NaN by an earlier allocation must
+    not reach the output. M = 1500 at V4-Flash is 35 tokens per expert: 64-token tiles on
+    the one-warpgroup kernel; M = 5 the decode tiles (nvfp4 mode: gathered too)."""
+    poison = torch.full((256 << 20,), float("nan"), dtype=torch.float32, device="cuda")  # 1 GiB
+    del poison  # back in the caching allocator: the op's workspace comes from it
+    test_gpu_vs_reference(shape, M, "uniform", True, 10.0 if activation == "bf16" else None, activation, "auto")
+
+
+@pytest.mark.gpu
 def test_gpu_empty_and_all_remote():
     w, p = _gpu_model(FLASH)
     x = torch.randn(0, 4096, device="cuda").to(torch.bfloat16)

@@ -223,16 +223,19 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
     b_src[i] = (kGemm1 ? p.xg : p.h) + size_t(row0 + r0 + 8 * i) * kdim;
     b_zero[i] = 0;
   }
+  // Padding rows (no slot) are zero-filled by the copy itself, so the gather kernel skips
+  // them (moe_gather_kernel: only for these kernels; the prefill kernel's bulk copies read
+  // xg whole). At 64-token tiles that are partly filled (M ~ 1000-4000) most of xg can be
+  // padding: V4.1-Flash at tensor parallel 8, M = 2048, has 12,288 slots in 36,480 rows.
   // Decode tiles in bf16 mode read the token rows straight from x (no gather kernel,
-  // one launch less); padding rows are zero-filled by the copy itself.
-  if constexpr (kGemm1 && kBIters <= 2) {
-    if (p.direct_x) {
+  // one launch less).
+  if constexpr (kGemm1) {
+    const bool direct = kBIters <= 2 && p.direct_x;
 #pragma unroll
-      for (int i = 0; i < kBIters; ++i) {
-        const int slot = p.row_slot[row0 + r0 + 8 * i];
-        b_zero[i] = slot < 0;
-        b_src[i] = p.x + size_t(slot >= 0 ? slot / p.topk : 0) * kdim;
-      }
+    for (int i = 0; i < kBIters; ++i) {
+      const int slot = p.row_slot[row0 + r0 + 8 * i];
+      b_zero[i] = slot < 0;
+      if (direct) b_src[i] = p.x + size_t(slot >= 0 ? slot / p.topk : 0) * kdim;
     }
   }
 #pragma unroll

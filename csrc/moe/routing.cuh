@@ -250,7 +250,8 @@ __global__ void __launch_bounds__(kRouteThreads) moe_place_kernel(const MoeParam
 // Padded rows of GEMM1's B operand: the token's x (bf16 mode) or its NVFP4
 // quantization with the expert's a13 scale expanded to bf16 code * block scale
 // (nvfp4 mode; the Blackwell rule of common/nvfp4.cuh, dsv4.reference.quantize_nvfp4
-// with rcp.approx); zeros for padding.
+// with rcp.approx); zeros for padding rows where the prefill kernel (ws) reads them, none
+// written otherwise (the one-warpgroup GEMMs zero-fill them as they copy).
 // Row-major, or tiled (act_offset) for the prefill kernel (ws).
 // Two adjacent lanes share a 16-element block. blockDim.x is a multiple of 32.
 template <bool kNvfp4>
@@ -261,6 +262,9 @@ __global__ void __launch_bounds__(256) moe_gather_kernel(const MoeParams p) {
   const int chunks = p.K / 8;
   for (int r = blockIdx.x; r < rows; r += gridDim.x) {
     const int slot = p.row_slot[r];
+    // Padding rows: zeros for the prefill kernel, whose bulk copies read xg whole; the
+    // one-warpgroup kernels zero-fill them in their own copies (gemm_segment), so nothing.
+    if (slot < 0 && !p.ws) continue;
     const __nv_bfloat16* src = slot >= 0 ? p.x + size_t(slot / p.topk) * p.K : nullptr;
     Nvfp4Encoder enc{};
     if constexpr (kNvfp4) {
