@@ -186,7 +186,7 @@ constexpr int kSplitMinSteps = 8;
 // slots 65-78 % busy), and per-thread cp.async of the weights was as many instructions
 // as the dequant; decode tiles amortize the per-slot bookkeeping (barrier, copies,
 // waits, addresses) over 4 or 8 steps instead of 2.
-template <int BN, int STAGES, bool kGemm1, typename BeforeTokens>
+template <int BN, int STAGES, bool kGemm1, int kN = BN, typename BeforeTokens>
 __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, uint64_t* full, int& ring,
                                              uint32_t& phase, int tile, int rt, int kb, int ke, int item, int splits,
                                              int chunk, int tid, BeforeTokens before_tokens) {
@@ -326,9 +326,13 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
       }
     } else {
       // K-major token rows of 128 bytes (64 bf16), 8-row groups 1024 bytes apart.
+      // A partly filled 64-row tile multiplies its first kN rows only (with_tile_width): the
+      // accumulators of m64nN are acc's first kN / 2.
       const uint64_t desc = wgmma_desc_sw128(sB_base + st * S::kB, 16, 1024);
+      static_assert(kN <= BN, "a width within the tile");
+      float(&d)[kN / 2] = *reinterpret_cast<float(*)[kN / 2]>(&acc);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) WgmmaRS<BN>::mma(acc, af[j], desc + 2 * j, 1);
+      for (int j = 0; j < 4; ++j) WgmmaRS<kN>::mma(d, af[j], desc + 2 * j, 1);
     }
   };
   // Slot step si ready: this thread's token copies landed (and, for wgmma, are fenced
@@ -486,9 +490,19 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
   init_ring(full);
   int ring = 0;
   uint32_t phase = 0;
-  gemm_segment<BN, STAGES, kGemm1>(p, smem, full, ring, phase, tile, blockIdx.x, 0, KT, 0, 1, 0, threadIdx.x, [&] {
-    if constexpr (!kGemm1) gemm2_wait_h(p, tile);
-  });
+  auto run = [&](auto width) {
+    gemm_segment<BN, STAGES, kGemm1, decltype(width)::value>(p, smem, full, ring, phase, tile, blockIdx.x, 0, KT, 0,
+                                                             1, 0, threadIdx.x, [&] {
+                                                               if constexpr (!kGemm1) gemm2_wait_h(p, tile);
+                                                             });
+  };
+  // GEMM1 only: narrower wgmmas for a partly filled 64-row tile measured 2-3% faster there
+  // at M = 2048 (V4-Pro 608.3 -> 594.3 us, V4.1-Flash local-48 350.0 -> 341.0) and 0-2%
+  // slower in GEMM2 (V4-Pro 329.7 -> 336.9; docs/perf-history/2026-12-06-mxfp4-w4a8-narrow-tiles.md).
+  if constexpr (BN == 64 && kGemm1)
+    with_tile_width<32>(tile_rows(p.row_slot, tile), run);
+  else
+    run(std::integral_constant<int, BN>{});
 }
 
 // Shared memory of moe_gemm2_resident_kernel (64-token tiles; GEMM2 of KT = N / 64 <=

@@ -31,6 +31,8 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include <type_traits>  // std::integral_constant (with_tile_width)
+
 namespace dsv4 {
 namespace moe {
 
@@ -145,6 +147,38 @@ __host__ __device__ __forceinline__ size_t act_offset(int row, int chunk, int co
   if constexpr (!kTiled) return size_t(row) * cols + size_t(chunk) * 8;
   return ((size_t(row >> 6) * (cols >> 6) + (chunk >> 3)) * 64 + (row & 63)) * 64 + (((chunk & 7) ^ (row & 7)) << 3);
 }
+
+#ifdef __CUDACC__
+// The rows of a 64-row token tile that hold a slot (the routing fills an expert's tiles from
+// their first row, so it is the count of rows with one; row_slot: -1 = padding). Each warp
+// counts all 64 itself (two loads and ballots, through L2 as the GEMMs' other reads of the
+// routing's tables), so every warp gets the same value and a branch on it keeps a
+// warpgroup's wgmmas together.
+__device__ __forceinline__ int tile_rows(const int* row_slot, int tile) {
+  const int lane = threadIdx.x & 31;
+  const int* rs = row_slot + tile * 64;
+  const uint32_t lo = __ballot_sync(0xFFFFFFFFu, __ldcg(rs + lane) >= 0);
+  const uint32_t hi = __ballot_sync(0xFFFFFFFFu, __ldcg(rs + 32 + lane) >= 0);
+  return __popc(lo) + __popc(hi);
+}
+
+// The MMA width for a 64-row token tile of `rows` rows: an expert's partly filled last tile
+// multiplies only its first kMin, 2 kMin, ... rows (the smallest that holds them, up to 64).
+// A wgmma m64nN's accumulators are m64n64's first N / 2 per thread (n8 blocks in order) and
+// the rows past N are padding, whose sums are zero either way, so a tile's outputs are the
+// same bit for bit at every width; its tensor work and promotion shrink
+// (docs/perf-history/2026-12-06-mxfp4-w4a8-narrow-tiles.md). f(std::integral_constant<int, N>{}).
+template <int kMin, class F>
+__device__ __forceinline__ void with_tile_width(int rows, F&& f) {
+  static_assert(kMin == 16 || kMin == 32, "widths 16, 32, 64 or 32, 64");
+  if (kMin == 16 && rows <= 16)
+    f(std::integral_constant<int, kMin>{});
+  else if (rows <= 32)
+    f(std::integral_constant<int, 32>{});
+  else
+    f(std::integral_constant<int, 64>{});
+}
+#endif  // __CUDACC__
 
 namespace w4a8 {
 
