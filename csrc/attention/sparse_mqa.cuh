@@ -39,6 +39,7 @@
 #include "attention/sparse_mqa_producer.cuh"
 #include "attention/sparse_mqa_schedule.cuh"
 #include "common/cvt.cuh"
+#include "common/mma/mma_sync.cuh"
 #include "common/mma/wgmma.cuh"
 #include "common/ptx/math.cuh"
 #include "common/ptx/memory.cuh"
@@ -54,6 +55,12 @@ namespace attention {
 // fp32 sums, and the O rescale (128 FMUL per thread) is skipped in most rounds
 // (conditional rescaling, as in FlashAttention-4).
 constexpr float kMaxSlack = 8.f;
+// Past this |row max| (scaled log2 units) the softmax rounds S * scale before subtracting the
+// max instead of one FFMA: the FFMA's max-key exponent (the product's rounding error, up to
+// 2^-12 here) then stays below bf16's half ulp of P = 1, so one visible key still gives its
+// value row exactly (tests/test_attention.py test_decode_fp8_dequant_exact). Real logits are
+// far below it.
+constexpr float kFfmaMaxLogit = 4096.f;
 
 // Q [64 heads x 512] of a work item -> smem (swizzled), by the consumer threads (128..383)
 // only, so that the producer's gathers overlap it; cp.async keeps all 16 chunks per thread
@@ -279,21 +286,20 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     for (int kk = 0; kk < 4; ++kk) WgmmaSS<256, true>::mma(o, dp + ((kk * 32) >> 4), dv + ((kk * 2048) >> 4), 1);
     wgmma_commit();
   };
-  // S -> scaled log2 logits with skipped keys at -inf; returns the row maxima of the tile.
+  // S with skipped keys at -inf (unscaled: softmax applies the scale in the FFMA of its
+  // exponent); returns the row maxima of the tile as scaled log2 logits, max(S) * scale being
+  // max(S * scale) exactly (scale > 0, and rounding keeps order).
   // Thread holds rows r0, r0 + 8 and keys 8j + 2*quad + {0, 1}, j = 0..7.
   auto mask_and_max = [&](uint32_t phase, float& mx0, float& mx1) {
     ring_wait<kPair>(&mask_ready[g], phase);
     const uint64_t valid = *reinterpret_cast<const volatile uint64_t*>(mask16 + 4 * g);
     // A tile with every key valid (all but the last of most tokens) skips the per-key
     // select (~64 instructions per thread); the branch is uniform (one mask per tile).
-    if (valid == ~uint64_t(0)) {
-#pragma unroll
-      for (int k = 0; k < 32; ++k) s[k] *= p.scale_log2;
-    } else {
+    if (valid != ~uint64_t(0)) {
 #pragma unroll
       for (int k = 0; k < 32; ++k) {
         const int key = 8 * (k >> 2) + 2 * quad + (k & 1);
-        s[k] = ((valid >> key) & 1) ? s[k] * p.scale_log2 : -INFINITY;
+        s[k] = ((valid >> key) & 1) ? s[k] : -INFINITY;
       }
     }
     mx0 = -INFINITY;
@@ -307,8 +313,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    mx0 *= p.scale_log2;
+    mx1 *= p.scale_log2;
   };
-  // P = 2^(S - new max) (in s), O and the row sums rescaled from the old max to the new one.
+  // P = 2^(S * scale - new max) (in s; one FFMA per element, as FlashMLA's softmax, instead of
+  // a multiply in mask_and_max and a subtraction here), O and the row sums rescaled from the
+  // old max to the new one.
   // A max of -inf (nothing visible yet) is used as 0 so no (-inf) - (-inf) appears; the
   // factor from an old -inf max is 0 (nothing accumulated).
   // O rows r0 / r0 + 8 times f0 / f1, skipped when every factor of the warp is 1 (the common
@@ -332,12 +342,32 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     m0 = mn0;
     m1 = mn1;
     float sum0 = 0.f, sum1 = 0.f;
+    const float sc = p.scale_log2;
+    // The FFMA's exponent for the max key is the rounding error of max(S) * scale, up to
+    // 2^-24 |max|: harmless for real logits, but at |max| ~ 2^30 it overflows 2^x or
+    // flushes the whole row to 0 (the fp8 cache's scales reach 2^73). Past kFfmaMaxLogit
+    // (warp-uniform) the exponent is the old scale-round-subtract, exact 0 at the max.
+    if (__any_sync(0xffffffffu, fmaxf(fabsf(ms0), fabsf(ms1)) > kFfmaMaxLogit)) {
+#pragma unroll
+      for (int k = 0; k < 32; ++k) s[k] = __fmul_rn(s[k], sc);  // _rn: never contracted into the FFMA
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        s[4 * j] = ex2_approx_ftz(s[4 * j] - ms0);
+        s[4 * j + 1] = ex2_approx_ftz(s[4 * j + 1] - ms0);
+        s[4 * j + 2] = ex2_approx_ftz(s[4 * j + 2] - ms1);
+        s[4 * j + 3] = ex2_approx_ftz(s[4 * j + 3] - ms1);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        s[4 * j] = ex2_approx_ftz(fmaf(s[4 * j], sc, -ms0));
+        s[4 * j + 1] = ex2_approx_ftz(fmaf(s[4 * j + 1], sc, -ms0));
+        s[4 * j + 2] = ex2_approx_ftz(fmaf(s[4 * j + 2], sc, -ms1));
+        s[4 * j + 3] = ex2_approx_ftz(fmaf(s[4 * j + 3], sc, -ms1));
+      }
+    }
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      s[4 * j] = ex2_approx_ftz(s[4 * j] - ms0);
-      s[4 * j + 1] = ex2_approx_ftz(s[4 * j + 1] - ms0);
-      s[4 * j + 2] = ex2_approx_ftz(s[4 * j + 2] - ms1);
-      s[4 * j + 3] = ex2_approx_ftz(s[4 * j + 3] - ms1);
       sum0 += s[4 * j] + s[4 * j + 1];
       sum1 += s[4 * j + 2] + s[4 * j + 3];
     }
@@ -354,16 +384,18 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
       pa[4 * kk + 3] = pack_bf16x2(s[8 * kk + 6] * c1, s[8 * kk + 7] * c1);
     }
   };
-  // pa -> my P tile in smem (K-major, 128-byte swizzle: the A operand of the other's PV).
+  // pa -> my P tile in smem (K-major, 128-byte swizzle: the A operand of the other's PV), by
+  // four stmatrix.x4 instead of 16 32-bit stores (as FlashMLA stores P). Key pair kk's four
+  // matrices are pa[4 kk + i]: rows 8 (i & 1) .. + 7 of the warp's 16, keys 16 kk + 8 (i >> 1)
+  // .. + 7, the 16-byte chunk 2 kk + (i >> 1) of each row, swizzled by the row (row & 7 is
+  // lane & 7 here). Lane l addresses row l & 7 of matrix l >> 3.
+  const int st_i = lane >> 3, st_r = lane & 7;
+  const uint32_t st_row = smem_u32(p_mine) + (16 * w + st_r + 8 * (st_i & 1)) * 128;
   auto store_p = [&]() {
-    uint8_t* prow = p_mine + r0 * 128 + 4 * quad;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int chunk = (j ^ (r0 & 7)) << 4;
-      const int kk = j >> 1;
-      *reinterpret_cast<uint32_t*>(prow + chunk) = (j & 1) ? pa[4 * kk + 2] : pa[4 * kk + 0];
-      *reinterpret_cast<uint32_t*>(prow + 1024 + chunk) = (j & 1) ? pa[4 * kk + 3] : pa[4 * kk + 1];
-    }
+    for (int kk = 0; kk < 4; ++kk)
+      stmatrix_x4(st_row + (((2 * kk + (st_i >> 1)) ^ st_r) << 4), pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2],
+                  pa[4 * kk + 3]);
     fence_proxy_async_smem();
   };
 

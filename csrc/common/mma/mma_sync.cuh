@@ -1,4 +1,5 @@
-// Warp-level tensor-core helpers (sm_80+ mma.sync, sm_89+ for e4m3): ldmatrix, and MMAs
+// Warp-level tensor-core helpers (sm_80+ mma.sync, sm_89+ for e4m3): ldmatrix, stmatrix
+// (sm_90+), and MMAs
 // with fp32 accumulators, shared by the fmha kernel and the MoE decode GEMMs. Fragment
 // layouts: the PTX ISA's, per shape. Torch-free.
 #pragma once
@@ -16,6 +17,14 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
+}
+// Four 8x8 b16 matrices to shared memory: register i of lane t is matrix i's row t / 4,
+// columns 2 (t % 4) and + 1 (an m16n8 accumulator fragment's layout); lane t gives the
+// address of row t % 8 of matrix t / 8 (16 contiguous bytes).
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
 }
 
 // d += a * b, bf16 inputs: a is the m16k16 row-major fragment, (b0, b1) the k16n8 column
