@@ -97,9 +97,10 @@ def rows(n):
         key = (r["model"], r["M"], r["experts"], str(r.get("cta", "auto")), r.get("variant", ""))
         out[key] = r["graph_us"] if r.get("graph_us") else r["us"]
     return out
-def cells(times, ref):  # each build's time and the first build's over it
-    return "".join("%9.1f %5.2fx" % (times[n], ref / times[n]) if times.get(n) and ref else "-".rjust(16)
-                   for n in names)
+def cells(times, ref):  # each build's time and the first build's over it (time alone where
+    # the first build has no such row or kernel, e.g. a kernel only a later build runs)
+    return "".join(("%9.1f %5.2fx" % (times[n], ref / times[n]) if ref else "%9.1f       " % times[n])
+                   if times.get(n) else "-".rjust(16) for n in names)
 table = {n: rows(n) for n in names}
 print("dsv4 us, and the first build's time over each build's")
 print("case (model, M, experts, cta, variant)".ljust(64) + "".join(n.rjust(16) for n in names))

@@ -208,15 +208,15 @@ def _block_n(per_expert: float, max16: float) -> int:
     return 8 if per_expert <= 4 else 16 if per_expert <= max16 else 64
 
 
-def _nvfp4_block_n(per_expert: float, N: int) -> int:
-    """pick_block_n with nvfp4_max16: 16-token tiles up to 20 tokens per expert, 36 where N <= 512."""
-    return _block_n(per_expert, 36 if N <= 512 else 20)
+def _nvfp4_block_n(per_expert: float) -> int:
+    """pick_block_n with kNvfp4Max16: 16-token tiles up to 20 tokens per expert."""
+    return _block_n(per_expert, 20)
 
 
 def _expected_full(M, K, N, E, E_global, topk, activation, cta_mode, device, **overrides) -> dict:
     """Every field of the config by the rules written out (config.h), overrides applied."""
     S = M * topk
-    bn = overrides.get("block_n") or _nvfp4_block_n(S / E_global, N)
+    bn = overrides.get("block_n") or _nvfp4_block_n(S / E_global)
     occ = device["occ"][bn]
     c = dict(M=M, topk=topk, E=E, E_global=E_global, K=K, N=N, activation=activation, cta_mode=cta_mode,
              classic1=occ[2], sms=device["sms"])
@@ -225,7 +225,7 @@ def _expected_full(M, K, N, E, E_global, topk, activation, cta_mode, device, **o
         e["splitk"] = int(overrides["splitk"])
     if overrides.get("direct_x") is not None:
         e["direct_x"] = int(activation == "bf16" and bn <= 16 and overrides["direct_x"])
-    auto_ws = cta_mode != 0 or S / E_global >= 60
+    auto_ws = cta_mode != 0 or S / E_global >= (76 if N <= 512 else 60)  # config.h ws_min_tokens_per_expert
     e["ws"] = int(bn == 64 and not e["splitk"] and (auto_ws if overrides.get("ws") is None else overrides["ws"]))
     e["cluster"] = (cta_mode if cta_mode else 1) if e["ws"] else 1
     if overrides.get("pdl") is not None:
@@ -311,13 +311,14 @@ def test_nvfp4_config_plain_cases():
     assert _nvfp4_config(16384, *flash)["multi_cta_route"] == 1
     assert _nvfp4_config(1365, *flash)["multi_cta_route"] == 0  # 8190 slots
     assert _nvfp4_config(1366, *flash)["multi_cta_route"] == 1  # 8196 slots
-    # the 16-token tile up to 20 expected tokens per expert, up to 36 where N <= 512
+    # the 16-token tile up to 20 expected tokens per expert, at every N
     assert [_nvfp4_config(M, *flash)["block_n"] for M in (853, 854)] == [16, 64]  # 19.99, 20.02
     tp8 = (5120, 320, 384, 384, 6)  # V4.1-Flash at tensor parallel 8, N = 288 padded to 320
-    assert [_nvfp4_config(M, *tp8)["block_n"] for M in (2048, 2304, 2305)] == [16, 16, 64]  # 32, 36, 36.02
+    assert [_nvfp4_config(M, *tp8)["block_n"] for M in (1280, 1281, 2048)] == [16, 64, 64]  # 20, 20.02, 32
     # GEMM2 over a resident token tile, 8 weight-row tiles per CTA, where N <= 512 at 64-token
-    # tiles on the classic grid (K / 64 = 80); not on the warp-specialized kernel (64 and more)
-    assert [_nvfp4_config(M, *tp8)["gemm2_rows"] for M in (2304, 2560, 3839, 3840)] == [1, 8, 8, 1]
+    # tiles on the classic grid (K / 64 = 80); not on the warp-specialized kernel (76 and more)
+    assert [_nvfp4_config(M, *tp8)["gemm2_rows"] for M in (1280, 1281, 3839, 4863, 4864)] == [1, 8, 8, 8, 1]
+    assert [_nvfp4_config(M, *tp8)["ws"] for M in (4863, 4864)] == [0, 1]  # 75.98, 76 tokens per expert
     assert _nvfp4_config(2560, *tp8, gemm2_rows=2)["gemm2_rows"] == 2
     assert _nvfp4_config(2048, *flash, gemm2_rows=2)["gemm2_rows"] == 1  # N = 2048: no effect
     assert _nvfp4_config(2560, 4160, 320, 384, 384, 6)["gemm2_rows"] == 1  # K / 64 = 65: odd, 8 -> 1
@@ -582,10 +583,10 @@ PRINT_CASES = [  # (model, M, activation, cta_mode, expert_map?)
 def _expected_config(c: dict, block_n: int | None = None) -> dict:
     M, topk, E, Eg, N = c["M"], c["topk"], c["E"], c["E_global"], c["N"]
     S, per_expert = M * topk, M * topk / Eg
-    bn = block_n or _nvfp4_block_n(per_expert, N)
+    bn = block_n or _nvfp4_block_n(per_expert)
     touched = E * (1 - (1 - 1 / E) ** (S * E / Eg))
     splitk = bn <= 16 and touched * (2 * N // 64) < c["classic1"] * c["sms"]
-    ws = bn == 64 and not splitk and (c["cta_mode"] != 0 or per_expert >= 60)
+    ws = bn == 64 and not splitk and (c["cta_mode"] != 0 or per_expert >= (76 if N <= 512 else 60))
     return dict(block_n=bn, max_tiles=max(1, (S + min(E, S) * (bn - 1)) // bn), multi_cta_route=int(S > 8192),
                 splitk=int(splitk), direct_x=int(c["activation"] == "bf16" and bn <= 16), ws=int(ws),
                 cluster=c["cta_mode"] if ws and c["cta_mode"] else 1, pdl=int(bn <= 16),

@@ -81,11 +81,11 @@ inline int pick_block_n(int64_t M, int64_t topk, int64_t E_global, double max16)
 }
 
 // nvfp4_moe's max16: crossovers at 19-22 tokens per expert at the expert-parallel shapes
-// (N = 2048-3072), ~37 at V4.1-Flash tensor parallel 8 (N = 288, padded to 320). There the
-// 64-token GEMM2 (K = N: 5 K steps) reads its 64-row bf16 token tile again for every
-// 64-column weight tile, which the short K cannot amortize (ncu: 45,600 CTAs, DRAM at
-// 45%); a 16-token tile reads a quarter of it.
-inline double nvfp4_max16(int64_t N) { return N <= 512 ? 36.0 : 20.0; }
+// (N = 2048-3072) and, with GEMM2 over a resident token tile where N <= 512
+// (moe_gemm2_resident_kernel), at 19-20 at V4.1-Flash tensor parallel 8 (N = 288 padded to
+// 320; it was ~37 with the classic GEMM2, which reads its token tile again for every
+// weight tile: docs/perf-history/2026-12-06-nvfp4-moe-gemm2-resident.md).
+constexpr double kNvfp4Max16 = 20.0;
 
 // mxfp4_moe's max16: crossovers at 16 tokens per expert at V4-Pro, V4.1-Flash local-48
 // and tensor parallel 8, ~20 at V4-Flash local-32 (the 16-token tile 6% faster at 18).
@@ -138,9 +138,10 @@ inline int pick_grid_tiles(int64_t M, int64_t topk, int64_t E, int64_t E_global,
 
 // The prefill kernel (nvfp4_gemm_ws.cuh) runs at the 64-token tile when cta_mode is
 // given (1 or 2) or, in auto mode, from kWsMinTokensPerExpert expected tokens per local
-// expert: below that most groups are one partly filled tile and the one-warpgroup
-// kernel, with 2-3 CTAs per SM, measured as fast or faster (the prefill kernel at 32-48
-// tokens: 0.82-1.0x of it; at 64-72: 1.21-1.49x;
+// expert (ws_min_tokens_per_expert: more where N <= kNvfp4ResidentMaxN): below that most
+// groups are one partly filled tile and the one-warpgroup kernel, with 2-3 CTAs per SM,
+// measured as fast or faster (the prefill kernel at 32-48 tokens: 0.82-1.0x of it; at
+// 64-72: 1.21-1.49x;
 // docs/perf-history/2026-11-30-nvfp4-moe-prefill-ws.md). DSV4_MOE_WS overrides at the
 // 64-token tile (0: the one-warpgroup kernel).
 constexpr double kWsMinTokensPerExpert = 60.0;
@@ -151,6 +152,14 @@ constexpr double kWsMinTokensPerExpert = 60.0;
 // at the same shape (pick_gemm2_rows; not yet timed for this op).
 constexpr int64_t kNvfp4ResidentMaxN = 512;
 constexpr int kNvfp4Gemm2Rows = 8;
+// Where GEMM2 runs over a resident token tile (N <= kNvfp4ResidentMaxN) the one-warpgroup
+// kernels stay ahead of the prefill kernel further: V4.1-Flash tensor parallel 8, H100,
+// 1.08x / 1.02x at 64 / 72 tokens per expert, 0.98x / 0.97x at 80 / 88
+// (docs/perf-history/2026-12-06-nvfp4-moe-gemm2-resident.md).
+constexpr double kWsMinTokensPerExpertResident = 76.0;
+inline double ws_min_tokens_per_expert(int64_t N) {
+  return N <= kNvfp4ResidentMaxN ? kWsMinTokensPerExpertResident : kWsMinTokensPerExpert;
+}
 
 // CTAs per cluster of the prefill kernel: cta_mode 1 or 2; auto: 1. With the modes timed
 // round-robin, pairs measured 0.97-0.99x of single CTAs at every prefill size (the kernel
@@ -164,7 +173,7 @@ inline Nvfp4MoeConfig get_best_config(const Nvfp4MoeShape& c, int64_t cta_mode, 
                                       const env::Switches& o) {
   Nvfp4MoeConfig cfg{};
   const int64_t S = c.M * c.topk;
-  cfg.block_n = o.moe_block_n.value_or(pick_block_n(c.M, c.topk, c.E_global, nvfp4_max16(c.N)));
+  cfg.block_n = o.moe_block_n.value_or(pick_block_n(c.M, c.topk, c.E_global, kNvfp4Max16));
   // Every local slot in a tile; at most one partly filled tile per busy expert.
   const int64_t busy = std::min<int64_t>(c.E, S);
   cfg.max_tiles = int(std::max<int64_t>(1, (S + busy * (cfg.block_n - 1)) / cfg.block_n));
@@ -180,7 +189,7 @@ inline Nvfp4MoeConfig get_best_config(const Nvfp4MoeShape& c, int64_t cta_mode, 
   // DSV4_MOE_DIRECT_X=0 keeps the gather kernel.
   cfg.direct_x = !c.nvfp4 && cfg.block_n <= 16 && o.moe_direct_x.value_or(true);
   if (cfg.block_n == 64 && !cfg.splitk)
-    cfg.ws = o.moe_ws.value_or(cta_mode != 0 || double(S) / double(c.E_global) >= kWsMinTokensPerExpert);
+    cfg.ws = o.moe_ws.value_or(cta_mode != 0 || double(S) / double(c.E_global) >= ws_min_tokens_per_expert(c.N));
   if (cfg.ws) {
     cfg.cluster = ws_cluster(cta_mode);
     TORCH_CHECK(cfg.cluster == 1 || d.ws_grid2 > 0,
