@@ -35,7 +35,8 @@ COLUMNS = [
                 "l1tex__data_pipe_lsu_wavefronts_mem_shared"]),
     ("issue %", ["sm__inst_issued.avg.pct_of_peak_sustained_active", "smsp__issue_active.avg.pct_of_peak"]),
     ("instructions", ["smsp__inst_executed.sum"]),
-    ("stall barrier", ["smsp__average_warp_latency_issue_stalled_barrier", "smsp__average_warps_issue_stalled_barrier"]),
+    ("stall barrier", ["smsp__average_warp_latency_issue_stalled_barrier",
+                       "smsp__average_warps_issue_stalled_barrier"]),
     ("stall long sb", ["smsp__average_warp_latency_issue_stalled_long_scoreboard",
                        "smsp__average_warps_issue_stalled_long_scoreboard"]),
     ("stall wait", ["smsp__average_warp_latency_issue_stalled_wait", "smsp__average_warps_issue_stalled_wait"]),
@@ -97,7 +98,8 @@ def profile(out_dir: str, models: list[str], tokens: int) -> None:
             if r.returncode != 0:
                 print(f"{model} {kernel}: ncu rc={r.returncode}: {(r.stderr or r.stdout)[-400:]}")
                 continue
-            q = subprocess.run(["ncu", "-i", rep + ".ncu-rep", "--csv", "--page", "raw"], capture_output=True, text=True)
+            q = subprocess.run(["ncu", "-i", rep + ".ncu-rep", "--csv", "--page", "raw"],
+                               capture_output=True, text=True)
             table = list(csv.reader(io.StringIO(q.stdout)))
             # rows: metric names, units, then one row per profiled launch (the last is ours)
             raw = dict(zip(table[0], table[-1])) if len(table) >= 3 else {}
