@@ -165,6 +165,23 @@ __device__ __forceinline__ void gemm2_epilogue(const MoeParams& p, const float (
   }
 }
 
+// K steps q .. q + N - 1 of a one-warpgroup GEMM as one wgmma group: every step's A
+// fragments dequantized first, then the steps' wgmmas, one commit and one wait, and the
+// sums fenced for the code after (gemm_segment's slots, moe_gemm2_resident_kernel's row
+// tiles). dequant_step(q, a) and mma_step(q, a) are the caller's, a[4][4] per step.
+template <int N, class Dequant, class Mma, int A>
+__device__ __forceinline__ void wgmma_step_group(int q, Dequant& dequant_step, Mma& mma_step, float (&acc)[A]) {
+  uint32_t a[N][4][4];
+#pragma unroll
+  for (int i = 0; i < N; ++i) dequant_step(q + i, a[i]);
+  wgmma_fence();
+#pragma unroll
+  for (int i = 0; i < N; ++i) mma_step(q + i, a[i]);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(acc);
+}
+
 // Minimum K steps per split-K chunk: fewer and the pipeline prologue and the partial
 // round trip cost more than the extra parallelism gives.
 constexpr int kSplitMinSteps = 8;
@@ -361,15 +378,7 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
       }
     } else {
       static_assert(kSteps == 2, "wgmma slots hold two steps' A fragments");
-      uint32_t a0[4][4], a1[4][4];
-      dequant_step(st, a0);
-      dequant_step(st + 1, a1);
-      wgmma_fence();
-      mma_step(st, a0);
-      mma_step(st + 1, a1);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(acc);
+      wgmma_step_group<2>(st, dequant_step, mma_step, acc);
     }
     ring_advance<kSlots>(ring, phase);
   }
@@ -377,14 +386,12 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
     enter_slot(full_slots);
     const int st = kSteps * ring;
     for (int q = 0; q < rest; ++q) {
-      uint32_t a[4][4];
-      dequant_step(st + q, a);
-      if constexpr (!S::kWarpMma) wgmma_fence();
-      mma_step(st + q, a);
-      if constexpr (!S::kWarpMma) {
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(acc);
+      if constexpr (S::kWarpMma) {
+        uint32_t a[4][4];
+        dequant_step(st + q, a);
+        mma_step(st + q, a);
+      } else {
+        wgmma_step_group<1>(st + q, dequant_step, mma_step, acc);
       }
     }
     ring_advance<kSlots>(ring, phase);
@@ -601,26 +608,8 @@ __global__ void __launch_bounds__(kThreads) moe_gemm2_resident_kernel(const MoeP
     mbar_wait(full + s, (r >> 1) & 1);
     int q = 0;
 #pragma unroll 1
-    for (; q + 2 <= KT; q += 2) {
-      uint32_t a0[4][4], a1[4][4];
-      dequant_step(q, a0);
-      dequant_step(q + 1, a1);
-      wgmma_fence();
-      mma_step(q, a0);
-      mma_step(q + 1, a1);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(acc);
-    }
-    if (q < KT) {
-      uint32_t a[4][4];
-      dequant_step(q, a);
-      wgmma_fence();
-      mma_step(q, a);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(acc);
-    }
+    for (; q + 2 <= KT; q += 2) wgmma_step_group<2>(q, dequant_step, mma_step, acc);
+    if (q < KT) wgmma_step_group<1>(q, dequant_step, mma_step, acc);
     // Every warp is done with slot s's weights (refilled below) and with the staging
     // reads of the previous row tile's epilogue (written again in this one).
     __syncthreads();
