@@ -254,53 +254,73 @@ __global__ void __launch_bounds__(kRouteThreads) moe_place_kernel(const MoeParam
 // written otherwise (the one-warpgroup GEMMs zero-fill them as they copy).
 // Row-major, or tiled (act_offset) for the prefill kernel (ws).
 // Two adjacent lanes share a 16-element block. blockDim.x is a multiple of 32.
+// A thread issues kGatherLoads of its 16-byte chunks of a row (bf16: 4, all of a row of
+// K <= 8192 at 256 threads) before their stores, and the next row's slot is read while
+// this row is copied: one load in flight per thread and a row_slot -> x dependency per row
+// held the V4.1-Flash TP8 gather at 1.6 TB/s of writes (96.7 us at M = 2560 on the H100,
+// docs/perf-history/2026-12-06-nvfp4-moe-gather-padding.md). nvfp4 mode takes 2: its
+// conversion's registers at 4 spilled under the 32 that 8 CTAs per SM allow.
 template <bool kNvfp4>
-__global__ void __launch_bounds__(256) moe_gather_kernel(const MoeParams p) {
+__global__ void __launch_bounds__(256, 8) moe_gather_kernel(const MoeParams p) {  // 8: config.h gather_ctas
   pdl_wait();
   pdl_launch_dependents();
   const int rows = __ldg(p.num_tiles) * p.block_n;
   const int chunks = p.K / 8;
+  constexpr int kGatherLoads = kNvfp4 ? 2 : 4;
+  int slot = int(blockIdx.x) < rows ? p.row_slot[blockIdx.x] : -1;
   for (int r = blockIdx.x; r < rows; r += gridDim.x) {
-    const int slot = p.row_slot[r];
+    const int r_next = r + int(gridDim.x);
+    const int slot_next = r_next < rows ? p.row_slot[r_next] : -1;
     // Padding rows: zeros for the prefill kernel, whose bulk copies read xg whole; the
     // one-warpgroup kernels zero-fill them in their own copies (gemm_segment), so nothing.
-    if (slot < 0 && !p.ws) continue;
-    const __nv_bfloat16* src = slot >= 0 ? p.x + size_t(slot / p.topk) * p.K : nullptr;
-    Nvfp4Encoder enc{};
-    if constexpr (kNvfp4) {
-      const int e = p.tile_expert[r / p.block_n];
-      enc = nvfp4_encoder(__ldg(p.a13_scale + (p.a13_per_expert ? e : 0)));
-    }
-    for (int c0 = 0; c0 < chunks; c0 += blockDim.x) {
-      const int c = c0 + threadIdx.x;
-      uint4 raw = make_uint4(0, 0, 0, 0);
-      if (src != nullptr && c < chunks) raw = __ldg(reinterpret_cast<const uint4*>(src) + c);
-      __nv_bfloat16* dst = p.xg + (p.ws ? act_offset<true>(r, c, p.K) : act_offset<false>(r, c, p.K));
-      if constexpr (!kNvfp4) {
-        if (c < chunks) *reinterpret_cast<uint4*>(dst) = raw;
-      } else {
-        const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
-        float v[8];
-        float amax = 0.0f;
+    if (slot >= 0 || p.ws) {
+      const __nv_bfloat16* src = slot >= 0 ? p.x + size_t(slot / p.topk) * p.K : nullptr;
+      Nvfp4Encoder enc{};
+      if constexpr (kNvfp4) {
+        const int e = p.tile_expert[r / p.block_n];
+        enc = nvfp4_encoder(__ldg(p.a13_scale + (p.a13_per_expert ? e : 0)));
+      }
+      for (int c0 = 0; c0 < chunks; c0 += kGatherLoads * int(blockDim.x)) {
+        uint4 raw[kGatherLoads];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = __bfloat1622float2(h2[i]);
-          v[2 * i] = f.x;
-          v[2 * i + 1] = f.y;
-          amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+        for (int i = 0; i < kGatherLoads; ++i) {
+          const int c = c0 + i * int(blockDim.x) + int(threadIdx.x);
+          raw[i] = make_uint4(0, 0, 0, 0);
+          if (src != nullptr && c < chunks) raw[i] = __ldg(reinterpret_cast<const uint4*>(src) + c);
         }
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        const __nv_fp8_e4m3 s8 = nvfp4_block_scale(amax, enc);
-        const float sf = float(s8);
-        const uint32_t codes = nvfp4_encode8(v, nvfp4_block_recip(sf, enc));
-        uint4 o;
-        uint32_t* ow = reinterpret_cast<uint32_t*>(&o);
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-          ow[i] = pack_bf16x2(e2m1_value(codes >> (8 * i)) * sf, e2m1_value(codes >> (8 * i + 4)) * sf);
-        if (c < chunks) *reinterpret_cast<uint4*>(dst) = o;
+        for (int i = 0; i < kGatherLoads; ++i) {
+          const int c = c0 + i * int(blockDim.x) + int(threadIdx.x);
+          if (c0 + i * int(blockDim.x) >= chunks) break;  // uniform: no lane of the block has a chunk left
+          __nv_bfloat16* dst = p.xg + (p.ws ? act_offset<true>(r, c, p.K) : act_offset<false>(r, c, p.K));
+          if constexpr (!kNvfp4) {
+            if (c < chunks) *reinterpret_cast<uint4*>(dst) = raw[i];
+          } else {
+            const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
+            float v[8];
+            float amax = 0.0f;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              const float2 f = __bfloat1622float2(h2[k]);
+              v[2 * k] = f.x;
+              v[2 * k + 1] = f.y;
+              amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+            }
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+            const __nv_fp8_e4m3 s8 = nvfp4_block_scale(amax, enc);
+            const float sf = float(s8);
+            const uint32_t codes = nvfp4_encode8(v, nvfp4_block_recip(sf, enc));
+            uint4 o;
+            uint32_t* ow = reinterpret_cast<uint32_t*>(&o);
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+              ow[k] = pack_bf16x2(e2m1_value(codes >> (8 * k)) * sf, e2m1_value(codes >> (8 * k + 4)) * sf);
+            if (c < chunks) *reinterpret_cast<uint4*>(dst) = o;
+          }
+        }
       }
     }
+    slot = slot_next;
   }
 }
 
