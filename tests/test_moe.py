@@ -822,6 +822,27 @@ def test_gpu_odd_k_steps(activation, M):
         assert err <= (5e-3 if activation == "bf16" else 2e-2), f"relative L2 {err:.3e}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 8, 9, 12])
+def test_gpu_combine_topk(k):
+    """moe_combine_kernel reads a token's slot positions and weights once and all its y rows
+    of a chunk together up to 8 slots (kCombineSlots), and keeps its per-slot loop above:
+    both against the reference, with an expert map that leaves some slots remote (-1
+    positions among the loaded ones), at 8-token and 64-token tiles."""
+    w = _weights(12, 192, 320, seed=23, device="cuda")
+    p = prepare_nvfp4_moe_weights(*(w[k_] for k_ in KEYS))
+    emap = torch.tensor([0, 1, 2, 3, -1, 4, 5, 6, 7, -1, 8, 9, 10, 11], dtype=torch.int32, device="cuda")
+    for M in (5, 300):
+        gen = torch.Generator().manual_seed(100 * k + M)
+        x = torch.randn(M, 320, generator=gen).to(torch.bfloat16).cuda()
+        ids, tw = _routing(M, k, 14, gen, "cuda")
+        kw = _call_kwargs(w, "bf16", 10.0, emap)
+        got = nvfp4_moe(x, ids, tw, p, **kw)
+        assert torch.isfinite(got).all()
+        err = _rel_l2(got, _ref(x, ids, tw, w, **kw))
+        assert err <= 5e-3, f"M={M}: relative L2 {err:.3e}"
+
+
 # Prefill sizes run the warp-specialized kernel (csrc/moe/nvfp4_gemm_ws.cuh): units of 32 to 192
 # token rows x 192 weight rows, one or two CTAs per cluster. Both cluster modes on the
 # same inputs: each against the reference, and the two bit-identical (same per-row
