@@ -771,3 +771,17 @@ def test_humming_apply_launches_what_vllms_apply_launches(monkeypatch, ep, fmt):
             assert g1[2]["input_scale"].shape == (M * k, h.K // 128)
         unperm = rec.calls[-1][1]
         assert unperm[3] is p["offsets"] and unperm[4] == k and unperm[5] is p["out"]
+
+
+def test_rotation_us_is_the_mean_of_the_per_set_medians():
+    """time_us rotates calls over input sets (call i ran set i % n): the time is the mean of
+    each set's median, so two sets of different cost give their average, not whichever set
+    the middle call belongs to (docs/perf-history/2026-12-06-timer-per-set-medians.md)."""
+    from dsv4.bench.timing import rotation_us
+
+    calls = [10.0, 30.0, 11.0, 31.0, 12.0, 29.0]  # set 0: 10, 11, 12; set 1: 30, 31, 29
+    assert rotation_us(calls, 2) == pytest.approx((11.0 + 30.0) / 2)
+    assert rotation_us(calls, 1) == pytest.approx(20.5)  # one set: the median of all
+    assert rotation_us([5.0], 4) == 5.0  # sets no call ran are left out
+    with pytest.raises(ValueError, match="dsv4: need timed calls"):
+        rotation_us([], 2)

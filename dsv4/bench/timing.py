@@ -12,8 +12,14 @@ same inputs, round-robin, so clock and temperature drift hit every variant alike
   of one layer; ``False`` leaves L2 warm (the kernel's rate on data it just touched);
 * inputs rotate over the given input sets (one callable per set).
 
-Median of ``iters`` timed calls after ``warmup`` untimed ones, one CUDA event pair
-around each call only.
+``iters`` timed calls after ``warmup`` untimed ones, one CUDA event pair around each call
+only; the time is the mean over the input sets of each set's median
+(:func:`rotation_us`). Sets of one case can cost differently (a one-token MoE call has
+0, 1 or 2 local experts in different sets): the median of all calls then sits on
+whichever set's time the middle call falls, and moved by a third between two processes
+with the same kernels (docs/perf-history/2026-12-06-timer-per-set-medians.md); the mean of
+the per-set medians is the expected time of a call over the sets, and as stable as each
+set's median.
 
 :func:`cpu_median_us` is the wall clock of the decode-step routine's ``--cpu-reference``
 run (float32 reference kernels on the CPU): it shows the report machinery, its times are
@@ -29,7 +35,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["Timing", "time_us", "cpu_median_us", "copy_bandwidth_tbps", "bf16_gemm_tflops", "fp8_gemm_tflops",
+__all__ = ["Timing", "time_us", "rotation_us", "cpu_median_us", "copy_bandwidth_tbps", "bf16_gemm_tflops", "fp8_gemm_tflops",
            "l2_flush"]
 
 _FLUSH: dict = {}
@@ -37,7 +43,7 @@ _FLUSH: dict = {}
 
 @dataclass(frozen=True)
 class Timing:
-    us: float  # median microseconds of one call
+    us: float  # microseconds of one call: the mean over input sets of each set's median (rotation_us)
     method: str  # "cuda-graph" or "eager" (a capture that failed falls back to eager and says so)
 
 
@@ -63,6 +69,16 @@ def _capture(calls: Sequence[Callable[[], object]]) -> tuple[list, list, str]:
     except Exception:  # keep the number, say how it was taken
         torch.cuda.synchronize()
         return [], list(calls), "eager"
+
+
+def rotation_us(times_us: Sequence[float], n_sets: int) -> float:
+    """The time of a call over ``n_sets`` rotated input sets, from the timed calls in order
+    (call i ran set i % n_sets): the mean over the sets of each set's median. Sets no call
+    ran are left out."""
+    if n_sets < 1 or not times_us:
+        raise ValueError(f"dsv4: need timed calls and n_sets >= 1, got {len(times_us)} calls, n_sets={n_sets}")
+    per_set = [times_us[j::n_sets] for j in range(n_sets)]
+    return statistics.fmean(statistics.median(ts) for ts in per_set if ts)
 
 
 def time_us(variants: Mapping[str, Sequence[Callable[[], object]]], *, iters: int = 50, warmup: int = 5,
@@ -110,7 +126,7 @@ def time_us(variants: Mapping[str, Sequence[Callable[[], object]]], *, iters: in
             r[i % len(r)]()
             end.record()
     torch.cuda.synchronize()
-    out = {k: Timing(statistics.median(s.elapsed_time(e) for s, e in ev) * 1e3, methods[k])
+    out = {k: Timing(rotation_us([s.elapsed_time(e) * 1e3 for s, e in ev], len(runs[k])), methods[k])
            for k, ev in events.items()}
     del keep
     return out

@@ -12,7 +12,7 @@ compressed | 4096 window] rows, causal, window 128, ratio 4; D=512 H=128 MQA (sp
 prefill kernel) and the dense kernel at D=128 (32/8 heads) and D=256 (16/2 heads).
 
 Every case: the one timer (dsv4.bench.timing: CUDA-graph replays, L2 evicted before each,
-median of >= 30, rotating input sets); useful FLOPs and bytes from dsv4.bench.traffic.
+over >= 30 calls on rotating input sets, the mean of each set's median); useful FLOPs and bytes from dsv4.bench.traffic.
 --vs vllm runs the compare routine's decode and prefill sections instead.
 """
 

@@ -14,8 +14,8 @@ Measures, for each model, batch size and context length:
     grouped-GEMM MoE (torch._grouped_mm);
 and estimates one decode step as the sum over the model's layer schedule.
 
-Timing: each input set's call captured in a CUDA graph, median of --iters replays with L2
-evicted before each one (dsv4.bench.timing, the one timer). --vs vllm also times the
+Timing: each input set's call captured in a CUDA graph, --iters replays with L2 evicted
+before each one, the mean of each set's median (dsv4.bench.timing, the one timer). --vs vllm also times the
 kernels vLLM 0.33.0 runs (FlashMLA SM90; Humming W4A16 for NVFP4 W4A16, Humming W4A8 for
 MXFP4 W4A8) on the same inputs. Writes tables (console, .txt, .md), a JSON file and PNG
 plots into --out-dir. Exit status: 1 no usable GPU (without --cpu-reference), 2 argument

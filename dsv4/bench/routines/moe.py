@@ -10,9 +10,9 @@ as on one EP8 rank); --routing balanced gives every expert M * 6 / E_global slot
 in {1, 8, 32, 64, 128}; prefill M in {2048, 8192, 16384}.
 
 Baseline: bf16 torch._grouped_mm over the dequantized local weights + torch clamped SwiGLU
-(routing sort / gather and the weighted combine in torch too). Per case: median us of
-eager calls (4 rotating input sets, L2 evicted before each call, dsv4.bench.timing) and,
-at decode sizes, of CUDA-graph replays; weight bandwidth, useful TFLOP/s
+(routing sort / gather and the weighted combine in torch too). Per case: us of eager
+calls (4 rotating input sets, the mean of each set's median, L2 evicted before each call,
+dsv4.bench.timing) and, at decode sizes, of CUDA-graph replays; weight bandwidth, useful TFLOP/s
 (dsv4.bench.traffic) and their % of the copy bandwidth and bf16 GEMM rate measured in this
 process; speedup over the baseline; 2-CTA vs 1-CTA at prefill. The 2-CTA / 1-CTA prefill
 modes exist for the bf16 / nvfp4 kernels (MXFP4 W4A16 runs on them), not for W4A8.
