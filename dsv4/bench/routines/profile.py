@@ -22,6 +22,7 @@ Where the event time is well above the span, the difference is outside the kerne
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from collections import defaultdict
@@ -196,11 +197,16 @@ def run(args: argparse.Namespace) -> int:
             torch.cuda.synchronize()
         return 0
     case = f"{MODELS[args.model].name} {args.kind} ctx={args.context} B={args.batch}"
+    lines = [anchors.summary()]
     if args.graph:
-        t = replay_table(case, replay_rows(variants, args.iters), args.iters)
+        rows = replay_rows(variants, args.iters)
+        t = replay_table(case, rows, args.iters)
+        if any(math.isnan(r[2]) for r in rows):
+            lines.append("dsv4: profile --graph: the profiler recorded no kernel of some variant's graph replays "
+                         "(nan): this torch / CUPTI does not trace kernels inside CUDA graphs")
     else:
         t = table(case, kernel_rows(variants, args.iters), args.iters)
-    print_tables([t], lines=[anchors.summary()])
+    print_tables([t], lines=lines)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(to_markdown([t]))
