@@ -35,8 +35,8 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["Timing", "time_us", "rotation_us", "cpu_median_us", "copy_bandwidth_tbps", "bf16_gemm_tflops", "fp8_gemm_tflops",
-           "l2_flush"]
+__all__ = ["Timing", "time_us", "rotation_us", "cpu_median_us", "copy_bandwidth_tbps", "bf16_gemm_tflops",
+           "fp8_gemm_tflops", "l2_flush"]
 
 _FLUSH: dict = {}
 
