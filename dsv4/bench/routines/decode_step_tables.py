@@ -224,8 +224,8 @@ def notes(sweep: Sweep) -> list[str]:
         out.append(CPU_LINE + " Tiny shapes: hidden 256, intermediate 128, top-k / 16.")
     else:
         out.append(f"timing: each input set's call captured in a CUDA graph; {a.iters} replays over "
-                   f"{N_SETS_GPU} rotating input sets, the mean of each set's median, L2 evicted before each replay (in a real step the rest of "
-                   "the model streams through L2 between two calls of a layer).")
+                   f"{N_SETS_GPU} rotating input sets, the mean of each set's median, L2 evicted before each "
+                   "replay (in a real step the rest of the model streams through L2 between two calls of a layer).")
     out.append("attention: fp8_ds_mla paged caches in vLLM's block sizes (window and C4A pools: 64 entries per "
                "block, C128A pool: 2), shared by all sequences, slot ids drawn at random offsets; torch baseline = "
                "bf16 gather + bf16 matmuls + fp32 softmax with the sink, over a bf16 copy of the same cache rows.")
