@@ -20,6 +20,18 @@ __device__ __forceinline__ uint4 pack_bf16x8(const float* v) {
                     pack_bf16x2(v[6], v[7]));
 }
 
+// acc[i] = fmaf(w, x[i], acc[i]) for the eight bf16 of one 16-byte word x, in element order:
+// one slot's term of the MoE weighted combine (moe_combine_kernel, W4A8's slot_sum8).
+__device__ __forceinline__ void fma_bf16x8(float (&acc)[8], float w, const uint4& x) {
+  const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&x);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h2[i]);
+    acc[2 * i] = fmaf(w, f.x, acc[2 * i]);
+    acc[2 * i + 1] = fmaf(w, f.y, acc[2 * i + 1]);
+  }
+}
+
 // A bf16x2 word as the vector type of the bf16 intrinsics.
 __device__ __forceinline__ __nv_bfloat162 as_bf16x2(uint32_t w) { return *reinterpret_cast<const __nv_bfloat162*>(&w); }
 

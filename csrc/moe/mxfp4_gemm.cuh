@@ -646,16 +646,8 @@ __device__ __forceinline__ void slot_sum8(const int* slot_pos, const float* topk
       raw[i] = __ldcg(reinterpret_cast<const uint4*>(y + size_t(pos[i]) * K + col));
     }
 #pragma unroll
-    for (int i = 0; i < kSlots; ++i) {
-      if (pos[i] < 0) continue;
-      const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const float2 f = __bfloat1622float2(h2[c]);
-        sum[2 * c] = fmaf(w[i], f.x, sum[2 * c]);
-        sum[2 * c + 1] = fmaf(w[i], f.y, sum[2 * c + 1]);
-      }
-    }
+    for (int i = 0; i < kSlots; ++i)
+      if (pos[i] >= 0) fma_bf16x8(sum, w[i], raw[i]);
   }
 }
 

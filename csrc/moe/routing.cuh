@@ -331,15 +331,6 @@ __global__ void __launch_bounds__(256, 8) moe_gather_kernel(const MoeParams p) {
 // at V4.1-Flash TP8 M = 2560 on the H100 (75 us for ~183 MB). The sum's order and fmaf
 // are the loop's, so the outputs are bitwise the same; more slots take the loop.
 constexpr int kCombineSlots = 8;
-__device__ __forceinline__ void combine_add(float (&acc)[8], float w, const uint4& raw) {
-  const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(h2[i]);
-    acc[2 * i] = fmaf(w, f.x, acc[2 * i]);
-    acc[2 * i + 1] = fmaf(w, f.y, acc[2 * i + 1]);
-  }
-}
 __global__ void __launch_bounds__(256) moe_combine_kernel(const MoeParams p) {
   pdl_wait();
   const int chunks = p.K / 8;
@@ -362,7 +353,7 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const MoeParams p) {
         for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
 #pragma unroll
         for (int j = 0; j < kCombineSlots; ++j)
-          if (pos[j] >= 0) combine_add(acc, w[j], raw[j]);
+          if (pos[j] >= 0) fma_bf16x8(acc, w[j], raw[j]);
         *(reinterpret_cast<uint4*>(p.out + size_t(tkn) * p.K) + c) = pack_bf16x8(acc);
       }
       continue;
@@ -375,7 +366,7 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const MoeParams p) {
         const int pos = p.slot_pos[tkn * p.topk + j];
         if (pos < 0) continue;
         const float w = __ldg(p.topk_weights + tkn * p.topk + j);
-        combine_add(acc, w, *(reinterpret_cast<const uint4*>(p.y + size_t(pos) * p.K) + c));
+        fma_bf16x8(acc, w, *(reinterpret_cast<const uint4*>(p.y + size_t(pos) * p.K) + c));
       }
       *(reinterpret_cast<uint4*>(p.out + size_t(tkn) * p.K) + c) = pack_bf16x8(acc);
     }
