@@ -45,6 +45,12 @@ COLUMNS = [
     ("stall mio", ["smsp__average_warp_latency_issue_stalled_mio_throttle",
                    "smsp__average_warps_issue_stalled_mio_throttle"]),
     ("stall membar", ["smsp__average_warp_latency_issue_stalled_membar", "smsp__average_warps_issue_stalled_membar"]),
+    # Where the gathered rows come from: a prefill's rows (64 MB here, above L2) are re-read by
+    # every token that selects them, beside the streams of Q and the output.
+    ("dram %", ["gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+                "dram__throughput.avg.pct_of_peak_sustained_elapsed"]),
+    ("dram read", ["dram__bytes_read.sum"]),
+    ("L2 hit %", ["lts__t_sector_hit_rate.pct"]),
 ]
 
 
@@ -83,11 +89,12 @@ def run(model: str, kernel: str, tokens: int) -> None:
     torch.cuda.synchronize()
 
 
-def profile(out_dir: str, models: list[str], tokens: int) -> None:
+def profile(out_dir: str, models: list[str], tokens: int, kernels: list[str]) -> None:
     os.makedirs(out_dir, exist_ok=True)
     rows = []
     for model in models:
-        for kernel, regex in KERNELS.items():
+        for kernel in kernels:
+            regex = KERNELS[kernel]
             rep = os.path.join(out_dir, f"prefill_{model}_{kernel}")
             cmd = ["ncu", "--clock-control", "none", "-k", regex, "--launch-skip", "1", "--launch-count", "1"]
             for sec in SECTIONS:
@@ -121,11 +128,12 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--models", default="pro,flash")
     p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--kernels", default=",".join(KERNELS), help="of " + ", ".join(KERNELS))
     a = ap.parse_args()
     if a.cmd == "run":
         run(a.model, a.kernel, a.tokens)
     else:
-        profile(a.out, a.models.split(","), a.tokens)
+        profile(a.out, a.models.split(","), a.tokens, a.kernels.split(","))
 
 
 if __name__ == "__main__":
