@@ -49,7 +49,6 @@ COLUMNS = [
     # every token that selects them, beside the streams of Q and the output.
     ("dram %", ["gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
                 "dram__throughput.avg.pct_of_peak_sustained_elapsed"]),
-    ("dram read", ["dram__bytes_read.sum"]),
     ("L2 hit %", ["lts__t_sector_hit_rate.pct"]),
 ]
 
