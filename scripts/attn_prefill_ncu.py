@@ -129,12 +129,13 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--kernels", default=",".join(KERNELS), help="of " + ", ".join(KERNELS))
     a = ap.parse_args()
-    if a.cmd == "profile" and set(a.kernels.split(",")) - set(KERNELS):
-        ap.error(f"--kernels takes {', '.join(KERNELS)}, got {a.kernels!r}")
     if a.cmd == "run":
         run(a.model, a.kernel, a.tokens)
-    else:
-        profile(a.out, a.models.split(","), a.tokens, a.kernels.split(","))
+        return
+    kernels = a.kernels.split(",")
+    if set(kernels) - set(KERNELS):
+        ap.error(f"--kernels takes {', '.join(KERNELS)}, got {a.kernels!r}")
+    profile(a.out, a.models.split(","), a.tokens, kernels)
 
 
 if __name__ == "__main__":

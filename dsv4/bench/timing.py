@@ -83,7 +83,8 @@ def rotation_us(times_us: Sequence[float], n_sets: int) -> float:
 
 def time_us(variants: Mapping[str, Sequence[Callable[[], object]]], *, iters: int = 50, warmup: int = 5,
             cuda_graph: bool = True, cold_l2: bool = True) -> dict[str, Timing]:
-    """Median time of one call of each variant.
+    """Time of one call of each variant: the mean over its input sets of each set's median
+    (:func:`rotation_us`).
 
     Parameters
     ----------
