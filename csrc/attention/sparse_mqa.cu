@@ -264,6 +264,7 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   // the cooperative round; O set by each item's first PV instead of cleared in registers.
   p.coop_prefetch = env::switches().attn_coop_prefetch.value_or(true);
   p.first_pv_init = env::switches().attn_first_pv_init.value_or(true);
+  p.row_prefetch = env::switches().attn_row_prefetch.value_or(true);
   // Items of two or more rounds (the longest split's pairs > 1): the cooperative round by the
   // consumers alone, the producer starting on round 1 at once (its cold path, index, scale and
   // row loads overlap round 0); one-round items (SWA, small splits) keep all three warpgroups

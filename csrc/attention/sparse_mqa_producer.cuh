@@ -429,7 +429,7 @@ __device__ __forceinline__ void producer_loop_bf16(const SparseMqaParams& p, con
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const int64_t d = row_off(tile0 + 2 + t, raw[t][k]);
-        if (d >= 0) prefetch_l2(nbase + d + 128 * chunk);
+        if (p.row_prefetch && d >= 0) prefetch_l2(nbase + d + 128 * chunk);
       }
     }
 
