@@ -978,9 +978,10 @@ def child_switch_cases() -> None:
                                  {"DSV4_ATTN_COOP_ROUND": "0"}, {"DSV4_ATTN_PRODUCER_AHEAD": "0"},
                                  {"DSV4_ATTN_COOP_PREFETCH": "0"}, {"DSV4_ATTN_FIRST_PV_INIT": "0"},
                                  {"DSV4_ATTN_SPLITS": "3"}, {"DSV4_ATTN_SPLITS": "16"},
-                                 {"DSV4_ATTN_CROSSOVER": "1"}],
+                                 {"DSV4_ATTN_CROSSOVER": "1"}, {"DSV4_ATTN_ROW_PREFETCH": "1"}],
                          ids=["splits0", "pdl0", "specialize0", "main_pdl0", "coop0", "producer_ahead0",
-                              "coop_prefetch0", "first_pv_init0", "forced_splits3", "forced_splits16", "crossover1"])
+                              "coop_prefetch0", "first_pv_init0", "forced_splits3", "forced_splits16", "crossover1",
+                              "row_prefetch1"])
 def test_development_switches_keep_results(env):
     proc = _child(env, "child_switch_cases()")
     assert proc.returncode == 0 and "switch cases passed" in proc.stdout, \
@@ -1112,6 +1113,15 @@ def diet_outputs():
                          ids=["diet0", "diet0_coop0"])
 def test_code_diet_is_bitwise_the_register_clears(tmp_path, env):
     _bitwise_across_processes(tmp_path, "diet_outputs", {}, env)
+
+
+# The bf16 producer's L2 prefetch of the next round's rows (DSV4_ATTN_ROW_PREFETCH=1, off by
+# default) moves no byte of the results: diet_outputs' bf16 decode and prefill run that
+# producer with several rounds per item.
+@pytest.mark.gpu
+def test_row_prefetch_is_bitwise_none(tmp_path):
+    _bitwise_across_processes(tmp_path, "diet_outputs", {"DSV4_ATTN_ROW_PREFETCH": "1"},
+                              {"DSV4_ATTN_ROW_PREFETCH": "0"})
 
 
 # The crossover at 128 heads (DSV4_ATTN_CROSSOVER=1, sparse_mqa.cuh kPair): each CTA of a

@@ -3,7 +3,7 @@
 // launch. Development switches (csrc/common/env.h, README "Environment variables"):
 // DSV4_ATTN_PRICED_SPLITS, DSV4_ATTN_PDL, DSV4_ATTN_SPECIALIZE, DSV4_ATTN_MAIN_PDL,
 // DSV4_ATTN_COOP_ROUND, DSV4_ATTN_PRODUCER_AHEAD, DSV4_ATTN_COOP_PREFETCH,
-// DSV4_ATTN_FIRST_PV_INIT, DSV4_ATTN_CROSSOVER.
+// DSV4_ATTN_FIRST_PV_INIT, DSV4_ATTN_CROSSOVER, DSV4_ATTN_ROW_PREFETCH.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -264,7 +264,10 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   // the cooperative round; O set by each item's first PV instead of cleared in registers.
   p.coop_prefetch = env::switches().attn_coop_prefetch.value_or(true);
   p.first_pv_init = env::switches().attn_first_pv_init.value_or(true);
-  p.row_prefetch = env::switches().attn_row_prefetch.value_or(true);
+  // bf16 rows (prefill, bf16 caches): no L2 prefetch of the next round's rows by default; over a
+  // workspace larger than L2 it made the DRAM re-read rows it had already fetched
+  // (docs/perf-history/2026-12-06-attention-prefill-row-prefetch.md).
+  p.row_prefetch = env::switches().attn_row_prefetch.value_or(false);
   // Items of two or more rounds (the longest split's pairs > 1): the cooperative round by the
   // consumers alone, the producer starting on round 1 at once (its cold path, index, scale and
   // row loads overlap round 0); one-round items (SWA, small splits) keep all three warpgroups

@@ -53,8 +53,8 @@ struct SparseMqaParams {
   // Development switches read by the kernel as uniform values (no extra kernel instances;
   // csrc/common/env.h, README "Environment variables"):
   bool coop_prefetch;     // the cooperative round also sends round 1's rows into L2 (DSV4_ATTN_COOP_PREFETCH)
-  bool row_prefetch;        // bf16 rows: the next round's rows sent to L2 (DSV4_ATTN_ROW_PREFETCH)
   bool first_pv_init;       // O set by each item's first PV (scale-d = 0), not cleared (DSV4_ATTN_FIRST_PV_INIT)
+  bool row_prefetch;        // bf16 rows: the next round's rows sent to L2 a round ahead (DSV4_ATTN_ROW_PREFETCH)
 };
 
 }  // namespace attention

@@ -424,12 +424,15 @@ __device__ __forceinline__ void producer_loop_bf16(const SparseMqaParams& p, con
         raw[t][k] = raw_next[t][k];
         raw_next[t][k] = tile_index<kNumSrc>(p, tt, b, i, tile0 + 4 + t, 4 * grp + k);
       }
-      // Next round's rows into L2, one 128-byte line per lane and row.
-      const uint8_t* nbase = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile0 + 2 + t)).base;
+      // Next round's rows into L2, one 128-byte line per lane and row (DSV4_ATTN_ROW_PREFETCH=1;
+      // off by default: 2026-12-06-attention-prefill-row-prefetch.md).
+      if (p.row_prefetch) {
+        const uint8_t* nbase = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile0 + 2 + t)).base;
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int64_t d = row_off(tile0 + 2 + t, raw[t][k]);
-        if (p.row_prefetch && d >= 0) prefetch_l2(nbase + d + 128 * chunk);
+        for (int k = 0; k < 4; ++k) {
+          const int64_t d = row_off(tile0 + 2 + t, raw[t][k]);
+          if (d >= 0) prefetch_l2(nbase + d + 128 * chunk);
+        }
       }
     }
 

@@ -66,7 +66,7 @@ struct Switches {
   std::optional<bool> attn_producer_ahead;   // DSV4_ATTN_PRODUCER_AHEAD: 0 = the producer in the cooperative round always
   std::optional<bool> attn_coop_prefetch;  // DSV4_ATTN_COOP_PREFETCH: 0 = round 1's rows not sent to L2 early
   std::optional<bool> attn_first_pv_init;    // DSV4_ATTN_FIRST_PV_INIT: 0 = O cleared in registers per item
-  std::optional<bool> attn_row_prefetch;  // DSV4_ATTN_ROW_PREFETCH: 0 = bf16 rows not sent to L2 a round ahead
+  std::optional<bool> attn_row_prefetch;  // DSV4_ATTN_ROW_PREFETCH: 1 = bf16 rows sent to L2 a round ahead
   std::optional<bool> attn_crossover;  // DSV4_ATTN_CROSSOVER: 1 = 128-head fp8 calls in two-CTA clusters
 };
 
