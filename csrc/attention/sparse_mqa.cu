@@ -265,8 +265,9 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   p.coop_prefetch = env::switches().attn_coop_prefetch.value_or(true);
   p.first_pv_init = env::switches().attn_first_pv_init.value_or(true);
   // bf16 rows (prefill, bf16 caches): no L2 prefetch of the next round's rows by default; over a
-  // workspace larger than L2 it made the DRAM re-read rows it had already fetched
-  // (docs/perf-history/2026-12-06-attention-prefill-row-prefetch.md).
+  // workspace larger than L2 it made the DRAM re-read rows it had already fetched. The fp8
+  // producer's prefetch stays: in decode it pays (both in
+  // docs/perf-history/2026-12-06-attention-prefill-row-prefetch.md).
   p.row_prefetch = env::switches().attn_row_prefetch.value_or(false);
   // Items of two or more rounds (the longest split's pairs > 1): the cooperative round by the
   // consumers alone, the producer starting on round 1 at once (its cold path, index, scale and

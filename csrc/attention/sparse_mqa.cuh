@@ -9,7 +9,8 @@
 //        them (0L, 1R, 0R, 1L). fp8_ds_mla rows are dequantized to bf16 with their UE8M0
 //        power-of-two scales (exact); bf16 rows go by cp.async, the producer never waits for
 //        them. Skipped entries become zero rows and a cleared bit of the buffer's mask.
-//        The next round's rows are prefetched into L2.
+//        The next round's fp8 rows are prefetched into L2 (bf16 rows only under
+//        DSV4_ATTN_ROW_PREFETCH=1).
 //   WG1, WG2  consumers c = 0, 1 ("seesaw"): consumer c computes S_c = Q K_c^T of buffer c
 //        over the full d, runs the online softmax for that tile and owns half the output,
 //        O[:, 256c : 256c + 256] += P_c V_c (P from registers) + P_other V_other (P from
