@@ -543,7 +543,7 @@ def child_bad_value() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", OVERRIDES + ("DSV4_PRINT_CONFIG",))
+@pytest.mark.parametrize("name", OVERRIDES + ("DSV4_PRINT_CONFIG",) + ATTN_OVERRIDES)
 def test_bad_value_is_an_error(name):
     out = _child({name: "yes"}, "child_bad_value")
     msg = f'ERROR: dsv4: environment variable {name} must be 0 or 1 (or unset), got "yes"'
