@@ -18,7 +18,9 @@
 //   +rb       the promotion without the per-row multiply (acc += part * s_x: one weight base per
 //             row, applied at the end; docs/perf-history/2026-12-05-mxfp4-w4a8-row-base.md)
 //   +pa       the next chunk's A fragments converted while this chunk's wgmmas run
-//   +dp       two partial sums: chunk c's wgmmas issued before chunk c - 1's promotion
+//   +dp       two partial sums: chunk c's wgmmas issued before chunk c - 1's promotion (as
+//             compiled: ptxas serializes the wgmmas, C7514; see the note)
+//   +dp2      two partial sums per pair of chunks, both issued before either promotion
 //   +st       the tokens stay in shared memory (only weights stream): the L2 feed taken out
 #include <cuda_runtime.h>
 
@@ -246,7 +248,7 @@ __global__ void __launch_bounds__(128, 4) pair_kernel(Bufs b, int units) {
 }
 
 // ---------------------------------------------------------- the warp-specialized loop ---
-template <int C, int NT, int PN, int STAGES, bool kRB, bool kPA, bool kDP, bool kStatic>
+template <int C, int NT, int PN, int STAGES, bool kRB, bool kPA, int kDP, bool kStatic>
 struct Ws {
   static constexpr int kThreads = 128 * (1 + C);
   static constexpr int kOffX = NT * 128;
@@ -262,7 +264,7 @@ struct Ws {
   static_assert(kBytes <= 227 * 1024, "shared memory");
 };
 
-template <int C, int NT, int PN, int STAGES, bool kRB, bool kPA, bool kDP, bool kStatic>
+template <int C, int NT, int PN, int STAGES, bool kRB, bool kPA, int kDP, bool kStatic>
 __global__ void __launch_bounds__(128 * (1 + C), 1) ws_kernel(Bufs b, int units) {
   using W = Ws<C, NT, PN, STAGES, kRB, kPA, kDP, kStatic>;
   extern __shared__ uint8_t smem_raw[];
@@ -344,7 +346,7 @@ __global__ void __launch_bounds__(128 * (1 + C), 1) ws_kernel(Bufs b, int units)
     }
     static_assert(NT / PN <= 3, "passes");
   };
-  if constexpr (kDP) {
+  if constexpr (kDP == 1) {
     // Chunk i's wgmmas in flight while chunk i - 1's partial is promoted (wait_group 1). The
     // first promotion is of zeros (no peeled first chunk: its copies of in-flight accumulators
     // into the loop's registers made ptxas serialize the wgmmas, C7514).
@@ -374,6 +376,29 @@ __global__ void __launch_bounds__(128 * (1 + C), 1) ws_kernel(Bufs b, int units)
     fence_regs(p1);
     promote<NT, NT, 0, kRB>(acc, p1, sw1, smem + so(n - 1) + W::kOffX, t);
     release(n - 1);
+  } else if constexpr (kDP == 2) {
+    // Chunks in pairs, both partials issued before either promotion; nothing in flight at the
+    // loop's back edge: chunk i + 1's A converted during chunk i's wgmmas, chunk i promoted
+    // during chunk i + 1's; chunk i + 1's promotion and chunk i + 2's conversion alone.
+    float p0[NT / 2], p1[NT / 2];
+    uint32_t a0[4][4], a1[4][4];
+#pragma unroll 1
+    for (int i = 0; i < n; i += 2) {
+      ready(i);
+      const uint2 sw0 = frags(a0, i);
+      issue_mmas<NT>(p0, a0, desc0 + (so(i) >> 4));
+      ready(i + 1);
+      const uint2 sw1 = frags(a1, i + 1);
+      issue_mmas<NT>(p1, a1, desc0 + (so(i + 1) >> 4));
+      wgmma_wait<1>();
+      fence_regs(p0);
+      promote<NT, NT, 0, kRB>(acc, p0, sw0, smem + so(i) + W::kOffX, t);
+      release(i);
+      wgmma_wait<0>();
+      fence_regs(p1);
+      promote<NT, NT, 0, kRB>(acc, p1, sw1, smem + so(i + 1) + W::kOffX, t);
+      release(i + 1);
+    }
   } else if constexpr (kPA) {
     float part[PN / 2];
     uint32_t a0[4][4], a1[4][4];
@@ -435,7 +460,7 @@ struct Variant {
   double rows, tokens;  // per CTA and chunk
 };
 
-template <int C, int NT, int PN, int ST, bool RB, bool PA, bool DP, bool STAT>
+template <int C, int NT, int PN, int ST, bool RB, bool PA, int DP, bool STAT>
 Variant ws(const char* name) {
   using W = probe::Ws<C, NT, PN, ST, RB, PA, DP, STAT>;
   return {name, probe::ws_kernel<C, NT, PN, ST, RB, PA, DP, STAT>, W::kThreads, W::kBytes, 1, 64.0 * C, double(NT)};
@@ -476,8 +501,11 @@ int main(int argc, char** argv) {
       ws<2, 128, 128, 6, true, false, true, false>("ws C2 NT128 +dp +rb"),
       ws<2, 128, 128, 6, false, false, true, true>("ws C2 NT128 +dp +st"),
       ws<2, 96, 96, 6, false, false, true, false>("ws C2 NT96 +dp"),
+      ws<2, 128, 128, 6, false, false, 2, false>("ws C2 NT128 +dp2"),
+      ws<2, 128, 128, 6, true, false, 2, false>("ws C2 NT128 +dp2 +rb"),
+      ws<2, 96, 96, 6, false, false, 2, false>("ws C2 NT96 +dp2"),
       ws<3, 128, 128, 5, false, false, false, false>("ws C3 NT128 PN128"),
-      ws<3, 96, 96, 6, false, false, true, false>("ws C3 NT96 +dp"),
+      ws<3, 96, 96, 6, false, false, 2, false>("ws C3 NT96 +dp2"),
   };
   printf("%s, %d SMs; %.0f GFLOP per launch (2 x rows x tokens x 128 per chunk)\n", prop.name, sms, target_gflop);
   printf("%-28s %5s %6s %5s %9s %9s\n", "variant", "regs", "local", "grid", "us", "TFLOP/s");
