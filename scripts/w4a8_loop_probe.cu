@@ -22,6 +22,9 @@
 //             compiled: ptxas serializes the wgmmas, C7514; see the note)
 //   +dp2      two partial sums per pair of chunks, both issued before either promotion
 //   +st       the tokens stay in shared memory (only weights stream): the L2 feed taken out
+//   ss        a converter warpgroup writes each chunk's e4m3 weight tile (128 rows) to shared
+//             memory once for 128 tokens; two MMA warpgroups run SS wgmma m64n128k32 on it
+//             (tokens as A), as a DeepGEMM-style FP8 GEMM with the conversion beside it
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -361,6 +364,184 @@ __global__ void __launch_bounds__(128 * (1 + C), 1) ws_kernel(Bufs b, int units)
   b.out[blockIdx.x * blockDim.x + threadIdx.x] = sum;
 }
 
+// D[64 x 128] (+)= A[64 x 32] * B[32 x 128], e4m3, both K-major from shared memory.
+struct SsE4m3N128 {
+  __device__ __forceinline__ static void mma(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21,"
+        "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41,"
+        "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61,"
+        "%62, %63"
+        "}, %64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+  }
+};
+
+
+// ------------------------------------------------------ the dequant-to-shared loop ---
+// 512 threads: warpgroup 0's thread 0 issues the bulk copies (a raw ring: 128 token rows and
+// their scales, two 64-row code tiles and their scale tiles per chunk); warpgroup 1 converts
+// the codes to e4m3 once per chunk for all 128 tokens (chunk_fragments), into a swizzled
+// K-major tile of the 128 weight rows plus each row's base (fp32) in a second ring;
+// warpgroups 2 and 3 multiply 64 tokens each with all 128 rows (SS wgmma m64n128k32, tokens
+// as A), then promote acc += part * (s_x[token] * 2^b[row]) (kRB: without the multiply).
+template <bool kRB>
+struct Ss {
+  static constexpr int kRaw = 4, kDq = 3;
+  static constexpr int kOffX = 128 * kChunk;     // 16 KB of token rows, then their scales
+  static constexpr int kOffW = kOffX + 128 * 4;  // two code tiles, then two scale tiles
+  static constexpr int kOffS = kOffW + 2 * kCodeTile;
+  static constexpr int kRawStage = (kOffS + 2 * kScaleTile + 1023) / 1024 * 1024;
+  static constexpr int kDqAt = kRaw * kRawStage;
+  static constexpr int kDqBase = 128 * kChunk;  // after the e4m3 tile: the rows' bases
+  static constexpr int kDqStage = (kDqBase + 128 * 4 + 1023) / 1024 * 1024;
+  static constexpr int kBytes = kDqAt + kDq * kDqStage + 1024;
+};
+
+__device__ __forceinline__ uint32_t sw128(int row, int pos) {  // byte of (row, K position) in a SW128 tile
+  return row * 128 + ((((pos >> 4) ^ (row & 7))) << 4) + (pos & 15);
+}
+
+template <bool kRB>
+__global__ void __launch_bounds__(512, 1) ss_kernel(Bufs b, int units) {
+  using L = Ss<kRB>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = align_smem_1024(smem_raw);
+  __shared__ uint64_t full[L::kRaw], empty[L::kRaw], dfull[L::kDq], dempty[L::kDq];
+  __shared__ __align__(16) uint8_t lut[kLutBytes];
+  build_lut(lut);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < L::kRaw; ++i) {
+      mbar_init(full + i, 1);
+      mbar_init(empty + i, 4 + 8);  // the converter's warps and the MMA warps
+    }
+    for (int i = 0; i < L::kDq; ++i) {
+      mbar_init(dfull + i, 128);
+      mbar_init(dempty + i, 8);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  const int n = units * KT;
+  const int wg = threadIdx.x / 128, tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31, g = lane >> 2,
+            t = lane & 3;
+  if (wg == 0) {
+    setmaxnreg_dec<24>();
+    if (threadIdx.x != 0) return;
+    constexpr uint32_t kTx = 128 * (kChunk + 4) + 2 * (kCodeTile + kScaleTile);
+    for (int i = 0; i < n; ++i) {
+      const int s = i % L::kRaw, u = i / KT, c = i % KT;
+      if (i >= L::kRaw) mbar_wait(empty + s, ((i / L::kRaw) - 1) & 1);
+      const uint32_t base = smem_u32(smem) + s * L::kRawStage;
+      uint64_t* bar = full + s;
+      mbar_arrive_expect_tx(bar, kTx);
+      const size_t r0 = ((size_t(blockIdx.x) * 31 + size_t(u) * 7) * 128) % (b.trows - size_t(128) * KT);
+      const size_t r = r0 + size_t(c) * 128;
+      bulk_g2s(base, b.tok + r * 128, 128 * kChunk, bar);
+      bulk_g2s(base + L::kOffX, b.tsx + r, 128 * 4, bar);
+      for (int w = 0; w < 2; ++w) {
+        const size_t wt = (size_t(blockIdx.x) * 97 + (size_t(u) * 2 + w) * 13 * KT) % (b.wtiles - KT) + c;
+        bulk_g2s(base + L::kOffW + w * kCodeTile, b.wq + wt * kCodeTile, kCodeTile, bar);
+        bulk_g2s(base + L::kOffS + w * kScaleTile, b.wsc + wt * kScaleTile, kScaleTile, bar);
+      }
+    }
+    return;
+  }
+  if (wg == 1) {  // the converter
+    setmaxnreg_dec<88>();
+    const uint32_t lut_base = smem_u32(lut), rot = (4 * t - 3) & 31;
+#pragma unroll 1
+    for (int i = 0; i < n; ++i) {
+      const int s = i % L::kRaw, d = i % L::kDq;
+      mbar_wait(full + s, (i / L::kRaw) & 1);
+      if (i >= L::kDq) mbar_wait(dempty + d, ((i / L::kDq) - 1) & 1);
+      const uint32_t so = smem_u32(smem) + s * L::kRawStage;
+      uint8_t* dst = smem + L::kDqAt + d * L::kDqStage;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        uint32_t a[4][4];
+        const uint2 sw = chunk_fragments(a, so + L::kOffW + j * kCodeTile + tid * 16,
+                                         so + L::kOffS + j * kScaleTile + (warp * 8 + g) * 8, lut_base, rot);
+        const int lo = 64 * j + 16 * warp + g, hi = lo + 8;
+#pragma unroll
+        for (int st = 0; st < 4; ++st) {  // the m16n8k32 A fragment: k = 4t.. (a0, a1), 16 + 4t.. (a2, a3)
+          const int p0 = 32 * st + 4 * t;
+          *reinterpret_cast<uint32_t*>(dst + sw128(lo, p0)) = a[st][0];
+          *reinterpret_cast<uint32_t*>(dst + sw128(hi, p0)) = a[st][1];
+          *reinterpret_cast<uint32_t*>(dst + sw128(lo, p0 + 16)) = a[st][2];
+          *reinterpret_cast<uint32_t*>(dst + sw128(hi, p0 + 16)) = a[st][3];
+        }
+        if (t == 0) {
+          reinterpret_cast<float*>(dst + L::kDqBase)[lo] = chunk_base(sw.x);
+          reinterpret_cast<float*>(dst + L::kDqBase)[hi] = chunk_base(sw.y);
+        }
+      }
+      fence_proxy_async_smem();  // the generic stores, visible to the wgmmas
+      mbar_arrive(dfull + d);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty + s);
+    }
+    return;
+  }
+  setmaxnreg_inc<200>();  // 128 x (24 + 88) + 256 x 200 = 64K
+  const int m = wg - 2;
+  float acc[64], part[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+#pragma unroll 1
+  for (int i = 0; i < n; ++i) {
+    const int s = i % L::kRaw, d = i % L::kDq;
+    mbar_wait(full + s, (i / L::kRaw) & 1);
+    mbar_wait(dfull + d, (i / L::kDq) & 1);
+    const uint64_t da = wgmma_desc_sw128(smem_u32(smem) + s * L::kRawStage + m * 64 * kChunk, 16, 1024);
+    const uint64_t db = wgmma_desc_sw128(smem_u32(smem) + L::kDqAt + d * L::kDqStage, 16, 1024);
+    wgmma_fence();
+#pragma unroll
+    for (int st = 0; st < 4; ++st) SsE4m3N128::mma(part, da + 2 * st, db + 2 * st, st);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(part);
+    const float* sx = reinterpret_cast<const float*>(smem + s * L::kRawStage + L::kOffX) + 64 * m + 16 * warp + g;
+    const float x0 = sx[0], x1 = sx[8];
+    const float* bs = reinterpret_cast<const float*>(smem + L::kDqAt + d * L::kDqStage + L::kDqBase);
+#pragma unroll
+    for (int h = 0; h < 16; ++h) {  // rows (tokens) g, g + 8; columns (weight rows) 8h + 2t, + 1
+      if constexpr (kRB) {
+        acc[4 * h + 0] = fmaf(part[4 * h + 0], x0, acc[4 * h + 0]);
+        acc[4 * h + 1] = fmaf(part[4 * h + 1], x0, acc[4 * h + 1]);
+        acc[4 * h + 2] = fmaf(part[4 * h + 2], x1, acc[4 * h + 2]);
+        acc[4 * h + 3] = fmaf(part[4 * h + 3], x1, acc[4 * h + 3]);
+      } else {
+        const float2 f = *reinterpret_cast<const float2*>(bs + 8 * h + 2 * t);
+        acc[4 * h + 0] = fmaf(part[4 * h + 0], x0 * f.x, acc[4 * h + 0]);
+        acc[4 * h + 1] = fmaf(part[4 * h + 1], x0 * f.y, acc[4 * h + 1]);
+        acc[4 * h + 2] = fmaf(part[4 * h + 2], x1 * f.x, acc[4 * h + 2]);
+        acc[4 * h + 3] = fmaf(part[4 * h + 3], x1 * f.y, acc[4 * h + 3]);
+      }
+    }
+    __syncwarp();
+    if (lane == 0) {
+      mbar_arrive(empty + s);
+      mbar_arrive(dempty + d);
+    }
+  }
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) sum += acc[i];
+  b.out[blockIdx.x * blockDim.x + threadIdx.x] = sum;
+}
+
 }  // namespace probe
 
 // ------------------------------------------------------------------------- host ---
@@ -426,6 +607,8 @@ int main(int argc, char** argv) {
       ws<2, 96, 96, 6, false, false, 2, false>("ws C2 NT96 +dp2"),
       ws<3, 128, 128, 5, false, false, false, false>("ws C3 NT128 PN128"),
       ws<3, 96, 96, 6, false, false, 2, false>("ws C3 NT96 +dp2"),
+      {"ss (dequant to smem)", probe::ss_kernel<false>, 512, probe::Ss<false>::kBytes, 1, 128, 128},
+      {"ss +rb", probe::ss_kernel<true>, 512, probe::Ss<true>::kBytes, 1, 128, 128},
   };
   printf("%s, %d SMs; %.0f GFLOP per launch (2 x rows x tokens x 128 per chunk)\n", prop.name, sms, target_gflop);
   printf("%-28s %5s %6s %5s %9s %9s\n", "variant", "regs", "local", "grid", "us", "TFLOP/s");
