@@ -598,6 +598,7 @@ int main(int argc, char** argv) {
       ws<2, 192, 192, 5, false, true, false, false>("ws C2 NT192 PN192 +pa"),
       ws<2, 128, 128, 6, false, false, false, false>("ws C2 NT128 PN128"),
       ws<2, 128, 128, 6, false, true, false, false>("ws C2 NT128 PN128 +pa"),
+      ws<2, 128, 128, 6, true, false, false, false>("ws C2 NT128 PN128 +rb"),
       ws<2, 128, 128, 6, false, false, true, false>("ws C2 NT128 +dp"),
       ws<2, 128, 128, 6, true, false, true, false>("ws C2 NT128 +dp +rb"),
       ws<2, 128, 128, 6, false, false, true, true>("ws C2 NT128 +dp +st"),
