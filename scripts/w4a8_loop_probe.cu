@@ -43,10 +43,6 @@ namespace probe {
 
 constexpr int KT = 56;  // K chunks per unit: V4-Pro GEMM1, K = 7168
 
-// The wgmma of N tokens (common/mma/wgmma.cuh).
-template <int N>
-using Rs = WgmmaRsE4m3<N>;
-
 // Random bytes: e4m3 bytes below 2 in magnitude (no NaN), fp32 words finite, any e2m1 codes.
 __global__ void fill(uint32_t* p, size_t n, uint32_t seed) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
@@ -96,7 +92,7 @@ template <int PN>
 __device__ __forceinline__ void issue_mmas(float (&part)[PN / 2], const uint32_t (&a)[4][4], uint64_t desc) {
   wgmma_fence();
 #pragma unroll
-  for (int s = 0; s < 4; ++s) Rs<PN>::mma(part, a[s], desc + 2 * s, s);
+  for (int s = 0; s < 4; ++s) WgmmaRsE4m3<PN>::mma(part, a[s], desc + 2 * s, s);
   wgmma_commit();
 }
 
@@ -384,9 +380,6 @@ struct Ss {
   static constexpr int kBytes = kDqAt + kDq * kDqStage + 1024;
 };
 
-__device__ __forceinline__ uint32_t sw128(int row, int pos) {  // byte of (row, K position) in a SW128 tile
-  return row * 128 + ((((pos >> 4) ^ (row & 7))) << 4) + (pos & 15);
-}
 
 template <bool kRB>
 __global__ void __launch_bounds__(512, 1) ss_kernel(Bufs b, int units) {
@@ -449,13 +442,15 @@ __global__ void __launch_bounds__(512, 1) ss_kernel(Bufs b, int units) {
         const uint2 sw = chunk_fragments(a, so + L::kOffW + j * kCodeTile + tid * 16,
                                          so + L::kOffS + j * kScaleTile + (warp * 8 + g) * 8, lut_base, rot);
         const int lo = 64 * j + 16 * warp + g, hi = lo + 8;
+        // The m16n8k32 A fragment (k = 4t.. in a0, a1; 16 + 4t.. in a2, a3) into rows of 128 bytes
+        // swizzled as the token rows (act_word), so both wgmma operands read K in the same order.
 #pragma unroll
-        for (int st = 0; st < 4; ++st) {  // the m16n8k32 A fragment: k = 4t.. (a0, a1), 16 + 4t.. (a2, a3)
+        for (int st = 0; st < 4; ++st) {
           const int p0 = 32 * st + 4 * t;
-          *reinterpret_cast<uint32_t*>(dst + sw128(lo, p0)) = a[st][0];
-          *reinterpret_cast<uint32_t*>(dst + sw128(hi, p0)) = a[st][1];
-          *reinterpret_cast<uint32_t*>(dst + sw128(lo, p0 + 16)) = a[st][2];
-          *reinterpret_cast<uint32_t*>(dst + sw128(hi, p0 + 16)) = a[st][3];
+          *reinterpret_cast<uint32_t*>(dst + lo * kChunk + act_word(lo, p0)) = a[st][0];
+          *reinterpret_cast<uint32_t*>(dst + hi * kChunk + act_word(hi, p0)) = a[st][1];
+          *reinterpret_cast<uint32_t*>(dst + lo * kChunk + act_word(lo, p0 + 16)) = a[st][2];
+          *reinterpret_cast<uint32_t*>(dst + hi * kChunk + act_word(hi, p0 + 16)) = a[st][3];
         }
         if (t == 0) {
           reinterpret_cast<float*>(dst + L::kDqBase)[lo] = chunk_base(sw.x);
