@@ -19,6 +19,20 @@ def _pyplot():
     return plt
 
 
+def _save(fig, path: str) -> None:
+    """The figure as a 256-colour PNG: the plots have a few flat colours, and RGBA at 110 dpi
+    took ~1.2 MB for the six committed under docs/decode_latency/ (a third of the tracked
+    tree, which every GPU-machine call carries: tests/test_serve_smoke.py's budget)."""
+    import io
+
+    from PIL import Image  # matplotlib's own dependency
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    buf.seek(0)
+    Image.open(buf).convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
+
+
 def _cpu_title(sweep: Sweep) -> str:
     return "\nCPU reference run: float32 reference kernels vs torch on tiny shapes; times are not performance" \
         if sweep.cpu else ""
@@ -62,7 +76,7 @@ def plot_components(sweep: Sweep, path: str) -> None:
                 ax.legend(fontsize=7)
     fig.suptitle(f"Decode latency per layer: {ours} kernels (solid) vs torch baselines (dashed)" + _cpu_title(sweep))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
 
 
@@ -95,7 +109,7 @@ def plot_vllm_ratio(sweep: Sweep, path: str) -> bool:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
     return True
 
@@ -151,5 +165,5 @@ def plot_steps(sweep: Sweep, steps: list[dict], path: str) -> None:
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
