@@ -224,11 +224,13 @@ def _expected_full(M, K, N, E, E_global, topk, activation, cta_mode, device, **o
     e = _expected_config(c, overrides.get("block_n"))
     if overrides.get("splitk") is not None:
         e["splitk"] = int(overrides["splitk"])
-    if overrides.get("direct_x") is not None:
-        e["direct_x"] = int(activation == "bf16" and bn <= 16 and overrides["direct_x"])
     auto_ws = cta_mode != 0 or S / E_global >= (76 if N <= 512 else 60)  # config.h ws_min_tokens_per_expert
     e["ws"] = int(bn == 64 and not e["splitk"] and (auto_ws if overrides.get("ws") is None else overrides["ws"]))
     e["cluster"] = (cta_mode if cta_mode else 1) if e["ws"] else 1
+    # bf16 mode reads x rows in GEMM1 (no gather) but for the 2-CTA prefill kernel's multicast,
+    # and the prefill kernel only where its 32-bit row offsets hold M * K
+    e["direct_x"] = int(activation == "bf16" and e["cluster"] == 1 and (not e["ws"] or M * K < 2**31)
+                        and overrides.get("direct_x") is not False)
     if overrides.get("pdl") is not None:
         e["pdl"] = int(overrides["pdl"])
     sms = device["sms"]
@@ -589,7 +591,8 @@ def _expected_config(c: dict, block_n: int | None = None) -> dict:
     splitk = bn <= 16 and touched * (2 * N // 64) < c["classic1"] * c["sms"]
     ws = bn == 64 and not splitk and (c["cta_mode"] != 0 or per_expert >= (76 if N <= 512 else 60))
     return dict(block_n=bn, max_tiles=max(1, (S + min(E, S) * (bn - 1)) // bn), multi_cta_route=int(S > 8192),
-                splitk=int(splitk), direct_x=int(c["activation"] == "bf16" and bn <= 16), ws=int(ws),
+                splitk=int(splitk), direct_x=int(c["activation"] == "bf16" and not (ws and c["cta_mode"] == 2)),
+                ws=int(ws),
                 cluster=c["cta_mode"] if ws and c["cta_mode"] else 1, pdl=int(bn <= 16),
                 gemm2_rows=_nvfp4_gemm2_rows(bn, ws, splitk, N, c["K"]))
 
@@ -708,9 +711,11 @@ def child_override(which: str) -> None:
         vs_ref(F, 2048, "uniform", True, 10.0, "bf16", "auto")
         vs_ref(F, 4096, "uniform", False, 10.0, "nvfp4", 2)
         t.test_gpu_prefill_cuda_graph_replay(1)
-    elif which == "direct_x":  # bf16 decode tiles (the only ones it applies to)
+    elif which == "direct_x":  # bf16 mode: decode tiles, 64-token tiles, the prefill kernel
         vs_ref(F, 64, "uniform", True, 10.0, "bf16", "auto")
         vs_ref(F, 1, "uniform", True, None, "bf16", "auto")
+        vs_ref(F, 2048, "uniform", True, 10.0, "bf16", "auto")
+        vs_ref(F, 4096, "uniform", False, 10.0, "bf16", 1)
         t.test_gpu_odd_k_steps("bf16", 5)
     elif which == "bn16":  # the 16-token tile at prefill sizes (48 and 32 tokens per expert)
         vs_ref(F, 2048, "uniform", True, 10.0, "bf16", "auto")
@@ -785,6 +790,48 @@ def test_gemm2_rows_keep_results(tmp_path):
         outs[rows] = torch.load(path)
     for rows in ("2", "8"):
         assert all(torch.equal(a, b) for a, b in zip(outs["1"], outs[rows])), rows
+
+
+def child_direct_x(path: str) -> None:
+    """bf16 cases at every kernel that can read x rows itself (decode tiles, the one-warpgroup
+    64-token tiles, the prefill kernel at one CTA per cluster, tensor parallel 8 on both),
+    against the reference; the outputs go to `path`."""
+    import test_moe as t
+
+    F, P = t.FLASH, t.PRO
+    outs = []
+    for shape, M, routing, use_map, cta in ((F, 5, "uniform", True, "auto"), (F, 1500, "uniform", True, "auto"),
+                                            (P, 2048, "uniform", True, "auto"), (F, 4096, "uniform", False, 1),
+                                            (F, 2048, "skewed", False, 1), (F, 1024, "ladder", False, 1),
+                                            (P, 4096, "uniform", True, 1)):
+        w, p = t._gpu_model(shape)
+        x, ids, tw, emap = t._case(shape, M, routing, use_map, seed=M + 37)
+        kw = t._call_kwargs(w, "bf16", 10.0, emap)
+        got = t.nvfp4_moe(x, ids, tw, p, cta_mode=cta, **kw)
+        assert t._rel_l2(got, t._ref(x, ids, tw, w, **kw)) <= 5e-3, (shape["K"], M, routing)
+        outs.append(got.cpu())
+    for M in (2048, 2500, 8192):
+        w, m, x, ids, tw, kw, call = t._tp8_inputs("bf16", M)
+        got = t.routed_moe(x, ids, tw, m, **call)
+        assert t._rel_l2(got, t._ref(x, ids, tw, w, **kw)) <= 5e-3, ("TP8", M)
+        outs.append(got.cpu())
+    torch.save(outs, path)
+
+
+@pytest.mark.gpu
+def test_direct_x_keeps_results(tmp_path):
+    """GEMM1 reading x rows itself (DSV4_MOE_DIRECT_X=1, the default in bf16 mode) against the
+    gather kernel's copy (=0): the same bytes reach the same shared-memory places, so every
+    output is bitwise the same."""
+    outs = {}
+    for v in ("0", "1"):
+        path = tmp_path / f"dx{v}.pt"
+        proc = _child({"DSV4_MOE_DIRECT_X": v, "DSV4_PRINT_CONFIG": "1"}, "child_direct_x", str(path))
+        configs = [c for c in _configs(proc.stderr) if c["op"] == "nvfp4_moe"]
+        assert configs and all(c["direct_x"] == int(v) for c in configs), configs
+        assert {(c["block_n"], c["ws"]) for c in configs} >= {(8, 0), (64, 0), (64, 1)}, configs
+        outs[v] = torch.load(path)
+    assert all(torch.equal(a, b) for a, b in zip(outs["0"], outs["1"]))
 
 
 @pytest.mark.gpu

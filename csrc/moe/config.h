@@ -185,9 +185,6 @@ inline Nvfp4MoeConfig get_best_config(const Nvfp4MoeShape& c, int64_t cta_mode, 
     cfg.gemm2_ctas = occ.gemm2 * d.sms;
     cfg.sk_ctas = std::max(cfg.gemm1_ctas, cfg.gemm2_ctas);
   }
-  // bf16 mode at decode token tiles: GEMM1 loads x rows itself (see gemm_segment).
-  // DSV4_MOE_DIRECT_X=0 keeps the gather kernel.
-  cfg.direct_x = !c.nvfp4 && cfg.block_n <= 16 && o.moe_direct_x.value_or(true);
   if (cfg.block_n == 64 && !cfg.splitk)
     cfg.ws = o.moe_ws.value_or(cta_mode != 0 || double(S) / double(c.E_global) >= ws_min_tokens_per_expert(c.N));
   if (cfg.ws) {
@@ -200,6 +197,15 @@ inline Nvfp4MoeConfig get_best_config(const Nvfp4MoeShape& c, int64_t cta_mode, 
     TORCH_CHECK(cfg.splitk || cfg.max_tiles <= 65535, "dsv4: nvfp4_moe's one-warpgroup GEMM grid takes at most "
                 "65535 token tiles, got ", cfg.max_tiles, " (M * k = ", S, " slots); call it on fewer tokens at a time");
   }
+  // bf16 mode: GEMM1 copies each token tile's rows from x itself, by row_slot (gemm_segment;
+  // the prefill kernel's token producer, ws_producer_x), and no gather kernel writes xg: at
+  // top-6 the gathered copy is 6x x (402 MB at V4.1-Flash TP8 M = 8192, 393 us of a 1755 us
+  // call on the H100; docs/perf-history/2026-12-07-moe-direct-x-prefill.md). Not with the
+  // 2-CTA prefill kernel, whose token blocks are multicast by bulk copies of xg, nor where
+  // the prefill kernel's 32-bit row offsets (ws_producer_x) would not hold M * K.
+  // DSV4_MOE_DIRECT_X=0 keeps the gather kernel.
+  const bool offsets32 = c.M * c.K <= int64_t(INT32_MAX);
+  cfg.direct_x = !c.nvfp4 && cfg.cluster == 1 && (!cfg.ws || offsets32) && o.moe_direct_x.value_or(true);
   // Launch with programmatic stream serialization (see pdl_wait in common/ptx/pdl.cuh):
   // the kernel may be scheduled while its predecessor in the stream drains, which
   // hides the launch gap between the five kernels of a (decode-sized) call.

@@ -244,10 +244,9 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
   // them (moe_gather_kernel: only for these kernels; the prefill kernel's bulk copies read
   // xg whole). At 64-token tiles that are partly filled (M ~ 1000-4000) most of xg can be
   // padding: V4.1-Flash at tensor parallel 8, M = 2048, has 12,288 slots in 36,480 rows.
-  // Decode tiles in bf16 mode read the token rows straight from x (no gather kernel,
-  // one launch less).
+  // In bf16 mode (direct_x, config.h) the token rows come straight from x (no gather kernel).
   if constexpr (kGemm1) {
-    const bool direct = kBIters <= 2 && p.direct_x;
+    const bool direct = p.direct_x;
 #pragma unroll
     for (int i = 0; i < kBIters; ++i) {
       const int slot = p.row_slot[row0 + r0 + 8 * i];

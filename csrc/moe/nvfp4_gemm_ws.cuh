@@ -13,6 +13,9 @@
 //     per 64 tokens, see act_offset; its first 4 KB for a group's last half tile),
 //     three code tiles (2 KB) and three scale tiles
 //     (256 B). (Two issuing threads: one alone fell behind at 64-token units.)
+//     GEMM1 with direct_x (bf16 mode, kCluster = 1): warps 0, 2 and 3 copy the token rows
+//     from x themselves (ws_producer_x), 16 bytes a lane into the same swizzled places, so
+//     no gather kernel writes xg.
 //   * warpgroups 1..3, the consumers: consumer w dequantizes weight-row tile 3rq + w
 //     into registers and multiplies it with all tokens of the group from shared
 //     memory. Each dequantized element feeds 32-192 tokens, and while some
@@ -149,6 +152,64 @@ __device__ __forceinline__ void ws_producer(const MoeParams& p, uint8_t* smem, u
   }
 }
 
+// GEMM1's token producer with direct_x: the kWsXThreads threads of warps 0, 2 and 3 (q =
+// 0..95) copy each stage's token rows from x by cp.async, 16 bytes each, into the layout the
+// bulk copies of xg give (act_offset: row r of the unit at block r / 64, 128 bytes a row,
+// chunk c at c ^ (r % 8)); rows without a slot are zero-filled, as the gather kernel wrote
+// them. Thread q takes chunk q % 8 of rows q / 8 + 12 j: eight adjacent threads read one
+// row's 128 bytes. Each thread arrives on full[s] when its copies have landed
+// (cp.async.mbarrier.arrive.noinc); the consumers fence the async proxy after their wait.
+// The rows' element offsets in x (token * K, in 32 bits: config.h keeps M * K below 2^31
+// here) are looked up once per unit; with 64-bit ones the producer's 72 registers spilled.
+constexpr int kWsXThreads = 96;
+constexpr int kWsXRows = kWsXThreads / 8;                          // rows per pass of the threads
+constexpr int kWsXPasses = (WsConfig::kMaxTiles * 64) / kWsXRows;  // 16 at 192 rows
+static_assert(kWsXPasses * kWsXRows == WsConfig::kMaxTiles * 64, "whole passes per unit");
+
+__device__ __forceinline__ void ws_producer_x(const MoeParams& p, uint8_t* smem, uint64_t* full, uint64_t* empty,
+                                              int units, int units_per_group, int q) {
+  using C = WsConfig;
+  const int KT = gemm_k_steps<true>(p);
+  const int c = q & 7, r0 = q >> 3;
+  const uint32_t ring = smem_u32(smem);
+  int s = 0;
+  uint32_t phase = 0;
+  for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    const WsUnit w = ws_unit<1>(p, u, units_per_group, 0);
+    const int rows = 32 * w.nh;
+    int off[kWsXPasses];  // the row's token * K; -1: no slot (zero-filled); -2: past the unit (not copied)
+#pragma unroll
+    for (int j = 0; j < kWsXPasses; ++j) {
+      const int r = r0 + kWsXRows * j;
+      const int slot = r < rows ? __ldg(p.row_slot + w.t0 * 64 + r) : -1;
+      off[j] = r >= rows ? -2 : slot >= 0 ? (slot / p.topk) * p.K : -1;
+    }
+    for (int kt = 0; kt < KT; ++kt) {
+      mbar_wait(empty + s, phase ^ 1);
+      const uint32_t st = ring + s * C::kB;
+      const __nv_bfloat16* xk = p.x + kt * kTileK + c * 8;
+      // Opaque per stage, so that the compiler recomputes each copy's addresses (a few ALU
+      // instructions) instead of keeping 16 of them live across the loop.
+      int rq = r0;
+      asm volatile("" : "+r"(rq));
+#pragma unroll
+      for (int j = 0; j < kWsXPasses; ++j) {
+        const int r = rq + kWsXRows * j;
+        int o = off[j];
+        asm volatile("" : "+r"(o));
+        if (o == -2) continue;
+        const uint32_t dst = st + (r >> 6) * kWsBlockBytes + (r & 63) * 128 + ((c ^ (r & 7)) << 4);
+        cp_async_16_unordered(dst, xk + max(o, 0), o < 0);
+      }
+      cp_async_mbar_arrive_noinc(full + s);
+      if (++s == C::kStages) {
+        s = 0;
+        phase ^= 1;
+      }
+    }
+  }
+}
+
 // One unit's K loop for consumer warpgroup w (BN = 32 * nh tokens) and its epilogue.
 // The next stage's code and scale words are loaded while this stage's MMAs run (they
 // are not wgmma operands, so ptxas keeps the MMAs asynchronous); the dequant itself
@@ -178,7 +239,11 @@ __device__ __forceinline__ void ws_consume(const MoeParams& p, uint8_t* smem, ui
   for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
   uint4 codes = make_uint4(0, 0, 0, 0);
   uint2 sc = make_uint2(0, 0);
+  // direct_x: the token rows came by cp.async (the generic proxy), the wgmmas read them
+  // through the async one.
+  const bool fence_x = kGemm1 && kCluster == 1 && p.direct_x;
   mbar_wait(full + s, phase);
+  if (fence_x) fence_proxy_async_smem();
   if (active) {
     codes = lds_v4(w_off + s * C::kWStage);
     sc = lds_v2(s_off + s * C::kWStage);
@@ -197,6 +262,7 @@ __device__ __forceinline__ void ws_consume(const MoeParams& p, uint8_t* smem, ui
       wgmma_commit();
       if (kt + 1 < KT) {
         mbar_wait(full + next, next_phase);
+        if (fence_x) fence_proxy_async_smem();
         codes = lds_v4(w_off + next * C::kWStage);
         sc = lds_v2(s_off + next * C::kWStage);
       }
@@ -249,9 +315,10 @@ __global__ void __launch_bounds__(WsConfig::kThreads, 1) moe_gemm_ws_kernel(cons
   uint64_t* empty = full + C::kStages;
   const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
   const uint32_t rank = kCluster > 1 ? cluster_cta_rank() : 0;
+  const bool direct_x = kGemm1 && kCluster == 1 && p.direct_x;
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::kStages; ++s) {
-      mbar_init(full + s, 2);                            // the two producers
+      mbar_init(full + s, direct_x ? 1 + kWsXThreads : 2);  // the producers (direct_x: every x-copying thread)
       mbar_init(empty + s, 4 * C::kConsumers * kCluster);  // every consumer warp of the cluster
     }
     mbar_init_fence();
@@ -266,7 +333,11 @@ __global__ void __launch_bounds__(WsConfig::kThreads, 1) moe_gemm_ws_kernel(cons
   const int units = __ldg(p.num_groups) * units_per_group;
   if (wg == 0) {
     setmaxnreg_dec<C::kProducerRegs>();
-    if (tid == 0) ws_producer<kGemm1, kCluster, true>(p, smem, full, empty, units, units_per_group, rank);
+    if (direct_x) {
+      if (tid < 32 || tid >= 64) ws_producer_x(p, smem, full, empty, units, units_per_group, tid < 32 ? tid : tid - 32);
+    } else if (tid == 0) {
+      ws_producer<kGemm1, kCluster, true>(p, smem, full, empty, units, units_per_group, rank);
+    }
     if (tid == 32) ws_producer<kGemm1, kCluster, false>(p, smem, full, empty, units, units_per_group, rank);
   } else {
     setmaxnreg_inc<C::kConsumerRegs>();

@@ -19,7 +19,7 @@ modes exist for the bf16 / nvfp4 kernels (MXFP4 W4A16 runs on them), not for W4A
 
 --variants times every case under each set of DSV4_MOE_* switches (sk -> DSV4_MOE_SPLITK:
 split-K persistent GEMM grid off/on; pdl -> DSV4_MOE_PDL: programmatic dependent launch
-off/on; dx -> DSV4_MOE_DIRECT_X: bf16 decode GEMM1 reading x itself instead of a gather
+off/on; dx -> DSV4_MOE_DIRECT_X: bf16 GEMM1 reading x rows itself instead of a gather
 kernel; ws -> DSV4_MOE_WS: 0 runs the one-warpgroup prefill GEMMs instead of the
 warp-specialized ones; bn -> DSV4_MOE_BLOCK_N: the token tile (both formats), 8, 16 or 64;
 rows -> DSV4_MOE_GEMM2_ROWS: GEMM2's weight tiles per CTA (NVFP4: where N <= 512), 1, 2, 4 or 8;
