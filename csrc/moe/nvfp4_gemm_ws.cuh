@@ -208,6 +208,7 @@ __device__ __forceinline__ void ws_producer_x(const MoeParams& p, uint8_t* smem,
       }
     }
   }
+  cp_async_wait_all();  // no thread leaves with its copies in flight
 }
 
 // One unit's K loop for consumer warpgroup w (BN = 32 * nh tokens) and its epilogue.
