@@ -227,10 +227,12 @@ def _expected_full(M, K, N, E, E_global, topk, activation, cta_mode, device, **o
     auto_ws = cta_mode != 0 or S / E_global >= (76 if N <= 512 else 60)  # config.h ws_min_tokens_per_expert
     e["ws"] = int(bn == 64 and not e["splitk"] and (auto_ws if overrides.get("ws") is None else overrides["ws"]))
     e["cluster"] = (cta_mode if cta_mode else 1) if e["ws"] else 1
-    # bf16 mode reads x rows in GEMM1 (no gather) but for the 2-CTA prefill kernel's multicast,
-    # and the prefill kernel only where its 32-bit row offsets hold M * K
-    e["direct_x"] = int(activation == "bf16" and e["cluster"] == 1 and (not e["ws"] or M * K < 2**31)
-                        and overrides.get("direct_x") is not False)
+    # bf16 mode may read x rows in GEMM1 (no gather) but for the 2-CTA prefill kernel's
+    # multicast, and the prefill kernel only where its 32-bit row offsets hold M * K; by
+    # default at decode tiles and where N <= 512 (config.h pick_direct_x)
+    possible = activation == "bf16" and e["cluster"] == 1 and (not e["ws"] or M * K < 2**31)
+    want = overrides["direct_x"] if overrides.get("direct_x") is not None else (bn <= 16 or N <= 512)
+    e["direct_x"] = int(possible and want)
     if overrides.get("pdl") is not None:
         e["pdl"] = int(overrides["pdl"])
     sms = device["sms"]
@@ -591,7 +593,8 @@ def _expected_config(c: dict, block_n: int | None = None) -> dict:
     splitk = bn <= 16 and touched * (2 * N // 64) < c["classic1"] * c["sms"]
     ws = bn == 64 and not splitk and (c["cta_mode"] != 0 or per_expert >= (76 if N <= 512 else 60))
     return dict(block_n=bn, max_tiles=max(1, (S + min(E, S) * (bn - 1)) // bn), multi_cta_route=int(S > 8192),
-                splitk=int(splitk), direct_x=int(c["activation"] == "bf16" and not (ws and c["cta_mode"] == 2)),
+                splitk=int(splitk),
+                direct_x=int(c["activation"] == "bf16" and not (ws and c["cta_mode"] == 2) and (bn <= 16 or N <= 512)),
                 ws=int(ws),
                 cluster=c["cta_mode"] if ws and c["cta_mode"] else 1, pdl=int(bn <= 16),
                 gemm2_rows=_nvfp4_gemm2_rows(bn, ws, splitk, N, c["K"]))
@@ -820,9 +823,9 @@ def child_direct_x(path: str) -> None:
 
 @pytest.mark.gpu
 def test_direct_x_keeps_results(tmp_path):
-    """GEMM1 reading x rows itself (DSV4_MOE_DIRECT_X=1, the default in bf16 mode) against the
-    gather kernel's copy (=0): the same bytes reach the same shared-memory places, so every
-    output is bitwise the same."""
+    """GEMM1 reading x rows itself (DSV4_MOE_DIRECT_X=1: forced wherever it can run; by default
+    at decode tiles and N <= 512) against the gather kernel's copy (=0): the same bytes reach
+    the same shared-memory places, so every output is bitwise the same."""
     outs = {}
     for v in ("0", "1"):
         path = tmp_path / f"dx{v}.pt"

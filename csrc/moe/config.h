@@ -157,6 +157,19 @@ constexpr int kNvfp4Gemm2Rows = 8;
 // 1.08x / 1.02x at 64 / 72 tokens per expert, 0.98x / 0.97x at 80 / 88
 // (docs/perf-history/2026-12-06-nvfp4-moe-gemm2-resident.md).
 constexpr double kWsMinTokensPerExpertResident = 76.0;
+// GEMM1 reading x rows itself (direct_x) instead of the gather kernel's per-slot copy xg:
+// the copy costs per slot ~K bytes written, while reading scattered x rows (128 bytes per row
+// and K step, where xg's rows of a tile lie together) slows GEMM1 itself, most in the prefill
+// kernel, whose token blocks otherwise come by one bulk copy each. GEMM1's work per slot grows
+// with N, the copy's does not, so the copy is worth skipping where N is short. H100, main's
+// build against the direct one (docs/perf-history/2026-12-07-moe-direct-x-prefill.md):
+// V4.1-Flash at tensor parallel 8 (N = 288, padded 320) 1.19x at M = 8192 (prefill kernel
+// 0.84x, gather 387 us gone) and 1.08x at 2048 (64-token kernel 0.96x, gather 73 us gone);
+// N = 2048-3072 (V4-Flash, V4-Pro local experts) 0.87-0.98x (the prefill kernel 0.80-0.81x,
+// the 64-token one 0.92-0.95x). Decode tiles read x rows either way (one launch less).
+constexpr int64_t kDirectXMaxN = 512;
+inline bool pick_direct_x(int block_n, int64_t N) { return block_n <= 16 || N <= kDirectXMaxN; }
+
 inline double ws_min_tokens_per_expert(int64_t N) {
   return N <= kNvfp4ResidentMaxN ? kWsMinTokensPerExpertResident : kWsMinTokensPerExpert;
 }
@@ -197,15 +210,15 @@ inline Nvfp4MoeConfig get_best_config(const Nvfp4MoeShape& c, int64_t cta_mode, 
     TORCH_CHECK(cfg.splitk || cfg.max_tiles <= 65535, "dsv4: nvfp4_moe's one-warpgroup GEMM grid takes at most "
                 "65535 token tiles, got ", cfg.max_tiles, " (M * k = ", S, " slots); call it on fewer tokens at a time");
   }
-  // bf16 mode: GEMM1 copies each token tile's rows from x itself, by row_slot (gemm_segment;
-  // the prefill kernel's token producer, ws_producer_x), and no gather kernel writes xg: at
-  // top-6 the gathered copy is 6x x (402 MB at V4.1-Flash TP8 M = 8192, 393 us of a 1755 us
-  // call on the H100; docs/perf-history/2026-12-07-moe-direct-x-prefill.md). Not with the
-  // 2-CTA prefill kernel, whose token blocks are multicast by bulk copies of xg, nor where
-  // the prefill kernel's 32-bit row offsets (ws_producer_x) would not hold M * K.
-  // DSV4_MOE_DIRECT_X=0 keeps the gather kernel.
+  // bf16 mode: GEMM1 may copy each token tile's rows from x itself, by row_slot (gemm_segment;
+  // the prefill kernel's token producer, ws_producer_x), so that no gather kernel writes xg.
+  // Not with the 2-CTA prefill kernel, whose token blocks are multicast by bulk copies of xg,
+  // nor where the prefill kernel's 32-bit row offsets would not hold M * K. By default at
+  // decode tiles, and at 64-token tiles where N <= kDirectXMaxN (pick_direct_x);
+  // DSV4_MOE_DIRECT_X=1 / 0 forces it wherever it can run / nowhere.
   const bool offsets32 = c.M * c.K <= int64_t(INT32_MAX);
-  cfg.direct_x = !c.nvfp4 && cfg.cluster == 1 && (!cfg.ws || offsets32) && o.moe_direct_x.value_or(true);
+  const bool direct_possible = !c.nvfp4 && cfg.cluster == 1 && (!cfg.ws || offsets32);
+  cfg.direct_x = direct_possible && o.moe_direct_x.value_or(pick_direct_x(cfg.block_n, c.N));
   // Launch with programmatic stream serialization (see pdl_wait in common/ptx/pdl.cuh):
   // the kernel may be scheduled while its predecessor in the stream drains, which
   // hides the launch gap between the five kernels of a (decode-sized) call.
