@@ -846,8 +846,7 @@ def test_gpu_combine_topk(k):
 # Prefill sizes run the warp-specialized kernel (csrc/moe/nvfp4_gemm_ws.cuh): units of 32 to 192
 # token rows x 192 weight rows, one or two CTAs per cluster. Both cluster modes on the
 # same inputs: each against the reference, and the two bit-identical (same per-row
-# math; in bf16 mode one CTA copies x rows itself, two read the gather kernel's xg, so this
-# also holds the direct copies to the gathered bytes); tests/test_moe_config.py runs the same cases on the previous one-warpgroup
+# math); tests/test_moe_config.py runs the same cases on the previous one-warpgroup
 # kernel (DSV4_MOE_WS=0, in a child process) and compares. Skewed routing gives one
 # expert many full groups, the ladder every tail size (32 .. 160 rows) and experts of
 # several groups; the odd-K test (test_gpu_odd_k_steps) covers consumers and whole
