@@ -214,6 +214,11 @@ def _nvfp4_block_n(per_expert: float) -> int:
     return _block_n(per_expert, 20)
 
 
+def _direct_x_rule(bn: int, N: int) -> bool:
+    """config.h pick_direct_x: bf16 GEMM1 reads x rows itself at decode tiles and where N <= 512."""
+    return bn <= 16 or N <= 512
+
+
 def _expected_full(M, K, N, E, E_global, topk, activation, cta_mode, device, **overrides) -> dict:
     """Every field of the config by the rules written out (config.h), overrides applied."""
     S = M * topk
@@ -228,10 +233,9 @@ def _expected_full(M, K, N, E, E_global, topk, activation, cta_mode, device, **o
     e["ws"] = int(bn == 64 and not e["splitk"] and (auto_ws if overrides.get("ws") is None else overrides["ws"]))
     e["cluster"] = (cta_mode if cta_mode else 1) if e["ws"] else 1
     # bf16 mode may read x rows in GEMM1 (no gather) but for the 2-CTA prefill kernel's
-    # multicast, and the prefill kernel only where its 32-bit row offsets hold M * K; by
-    # default at decode tiles and where N <= 512 (config.h pick_direct_x)
+    # multicast, and the prefill kernel only where its 32-bit row offsets hold M * K
     possible = activation == "bf16" and e["cluster"] == 1 and (not e["ws"] or M * K < 2**31)
-    want = overrides["direct_x"] if overrides.get("direct_x") is not None else (bn <= 16 or N <= 512)
+    want = overrides["direct_x"] if overrides.get("direct_x") is not None else _direct_x_rule(bn, N)
     e["direct_x"] = int(possible and want)
     if overrides.get("pdl") is not None:
         e["pdl"] = int(overrides["pdl"])
@@ -594,7 +598,7 @@ def _expected_config(c: dict, block_n: int | None = None) -> dict:
     ws = bn == 64 and not splitk and (c["cta_mode"] != 0 or per_expert >= (76 if N <= 512 else 60))
     return dict(block_n=bn, max_tiles=max(1, (S + min(E, S) * (bn - 1)) // bn), multi_cta_route=int(S > 8192),
                 splitk=int(splitk),
-                direct_x=int(c["activation"] == "bf16" and not (ws and c["cta_mode"] == 2) and (bn <= 16 or N <= 512)),
+                direct_x=int(c["activation"] == "bf16" and not (ws and c["cta_mode"] == 2) and _direct_x_rule(bn, N)),
                 ws=int(ws),
                 cluster=c["cta_mode"] if ws and c["cta_mode"] else 1, pdl=int(bn <= 16),
                 gemm2_rows=_nvfp4_gemm2_rows(bn, ws, splitk, N, c["K"]))
