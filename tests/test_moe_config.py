@@ -233,8 +233,10 @@ def _expected_full(M, K, N, E, E_global, topk, activation, cta_mode, device, **o
     e["ws"] = int(bn == 64 and not e["splitk"] and (auto_ws if overrides.get("ws") is None else overrides["ws"]))
     e["cluster"] = (cta_mode if cta_mode else 1) if e["ws"] else 1
     # bf16 mode may read x rows in GEMM1 (no gather) but for the 2-CTA prefill kernel's
-    # multicast, and the prefill kernel only where its 32-bit row offsets hold M * K
-    possible = activation == "bf16" and e["cluster"] == 1 and (not e["ws"] or M * K < 2**31)
+    # multicast and the split-K grid at 64-token tiles, and the prefill kernel only where its
+    # 32-bit row offsets hold M * K
+    possible = (activation == "bf16" and e["cluster"] == 1 and (not e["ws"] or M * K < 2**31)
+                and (bn <= 16 or not e["splitk"]))
     want = overrides["direct_x"] if overrides.get("direct_x") is not None else _direct_x_rule(bn, N)
     e["direct_x"] = int(possible and want)
     if overrides.get("pdl") is not None:

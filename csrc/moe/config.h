@@ -213,11 +213,13 @@ inline Nvfp4MoeConfig get_best_config(const Nvfp4MoeShape& c, int64_t cta_mode, 
   // bf16 mode: GEMM1 may copy each token tile's rows from x itself, by row_slot (gemm_segment;
   // the prefill kernel's token producer, ws_producer_x), so that no gather kernel writes xg.
   // Not with the 2-CTA prefill kernel, whose token blocks are multicast by bulk copies of xg,
-  // nor where the prefill kernel's 32-bit row offsets would not hold M * K. By default at
+  // nor where the prefill kernel's 32-bit row offsets would not hold M * K, nor in the
+  // split-K grid at 64-token tiles (a forced choice; no instance of it reads x). By default at
   // decode tiles, and at 64-token tiles where N <= kDirectXMaxN (pick_direct_x);
   // DSV4_MOE_DIRECT_X=1 / 0 forces it wherever it can run / nowhere.
   const bool offsets32 = c.M * c.K <= int64_t(INT32_MAX);
-  const bool direct_possible = !c.nvfp4 && cfg.cluster == 1 && (!cfg.ws || offsets32);
+  const bool direct_possible =
+      !c.nvfp4 && cfg.cluster == 1 && (!cfg.ws || offsets32) && (cfg.block_n <= 16 || !cfg.splitk);
   cfg.direct_x = direct_possible && o.moe_direct_x.value_or(pick_direct_x(cfg.block_n, c.N));
   // Launch with programmatic stream serialization (see pdl_wait in common/ptx/pdl.cuh):
   // the kernel may be scheduled while its predecessor in the stream drains, which

@@ -203,7 +203,10 @@ constexpr int kSplitMinSteps = 8;
 // slots 65-78 % busy), and per-thread cp.async of the weights was as many instructions
 // as the dequant; decode tiles amortize the per-slot bookkeeping (barrier, copies,
 // waits, addresses) over 4 or 8 steps instead of 2.
-template <int BN, int STAGES, bool kGemm1, int kN = BN, typename BeforeTokens>
+// kX: the instance may read GEMM1's token rows from x itself (p.direct_x decides at run
+// time); decode tiles always may, 64-token tiles in an instance of their own
+// (moe_gemm_kernel's kX), so that the gather path's code is the same as without it.
+template <int BN, int STAGES, bool kGemm1, int kN = BN, bool kX = (BN <= 16), typename BeforeTokens>
 __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, uint64_t* full, int& ring,
                                              uint32_t& phase, int tile, int rt, int kb, int ke, int item, int splits,
                                              int chunk, int tid, BeforeTokens before_tokens) {
@@ -244,9 +247,9 @@ __device__ __forceinline__ void gemm_segment(const MoeParams& p, uint8_t* smem, 
   // them (moe_gather_kernel: only for these kernels; the prefill kernel's bulk copies read
   // xg whole). At 64-token tiles that are partly filled (M ~ 1000-4000) most of xg can be
   // padding: V4.1-Flash at tensor parallel 8, M = 2048, has 12,288 slots in 36,480 rows.
-  // In bf16 mode (direct_x, config.h) the token rows come straight from x (no gather kernel).
+  // In bf16 mode (direct_x, config.h) the token rows may come straight from x (no gather kernel).
   if constexpr (kGemm1) {
-    const bool direct = p.direct_x;
+    const bool direct = kX && p.direct_x;
 #pragma unroll
     for (int i = 0; i < kBIters; ++i) {
       const int slot = p.row_slot[row0 + r0 + 8 * i];
@@ -484,7 +487,7 @@ __device__ __forceinline__ void gemm_grid_dependencies() {
   pdl_launch_dependents();
 }
 
-template <int BN, int STAGES, bool kGemm1>
+template <int BN, int STAGES, bool kGemm1, bool kX = (BN <= 16)>
 __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
   gemm_grid_dependencies<kGemm1>();
   extern __shared__ uint8_t smem_raw[];
@@ -497,10 +500,10 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const MoeParams p) {
   int ring = 0;
   uint32_t phase = 0;
   auto run = [&](auto width) {
-    gemm_segment<BN, STAGES, kGemm1, decltype(width)::value>(p, smem, full, ring, phase, tile, blockIdx.x, 0, KT, 0,
-                                                             1, 0, threadIdx.x, [&] {
-                                                               if constexpr (!kGemm1) gemm2_wait_h(p, tile);
-                                                             });
+    gemm_segment<BN, STAGES, kGemm1, decltype(width)::value, kX>(p, smem, full, ring, phase, tile, blockIdx.x, 0, KT,
+                                                                 0, 1, 0, threadIdx.x, [&] {
+                                                                   if constexpr (!kGemm1) gemm2_wait_h(p, tile);
+                                                                 });
   };
   // GEMM1 only: narrower wgmmas for a partly filled 64-row tile measured 2-3% faster there
   // at M = 2048 (V4-Pro 608.3 -> 594.3 us, V4.1-Flash local-48 350.0 -> 341.0) and 0-2%

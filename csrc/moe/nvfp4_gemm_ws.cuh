@@ -217,7 +217,7 @@ __device__ __forceinline__ void ws_producer_x(const MoeParams& p, uint8_t* smem,
 // waits for the MMAs, which read its output registers. Inactive consumers (no weight
 // rows left: 2N or K not a multiple of the unit's rows) still wait for every stage
 // and release it, so the ring's phases stay in step.
-template <int BN, bool kGemm1, int kCluster>
+template <int BN, bool kGemm1, int kCluster, bool kX>
 __device__ __forceinline__ void ws_consume(const MoeParams& p, uint8_t* smem, uint64_t* full, uint64_t* empty,
                                            const WsUnit& u, int w, int tid, int& s, uint32_t& phase) {
   using C = WsConfig;
@@ -240,11 +240,10 @@ __device__ __forceinline__ void ws_consume(const MoeParams& p, uint8_t* smem, ui
   for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
   uint4 codes = make_uint4(0, 0, 0, 0);
   uint2 sc = make_uint2(0, 0);
-  // direct_x: the token rows came by cp.async (the generic proxy), the wgmmas read them
-  // through the async one.
-  const bool fence_x = kGemm1 && kCluster == 1 && p.direct_x;
+  // kX: the token rows came by cp.async (the generic proxy), the wgmmas read them through
+  // the async one.
   mbar_wait(full + s, phase);
-  if (fence_x) fence_proxy_async_smem();
+  if constexpr (kX) fence_proxy_async_smem();
   if (active) {
     codes = lds_v4(w_off + s * C::kWStage);
     sc = lds_v2(s_off + s * C::kWStage);
@@ -263,7 +262,7 @@ __device__ __forceinline__ void ws_consume(const MoeParams& p, uint8_t* smem, ui
       wgmma_commit();
       if (kt + 1 < KT) {
         mbar_wait(full + next, next_phase);
-        if (fence_x) fence_proxy_async_smem();
+        if constexpr (kX) fence_proxy_async_smem();
         codes = lds_v4(w_off + next * C::kWStage);
         sc = lds_v2(s_off + next * C::kWStage);
       }
@@ -305,9 +304,12 @@ __device__ __forceinline__ void ws_consume(const MoeParams& p, uint8_t* smem, ui
 // its CTAs take the SMs that GEMM1's finished CTAs leave (one CTA fits per SM), and its
 // producer waits per group for h (group_ready), so GEMM2 fills GEMM1's tail. GEMM1 lets
 // it launch at once; all GEMM1 CTAs are resident by then, so the wait cannot deadlock.
-template <bool kGemm1, int kCluster>
+// kX (GEMM1, one CTA per cluster; launched where p.direct_x): the token rows come from x by
+// ws_producer_x instead of xg by bulk copies.
+template <bool kGemm1, int kCluster, bool kX = false>
 __global__ void __launch_bounds__(WsConfig::kThreads, 1) moe_gemm_ws_kernel(const MoeParams p) {
   using C = WsConfig;
+  static_assert(!kX || (kGemm1 && kCluster == 1), "x rows are read by GEMM1 at one CTA per cluster only");
   if constexpr (kGemm1) pdl_wait();
   pdl_launch_dependents();
   extern __shared__ uint8_t smem_raw[];
@@ -316,10 +318,9 @@ __global__ void __launch_bounds__(WsConfig::kThreads, 1) moe_gemm_ws_kernel(cons
   uint64_t* empty = full + C::kStages;
   const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
   const uint32_t rank = kCluster > 1 ? cluster_cta_rank() : 0;
-  const bool direct_x = kGemm1 && kCluster == 1 && p.direct_x;
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::kStages; ++s) {
-      mbar_init(full + s, direct_x ? 1 + kWsXThreads : 2);  // the producers (direct_x: every x-copying thread)
+      mbar_init(full + s, kX ? 1 + kWsXThreads : 2);       // the producers (kX: every x-copying thread)
       mbar_init(empty + s, 4 * C::kConsumers * kCluster);  // every consumer warp of the cluster
     }
     mbar_init_fence();
@@ -334,7 +335,7 @@ __global__ void __launch_bounds__(WsConfig::kThreads, 1) moe_gemm_ws_kernel(cons
   const int units = __ldg(p.num_groups) * units_per_group;
   if (wg == 0) {
     setmaxnreg_dec<C::kProducerRegs>();
-    if (direct_x) {
+    if constexpr (kX) {
       if (tid < 32 || tid >= 64) ws_producer_x(p, smem, full, empty, units, units_per_group, tid < 32 ? tid : tid - 32);
     } else if (tid == 0) {
       ws_producer<kGemm1, kCluster, true>(p, smem, full, empty, units, units_per_group, rank);
@@ -349,12 +350,12 @@ __global__ void __launch_bounds__(WsConfig::kThreads, 1) moe_gemm_ws_kernel(cons
       const int w = wg - 1;
       static_assert(kGroupHalves == 6, "one case per group size");
       switch (unit.nh) {
-        case 6: ws_consume<192, kGemm1, kCluster>(p, smem, full, empty, unit, w, tid, s, phase); break;
-        case 5: ws_consume<160, kGemm1, kCluster>(p, smem, full, empty, unit, w, tid, s, phase); break;
-        case 4: ws_consume<128, kGemm1, kCluster>(p, smem, full, empty, unit, w, tid, s, phase); break;
-        case 3: ws_consume<96, kGemm1, kCluster>(p, smem, full, empty, unit, w, tid, s, phase); break;
-        case 2: ws_consume<64, kGemm1, kCluster>(p, smem, full, empty, unit, w, tid, s, phase); break;
-        default: ws_consume<32, kGemm1, kCluster>(p, smem, full, empty, unit, w, tid, s, phase); break;
+        case 6: ws_consume<192, kGemm1, kCluster, kX>(p, smem, full, empty, unit, w, tid, s, phase); break;
+        case 5: ws_consume<160, kGemm1, kCluster, kX>(p, smem, full, empty, unit, w, tid, s, phase); break;
+        case 4: ws_consume<128, kGemm1, kCluster, kX>(p, smem, full, empty, unit, w, tid, s, phase); break;
+        case 3: ws_consume<96, kGemm1, kCluster, kX>(p, smem, full, empty, unit, w, tid, s, phase); break;
+        case 2: ws_consume<64, kGemm1, kCluster, kX>(p, smem, full, empty, unit, w, tid, s, phase); break;
+        default: ws_consume<32, kGemm1, kCluster, kX>(p, smem, full, empty, unit, w, tid, s, phase); break;
       }
     }
   }

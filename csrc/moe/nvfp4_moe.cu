@@ -177,7 +177,8 @@ GemmOccupancy gemm_setup() {
   auto k2 = moe::moe_gemm_splitk_kernel<BN, SK_STAGES, false>;
   for (auto k : {k1, k2})
     C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, SK::kBytes));
-  for (auto k : {moe::moe_gemm_kernel<BN, STAGES, true>, moe::moe_gemm_kernel<BN, STAGES, false>})
+  for (auto k : {moe::moe_gemm_kernel<BN, STAGES, true>, moe::moe_gemm_kernel<BN, STAGES, false>,
+                 moe::moe_gemm_kernel<BN, STAGES, true, true>})
     C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
   if constexpr (BN == 64) {
     for (auto k : {moe::moe_gemm2_resident_kernel<2>, moe::moe_gemm2_resident_kernel<4>,
@@ -200,8 +201,8 @@ GemmOccupancy gemm_setup() {
 // would run after the others, doubling the time; 0 when none fits). 1-CTA mode runs
 // one CTA per SM.
 int ws_setup(int sms) {
-  for (auto k : {moe::moe_gemm_ws_kernel<true, 1>, moe::moe_gemm_ws_kernel<false, 1>,
-                 moe::moe_gemm_ws_kernel<true, 2>, moe::moe_gemm_ws_kernel<false, 2>})
+  for (auto k : {moe::moe_gemm_ws_kernel<true, 1>, moe::moe_gemm_ws_kernel<true, 1, true>,
+                 moe::moe_gemm_ws_kernel<false, 1>, moe::moe_gemm_ws_kernel<true, 2>, moe::moe_gemm_ws_kernel<false, 2>})
     C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, moe::WsConfig::kBytes));
   return std::min(max_cluster_ctas(moe::moe_gemm_ws_kernel<true, 2>, sms, moe::WsConfig::kThreads,
                                    moe::WsConfig::kBytes, 2),
@@ -325,7 +326,9 @@ at::Tensor fill_params(MoeParams& p, const Nvfp4MoeShape& c, const Nvfp4MoeConfi
 void launch_ws_gemms(const Nvfp4MoeConfig& cfg, const MoeParams& p, bool gemm2, cudaStream_t stream) {
   using C = moe::WsConfig;
   const dim3 grid(unsigned(cfg.ws_ctas));
-  auto k1 = cfg.cluster == 2 ? moe::moe_gemm_ws_kernel<true, 2> : moe::moe_gemm_ws_kernel<true, 1>;
+  auto k1 = cfg.cluster == 2 ? moe::moe_gemm_ws_kernel<true, 2>
+            : cfg.direct_x    ? moe::moe_gemm_ws_kernel<true, 1, true>
+                              : moe::moe_gemm_ws_kernel<true, 1>;
   auto k2 = cfg.cluster == 2 ? moe::moe_gemm_ws_kernel<false, 2> : moe::moe_gemm_ws_kernel<false, 1>;
   launch_kernel(k1, grid, C::kThreads, C::kBytes, stream, cfg.pdl, p, cfg.cluster);
   // Always programmatic: GEMM2 overlaps GEMM1's tail (see moe_gemm_ws_kernel).
@@ -347,7 +350,9 @@ void launch_gemms(const Nvfp4MoeConfig& cfg, const MoeParams& p, bool gemm2, cud
   }
   const dim3 g1(unsigned(2 * p.N / moe::kTileRows), unsigned(p.max_tiles));
   const dim3 g2(unsigned(p.K / moe::kTileRows), unsigned(p.max_tiles));
-  launch_kernel(moe::moe_gemm_kernel<BN, STAGES, true>, g1, moe::kThreads, S::kBytes, stream, cfg.pdl, p);
+  // x rows read by GEMM1 at 64-token tiles: its own instance (see gemm_segment's kX)
+  auto k1 = cfg.direct_x ? moe::moe_gemm_kernel<BN, STAGES, true, true> : moe::moe_gemm_kernel<BN, STAGES, true>;
+  launch_kernel(k1, g1, moe::kThreads, S::kBytes, stream, cfg.pdl, p);
   if (!gemm2) return;
   if constexpr (BN == 64) {
     if (cfg.gemm2_rows > 1) {  // a resident token tile, gemm2_rows weight-row tiles per CTA
