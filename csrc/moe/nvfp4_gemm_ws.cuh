@@ -240,10 +240,12 @@ __device__ __forceinline__ void ws_consume(const MoeParams& p, uint8_t* smem, ui
   for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
   uint4 codes = make_uint4(0, 0, 0, 0);
   uint2 sc = make_uint2(0, 0);
-  // kX: the token rows came by cp.async (the generic proxy), the wgmmas read them through
-  // the async one.
+  // x rows: they came by cp.async (the generic proxy), the wgmmas read them through the
+  // async one. (p.direct_x is set wherever the kX instance runs; the run-time test keeps the
+  // instance's code that of the build measured in the note.)
+  const bool fence_x = kX && p.direct_x;
   mbar_wait(full + s, phase);
-  if constexpr (kX) fence_proxy_async_smem();
+  if (fence_x) fence_proxy_async_smem();
   if (active) {
     codes = lds_v4(w_off + s * C::kWStage);
     sc = lds_v2(s_off + s * C::kWStage);
@@ -262,7 +264,7 @@ __device__ __forceinline__ void ws_consume(const MoeParams& p, uint8_t* smem, ui
       wgmma_commit();
       if (kt + 1 < KT) {
         mbar_wait(full + next, next_phase);
-        if constexpr (kX) fence_proxy_async_smem();
+        if (fence_x) fence_proxy_async_smem();
         codes = lds_v4(w_off + next * C::kWStage);
         sc = lds_v2(s_off + next * C::kWStage);
       }
@@ -318,9 +320,10 @@ __global__ void __launch_bounds__(WsConfig::kThreads, 1) moe_gemm_ws_kernel(cons
   uint64_t* empty = full + C::kStages;
   const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
   const uint32_t rank = kCluster > 1 ? cluster_cta_rank() : 0;
+  const bool direct_x = kX && p.direct_x;
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::kStages; ++s) {
-      mbar_init(full + s, kX ? 1 + kWsXThreads : 2);       // the producers (kX: every x-copying thread)
+      mbar_init(full + s, direct_x ? 1 + kWsXThreads : 2);  // the producers (direct_x: every x-copying thread)
       mbar_init(empty + s, 4 * C::kConsumers * kCluster);  // every consumer warp of the cluster
     }
     mbar_init_fence();
@@ -335,7 +338,7 @@ __global__ void __launch_bounds__(WsConfig::kThreads, 1) moe_gemm_ws_kernel(cons
   const int units = __ldg(p.num_groups) * units_per_group;
   if (wg == 0) {
     setmaxnreg_dec<C::kProducerRegs>();
-    if constexpr (kX) {
+    if (direct_x) {
       if (tid < 32 || tid >= 64) ws_producer_x(p, smem, full, empty, units, units_per_group, tid < 32 ? tid : tid - 32);
     } else if (tid == 0) {
       ws_producer<kGemm1, kCluster, true>(p, smem, full, empty, units, units_per_group, rank);
