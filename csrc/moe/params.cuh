@@ -101,7 +101,7 @@ struct MoeParams {
   // of at most sk_ctas CTAs; an item split in chunks is finished by the CTA whose chunk
   // arrives last.
   int splitk;
-  int direct_x;      // GEMM1 reads x through row_slot (bf16 mode, not the 2-CTA prefill kernel); no xg
+  int direct_x;      // GEMM1 reads x through row_slot (bf16 mode, where config.h pick_direct_x has it); no xg
   int sk_ctas;       // >= either GEMM's grid; bounds the number of split items and chunks
   float* sk_partial; // [2, sk_ctas, 64 * block_n] fp32 (GEMM1, GEMM2), one per (item, chunk) of a split item
   int* sk_count;     // [2, sk_ctas] (GEMM1, GEMM2): chunks done per item; zeroed by routing
