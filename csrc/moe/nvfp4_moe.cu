@@ -202,7 +202,8 @@ GemmOccupancy gemm_setup() {
 // one CTA per SM.
 int ws_setup(int sms) {
   for (auto k : {moe::moe_gemm_ws_kernel<true, 1>, moe::moe_gemm_ws_kernel<true, 1, true>,
-                 moe::moe_gemm_ws_kernel<false, 1>, moe::moe_gemm_ws_kernel<true, 2>, moe::moe_gemm_ws_kernel<false, 2>})
+                 moe::moe_gemm_ws_kernel<false, 1>, moe::moe_gemm_ws_kernel<true, 2>,
+                 moe::moe_gemm_ws_kernel<false, 2>})
     C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, moe::WsConfig::kBytes));
   return std::min(max_cluster_ctas(moe::moe_gemm_ws_kernel<true, 2>, sms, moe::WsConfig::kThreads,
                                    moe::WsConfig::kBytes, 2),
