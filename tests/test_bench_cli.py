@@ -65,7 +65,7 @@ def test_scripts_holds_only_tools():
     assert sorted(n for n in os.listdir(os.path.join(ROOT, "scripts")) if n != "__pycache__") == [
         "attn_ab.sh", "attn_prefill_ncu.py", "attn_splits_sweep.py", "attn_splits_sweep.sh", "decode_latency.py",
         "device_check.py", "device_moe_stage.sh", "fetch_anchors.py", "gpu_fuzz.py", "gpu_serve_smoke.py", "install.sh",
-        "moe_ab.sh", "mxfp4_breakdown.sh", "pack_moe_anchors.py", "pack_vllm_for_device.py",
+        "moe_ab.sh", "moe_x_feed_probe.cu", "mxfp4_breakdown.sh", "pack_moe_anchors.py", "pack_vllm_for_device.py",
         "racecheck_named_barrier.cu", "sass_cold_path.py", "sass_diff.py", "w4a8_loop_probe.cu"]
 
 

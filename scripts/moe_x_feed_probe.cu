@@ -20,9 +20,9 @@
 // Units as the prefill kernel walks them: CTA b takes units b, b + grid, ...; unit u reads the
 // 192 token rows of group u / upg (random tokens of x, 1/16 of them without a slot) over K.
 //
-//   nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -I csrc -o /tmp/tma_row_probe \
-//        scripts/tma_row_probe.cu
-//   /tmp/tma_row_probe [M (8192)] [K (4096)] [units per group (21)] [units per CTA (4)]
+//   nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -I csrc -o /tmp/moe_x_feed_probe \
+//        scripts/moe_x_feed_probe.cu
+//   /tmp/moe_x_feed_probe [M (8192)] [K (4096)] [units per group (21)] [units per CTA (4)]
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
