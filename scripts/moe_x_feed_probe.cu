@@ -15,6 +15,8 @@
 //   cp128   cpreg with 128 threads
 //   ldst    96 threads load their 16 chunks to registers, store them to shared memory, fence
 //           the async proxy and arrive (the generic path)
+//   bulkrow one warp, one plain 128-byte bulk copy per row (no swizzle, rows without a token
+//           read token 0: the wrong layout, timed only for the copy engine's cost per small copy)
 // and does the tensor copy of a lone row land in that layout at the row's 128-byte offset
 // (check, against the host's placement; rows without a token, coordinate -1, zero-filled)?
 // Units as the prefill kernel walks them: CTA b takes units b, b + grid, ...; unit u reads the
@@ -50,7 +52,7 @@ using namespace dsv4;
 
 constexpr int kStages = 5, kRows = 192, kBlock = 8192, kStageBytes = 3 * kBlock;
 constexpr int kSmem = kStages * kStageBytes + 2 * kStages * 8 + 1024;
-enum Mode { kBulk, kCp, kCpNoFence, kTma, kTma1, kCpReg, kCp128, kLdSt };
+enum Mode { kBulk, kCp, kCpNoFence, kTma, kTma1, kCpReg, kCp128, kLdSt, kBulkRow };
 
 __device__ __forceinline__ void tma_row(uint32_t dst, const CUtensorMap* map, int k0, int row, uint64_t* bar) {
   asm volatile(
@@ -89,10 +91,10 @@ __global__ void __launch_bounds__(256, 1)
   int s = 0;
   uint32_t phase = 0;
   if (warp < 4) {  // producer warps
-    const bool mine = kMode == kCp128                ? true
-                      : (cp || kMode == kLdSt)      ? warp != 1
-                      : kMode == kTma               ? warp == 0
-                                                    : (warp == 0 && lane == 0);
+    const bool mine = kMode == kCp128                      ? true
+                      : (cp || kMode == kLdSt)            ? warp != 1
+                      : (kMode == kTma || kMode == kBulkRow) ? warp == 0
+                                                          : (warp == 0 && lane == 0);
     if (!mine) return;
     const int q = kMode == kCp128 ? int(threadIdx.x) : warp == 0 ? lane : threadIdx.x - 64;  // 0..95 (0..127)
     constexpr int kT = kMode == kCp128 ? 128 : 96, kRP = kT / 8, kPass = kRows / kRP;
@@ -110,6 +112,13 @@ __global__ void __launch_bounds__(256, 1)
           mbar_arrive_expect_tx(full + s, kStageBytes);
           for (int j = 0; j < 3; ++j)
             bulk_g2s(st + j * kBlock, xg + ((size_t(g) * KT + kt) * 3 + j) * kBlock, kBlock, full + s);
+        } else if constexpr (kMode == kBulkRow) {
+          if (lane == 0) mbar_arrive_expect_tx(full + s, kRows * 128);
+          __syncwarp();
+          for (int r = lane; r < kRows; r += 32) {
+            const int t = __ldg(tok + g * kRows + r);
+            bulk_g2s(st + (r >> 6) * kBlock + (r & 63) * 128, x + size_t(max(t, 0)) * K + kt * 64, 128, full + s);
+          }
         } else if constexpr (kMode == kTma || kMode == kTma1) {
           if (lane == 0) mbar_arrive_expect_tx(full + s, kRows * 128);
           __syncwarp(kMode == kTma ? 0xffffffffu : 1u);
@@ -282,5 +291,6 @@ int main(int argc, char** argv) {
   run(feed_kernel<kCpReg>, "cpreg");
   run(feed_kernel<kCp128>, "cp128");
   run(feed_kernel<kLdSt>, "ldst");
+  run(feed_kernel<kBulkRow>, "bulkrow");
   return 0;
 }
