@@ -91,10 +91,10 @@ __global__ void __launch_bounds__(256, 1)
   int s = 0;
   uint32_t phase = 0;
   if (warp < 4) {  // producer warps
-    const bool mine = kMode == kCp128                      ? true
-                      : (cp || kMode == kLdSt)            ? warp != 1
-                      : (kMode == kTma || kMode == kBulkRow) ? warp == 0
-                                                          : (warp == 0 && lane == 0);
+    bool mine = warp == 0 && lane == 0;  // bulk, tma1
+    if (kMode == kCp128) mine = true;
+    else if (cp || kMode == kLdSt) mine = warp != 1;
+    else if (kMode == kTma || kMode == kBulkRow) mine = warp == 0;
     if (!mine) return;
     const int q = kMode == kCp128 ? int(threadIdx.x) : warp == 0 ? lane : threadIdx.x - 64;  // 0..95 (0..127)
     constexpr int kT = kMode == kCp128 ? 128 : 96, kRP = kT / 8, kPass = kRows / kRP;
