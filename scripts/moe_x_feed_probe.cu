@@ -38,6 +38,7 @@
 
 #include "common/ptx/memory.cuh"
 #include "common/ptx/sync.cuh"
+#include "moe/params.cuh"  // act_offset
 
 using namespace dsv4;
 
@@ -62,9 +63,13 @@ __device__ __forceinline__ void tma_row(uint32_t dst, const CUtensorMap* map, in
       : "memory");
 }
 
+// Byte offset in a stage of chunk c of row r: the prefill kernel's layout (params.cuh act_offset,
+// a stage being 64 columns wide), and of the row's 128-byte line (where a copy that swizzles
+// by address, the tensor copy, is aimed).
 __host__ __device__ __forceinline__ uint32_t row_place(int r, int c) {
-  return (r >> 6) * kBlock + (r & 63) * 128 + ((c ^ (r & 7)) << 4);
+  return uint32_t(2 * moe::act_offset<true>(r, c, 64));
 }
+__device__ __forceinline__ uint32_t row_line(int r) { return (r >> 6) * kBlock + (r & 63) * 128; }
 
 // tok[g * 192 + r]: token of row r of group g, -1 without a slot. xg: [groups, K / 64, 3, 8 KB] pre-tiled.
 template <int kMode>
@@ -117,13 +122,13 @@ __global__ void __launch_bounds__(256, 1)
           __syncwarp();
           for (int r = lane; r < kRows; r += 32) {
             const int t = __ldg(tok + g * kRows + r);
-            bulk_g2s(st + (r >> 6) * kBlock + (r & 63) * 128, x + size_t(max(t, 0)) * K + kt * 64, 128, full + s);
+            bulk_g2s(st + row_line(r), x + size_t(max(t, 0)) * K + kt * 64, 128, full + s);
           }
         } else if constexpr (kMode == kTma || kMode == kTma1) {
           if (lane == 0) mbar_arrive_expect_tx(full + s, kRows * 128);
           __syncwarp(kMode == kTma ? 0xffffffffu : 1u);
           for (int r = kMode == kTma ? lane : 0; r < kRows; r += kMode == kTma ? 32 : 1)
-            tma_row(st + (r >> 6) * kBlock + (r & 63) * 128, &map, kt * 64, __ldg(tok + g * kRows + r), full + s);
+            tma_row(st + row_line(r), &map, kt * 64, __ldg(tok + g * kRows + r), full + s);
         } else if constexpr (kMode == kCpReg || kMode == kCp128) {
           const int c = q & 7;
           const __nv_bfloat16* xk = x + kt * 64 + c * 8;
@@ -195,7 +200,7 @@ __global__ void check_kernel(const __grid_constant__ CUtensorMap map, const int*
     if (threadIdx.x == 0) mbar_arrive_expect_tx(bar, kRows * 128);
     __syncwarp();
     for (int r = threadIdx.x; r < kRows; r += 32)
-      tma_row(smem_u32(smem) + (r >> 6) * kBlock + (r & 63) * 128, &map, kt * 64, tok[r], bar);
+      tma_row(smem_u32(smem) + row_line(r), &map, kt * 64, tok[r], bar);
   }
   mbar_wait(bar, 0);
   for (int i = threadIdx.x; i < kStageBytes; i += blockDim.x) out[i] = smem[i];
