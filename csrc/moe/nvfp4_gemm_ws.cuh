@@ -171,6 +171,14 @@ __device__ __forceinline__ void ws_producer_x(const MoeParams& p, uint8_t* smem,
   using C = WsConfig;
   const int KT = gemm_k_steps<true>(p);
   const int c = q & 7, r0 = q >> 3;
+  // Row r of a stage sits at 128 r + 16 (c ^ (r % 8)) bytes (act_offset<true>(r, c, kTileK) in
+  // bf16 elements: 64-row blocks of 8 KB are rows of 128 bytes). For r = r0 + 12 j, r % 8 is
+  // r0 % 8 at even j and (r0 % 8) ^ 4 at odd j, so copy j goes to one of two places per
+  // stage plus 1536 j, an immediate: no per-copy arithmetic on the destination (that
+  // arithmetic, ~20 dependent instructions a copy, made the producer the x path's bottleneck:
+  // docs/perf-history/2026-12-07-moe-x-producer-feed.md).
+  static_assert(kWsXRows % 8 == 4, "odd passes flip bit 2 of r % 8");
+  const uint32_t d0 = 128 * r0 + ((c ^ (r0 & 7)) << 4);
   const uint32_t ring = smem_u32(smem);
   int s = 0;
   uint32_t phase = 0;
@@ -187,19 +195,19 @@ __device__ __forceinline__ void ws_producer_x(const MoeParams& p, uint8_t* smem,
     for (int kt = 0; kt < KT; ++kt) {
       mbar_wait(empty + s, phase ^ 1);
       const uint32_t st = ring + s * C::kB;
+      uint32_t at0 = st + d0, at1 = st + (d0 ^ 64);
       const __nv_bfloat16* xk = p.x + kt * kTileK + c * 8;
-      // Opaque per stage, so that the compiler recomputes each copy's addresses (a few ALU
-      // instructions) instead of keeping 16 of them live across the loop.
-      int rq = r0;
-      asm volatile("" : "+r"(rq));
+      // Opaque per stage: the two places once a stage (else ptxas recomputes them in every
+      // predicated copy), and the base so that each copy's source is computed where it is
+      // issued (a max, one wide multiply-add) rather than 16 64-bit addresses hoisted out of
+      // the K loop, which spill the producer's 72 registers; the offsets opaque per copy.
+      asm volatile("" : "+r"(at0), "+r"(at1), "+l"(xk));
 #pragma unroll
       for (int j = 0; j < kWsXPasses; ++j) {
-        const int r = rq + kWsXRows * j;
         int o = off[j];
         asm volatile("" : "+r"(o));
         if (o == -2) continue;
-        const uint32_t dst = st + (r >> 6) * kWsBlockBytes + (r & 63) * 128 + ((c ^ (r & 7)) << 4);
-        cp_async_16_unordered(dst, xk + max(o, 0), o < 0);
+        cp_async_16_unordered((j & 1 ? at1 : at0) + kWsXRows * 128 * j, xk + max(o, 0), o < 0);
       }
       cp_async_mbar_arrive_noinc(full + s);
       if (++s == C::kStages) {
