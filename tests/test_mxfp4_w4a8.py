@@ -597,6 +597,16 @@ def test_gpu_empty_and_all_remote():
     remote = (emap[ids.long()] < 0).all(1)
     assert bool(remote.any()) and torch.equal(got[remote], torch.zeros_like(got[remote]))
     assert _rel_l2(got, ref) <= 5e-3
+    # At a prefill size (64-token tiles, the GEMM2 rows kernel; not the fused decode path):
+    # 16 of 256 experts local, so ~2/3 of the tokens are all-remote, into a poisoned output;
+    # then every token remote, where no token tile exists at all.
+    x, ids, tw, emap = _gpu_case("flash", 2048, seed=11)
+    got = _check("flash", 2048, seed=11)
+    remote = (emap[ids.long()] < 0).all(1)
+    assert bool(remote.any()) and torch.equal(got[remote], torch.zeros_like(got[remote]))
+    out = torch.full_like(x, float("nan"))
+    none = torch.full((256,), -1, dtype=torch.int32, device="cuda")
+    assert torch.equal(routed_moe(x, ids, tw, p, expert_map=none, out=out), torch.zeros_like(x))
 
 
 def _run_child(env_vars: dict, call: str) -> subprocess.CompletedProcess:
