@@ -69,7 +69,7 @@ __device__ __forceinline__ void tma_row(uint32_t dst, const CUtensorMap* map, in
 __host__ __device__ __forceinline__ uint32_t row_place(int r, int c) {
   return uint32_t(2 * moe::act_offset<true>(r, c, 64));
 }
-__device__ __forceinline__ uint32_t row_line(int r) { return (r >> 6) * kBlock + (r & 63) * 128; }
+__device__ __forceinline__ uint32_t row_line(int r) { return uint32_t(r) * 128; }  // 8 KB blocks of 64 lines
 
 // tok[g * 192 + r]: token of row r of group g, -1 without a slot. xg: [groups, K / 64, 3, 8 KB] pre-tiled.
 template <int kMode>

@@ -588,8 +588,8 @@ def test_gpu_empty_and_all_remote():
     assert routed_moe(x, ids, ids.float(), p).shape == (0, 4096)
     x, ids, tw, _ = _gpu_case("flash", 5, seed=7)
     out = torch.full_like(x, float("nan"))
-    emap = torch.full((256,), -1, dtype=torch.int32, device="cuda")
-    assert torch.equal(routed_moe(x, ids, tw, p, expert_map=emap, out=out), torch.zeros_like(x))
+    none = torch.full((256,), -1, dtype=torch.int32, device="cuda")  # no expert local
+    assert torch.equal(routed_moe(x, ids, tw, p, expert_map=none, out=out), torch.zeros_like(x))
     # some tokens all-remote, the others not
     x, ids, tw, emap = _gpu_case("flash", 9, seed=8)
     got = routed_moe(x, ids, tw, p, expert_map=emap)
@@ -605,7 +605,6 @@ def test_gpu_empty_and_all_remote():
     remote = (emap[ids.long()] < 0).all(1)
     assert bool(remote.any()) and torch.equal(got[remote], torch.zeros_like(got[remote]))
     out = torch.full_like(x, float("nan"))
-    none = torch.full((256,), -1, dtype=torch.int32, device="cuda")
     assert torch.equal(routed_moe(x, ids, tw, p, expert_map=none, out=out), torch.zeros_like(x))
 
 
