@@ -263,6 +263,7 @@ __global__ void __launch_bounds__(256, kQuantXCtasPerSm) mxfp4_quant_x_kernel(co
   const int G1 = p.K / kChunk, BN = p.block_n, topk = p.topk;
   const int lg_bn = __ffs(BN) - 1;  // block_n is a power of two (8, 16, 64)
   const int lane = threadIdx.x & 31, a = lane & 3, gl = lane >> 2;
+  const int q[2] = {(a & 1) ? 2 * a - 1 : 2 * a, (a & 1) ? 2 * a + 1 : 2 * a + 2};  // the pieces this lane stores
   const int nwarps = int(gridDim.x * blockDim.x) >> 5;
   const int warp = int(blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   // Steps in 32 bits: M * ceil(K / 1024) < 2^31 for any x that fits in memory.
@@ -350,6 +351,17 @@ __global__ void __launch_bounds__(256, kQuantXCtasPerSm) mxfp4_quant_x_kernel(co
           w[b][i] = quantize_word<kUe8m0>(e, s, inv_s);
         }
       }
+      // Whole 32-byte sectors per store instruction: a lane's pieces 2a and 2a + 1 (w[0],
+      // w[1]) share one sector of the row wherever the swizzle puts them, so the even lane
+      // of a pair stores its piece 2a and its partner's piece 2a + 2, the odd lane its
+      // partner's piece 2a - 1 and its own 2a + 1; each instruction then fills two sectors
+      // of a group's row instead of half of four (one exchange a step, the same bytes).
+      const bool odd = a & 1;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t got = __shfl_xor_sync(0xFFFFFFFFu, odd ? w[0][i] : w[1][i], 1);
+        if (odd) w[0][i] = got; else w[1][i] = got;
+      }
     }
     // The token's local slots, 32 at a time: each lane looks one up, the warp walks the ballot.
     int local = 0;
@@ -365,8 +377,8 @@ __global__ void __launch_bounds__(256, kQuantXCtasPerSm) mxfp4_quant_x_kernel(co
           const int tile = sp >> lg_bn, r = sp & (BN - 1);
           const size_t row = act_row(tile, 0, G1, BN, r) + size_t(grp) * chunk_stride;
 #pragma unroll
-          for (int b = 0; b < 2; ++b)
-            *reinterpret_cast<uint4*>(p.xg + row + (((2 * a + b) ^ (r & 7)) << 4)) =
+          for (int b = 0; b < 2; ++b)  // pieces q[b] (above: 2a, 2a + 2 even; 2a - 1, 2a + 1 odd)
+            *reinterpret_cast<uint4*>(p.xg + row + ((q[b] ^ (r & 7)) << 4)) =
                 make_uint4(w[b][0], w[b][1], w[b][2], w[b][3]);
           if (a == 0) p.xgs[row / kChunk] = s;
         }

@@ -185,12 +185,15 @@ __device__ __forceinline__ void ws_producer_x(const MoeParams& p, uint8_t* smem,
   for (int u = blockIdx.x; u < units; u += gridDim.x) {
     const WsUnit w = ws_unit<1>(p, u, units_per_group, 0);
     const int rows = 32 * w.nh;
-    int off[kWsXPasses];  // the row's token * K; -1: no slot (zero-filled); -2: past the unit (not copied)
+    // The row's token * K; -1: zero-filled, for a row without a slot (as the gather wrote it)
+    // and for a row past the unit's 32 nh, which no consumer reads (a zero fill reads no
+    // global memory; copying every row spares each copy a skip test).
+    int off[kWsXPasses];
 #pragma unroll
     for (int j = 0; j < kWsXPasses; ++j) {
       const int r = r0 + kWsXRows * j;
       const int slot = r < rows ? __ldg(p.row_slot + w.t0 * 64 + r) : -1;
-      off[j] = r >= rows ? -2 : slot >= 0 ? (slot / p.topk) * p.K : -1;
+      off[j] = slot >= 0 ? (slot / p.topk) * p.K : -1;
     }
     for (int kt = 0; kt < KT; ++kt) {
       mbar_wait(empty + s, phase ^ 1);
@@ -206,8 +209,7 @@ __device__ __forceinline__ void ws_producer_x(const MoeParams& p, uint8_t* smem,
       for (int j = 0; j < kWsXPasses; ++j) {
         int o = off[j];
         asm volatile("" : "+r"(o));
-        if (o == -2) continue;
-        cp_async_16_unordered((j & 1 ? at1 : at0) + kWsXRows * 128 * j, xk + max(o, 0), o < 0);
+        cp_async_16_unordered_zero_if_negative((j & 1 ? at1 : at0) + kWsXRows * 128 * j, xk + max(o, 0), o);
       }
       cp_async_mbar_arrive_noinc(full + s);
       if (++s == C::kStages) {

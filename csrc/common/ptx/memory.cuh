@@ -88,6 +88,14 @@ __device__ __forceinline__ void cp_async_16_unordered(uint32_t smem_dst, const v
       "{\n.reg .pred z;\nsetp.ne.b32 z, %2, 0;\ncp.async.cg.shared.global [%0], [%1], 16, z;\n}\n" ::"r"(smem_dst),
       "l"(gmem_src), "r"(zero));
 }
+// The same, zero-filled when key < 0: one signed compare where a 0/1 flag computed from the
+// key takes a shift and a compare (the prefill GEMM1's x producer, nvfp4_gemm_ws.cuh).
+__device__ __forceinline__ void cp_async_16_unordered_zero_if_negative(uint32_t smem_dst, const void* gmem_src,
+                                                                       int key) {
+  asm volatile(
+      "{\n.reg .pred z;\nsetp.lt.s32 z, %2, 0;\ncp.async.cg.shared.global [%0], [%1], 16, z;\n}\n" ::"r"(smem_dst),
+      "l"(gmem_src), "r"(key));
+}
 // A 4-byte copy through L1 (.ca: the only form below 16 bytes), zero-filled when zero != 0
 // (src must still be a valid address); ordered like cp_async_16_unordered.
 __device__ __forceinline__ void cp_async_4_unordered(uint32_t smem_dst, const void* gmem_src, uint32_t zero) {
