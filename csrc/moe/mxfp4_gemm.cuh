@@ -1253,7 +1253,7 @@ __device__ __forceinline__ void gemm2_pair_segment(const W4A8Params& p, uint8_t*
 // for one 64-token tile, so a warp's chain per chunk (barrier, slot wait, conversion, four
 // wgmmas, their wait, promotion) carries 64 tokens of MMA; here, as in GEMM1's pair kernel,
 // it carries 128. An earlier GEMM2 pair kernel ran R = 4 (2x the rows kernel's work per CTA,
-// half its CTAs: ~3 waves at V4-Pro M = 8192) and measured 0.94-1.06x the rows kernel
+// half its CTAs: 3.6 waves at V4-Pro M = 8192) and measured 0.94-1.06x the rows kernel
 // (docs/perf-history/2026-12-05-mxfp4-w4a8-pairs.md); config.h runs this one at R = half the
 // rows kernel's, so that a CTA does the rows kernel's work (R x 2 tiles x G2 chunks) and the
 // grid has as many CTAs. Ring: PairSmem, two slots of one chunk; 4 CTAs per SM. The combine
