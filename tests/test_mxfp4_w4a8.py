@@ -739,6 +739,65 @@ def test_gpu_gemm1_pairs_bitwise(tmp_path):
         assert torch.isfinite(b).all() and torch.equal(a, b), i
 
 
+# GEMM2 on pairs: odd and even tile counts per expert (the second tile of an odd count
+# empty), ragged last tiles, maps, several tiles per expert at the V4-Pro shape, TP8 (G2 = 3)
+GEMM2_PAIR_CASES = (("flash", 700, False), ("flash", 2048, True), ("pro", 999, True), ("pro", 3000, False),
+                    ("v41", 1500, True), ("v41_tp8", 2000, True))
+
+
+def _child_gemm2_pairs(path: str) -> None:
+    """GEMM2_PAIR_CASES, skewed routing (many tiles on two experts) and a graph replay on
+    a poisoned output; no float32 reference here (the rows kernel, which these outputs must
+    equal bitwise, is checked against it by the tests above); the outputs saved to ``path``."""
+    outs = []
+    for name, M, um in GEMM2_PAIR_CASES:
+        w, p = _gpu_model(name)
+        x, ids, tw, emap = _gpu_case(name, M, seed=M + 101, use_map=um)
+        outs.append(routed_moe(x, ids, tw, p, expert_map=emap, out=torch.full_like(x, float("nan"))).cpu())
+    for name, M in (("flash", 2048), ("v41_tp8", 777)):
+        w, p = _gpu_model(name)
+        x, ids, tw, emap = _gpu_case(name, M, seed=M + 102, routing="skewed")
+        kw = {} if emap is None else {"expert_map": emap}
+        outs.append(routed_moe(x, ids, tw, p, **kw).cpu())
+    w, p = _gpu_model("pro")
+    x, ids, tw, emap = _gpu_case("pro", 1200, seed=103, use_map=True)
+    out = torch.full_like(x, float("nan"))
+    routed_moe(x, ids, tw, p, expert_map=emap, out=out)  # warm (first-use setup outside the capture)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        routed_moe(x, ids, tw, p, expert_map=emap, out=out)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    outs.append(out.cpu())
+    torch.save(outs, path)
+
+
+@pytest.mark.gpu
+def test_gpu_gemm2_pairs_bitwise(tmp_path):
+    """mxfp4_gemm2_pair_kernel (DSV4_MOE_GEMM2_PAIRS=1: GEMM2 on GEMM1's pairs of token
+    tiles, gemm2_rows / 2 weight tiles per CTA) computes each tile's sums, y and combine as
+    the rows kernel does, so the outputs are bitwise those of the rows kernel (and, at TP8's
+    G2 = 3, of the resident kernel it replaces), at R = 1, 2 and 4 weight tiles per CTA."""
+    outs = {}
+    for pairs2, rows in (("0", "4"), ("1", "2"), ("1", "4"), ("1", "8")):
+        path = tmp_path / f"pairs2-{pairs2}-{rows}.pt"
+        env = dict(DSV4_MOE_BLOCK_N="64", DSV4_MOE_SPLITK="0", DSV4_MOE_GEMM1_PAIRS="1", DSV4_MOE_GEMM2_PAIRS=pairs2,
+                   DSV4_MOE_GEMM2_ROWS=rows, DSV4_PRINT_CONFIG="1")
+        r = _run_child(env, f"_child_gemm2_pairs({str(path)!r})")
+        printed = re.findall(r"^dsv4 config mxfp4_moe: .* gemm2_rows=(\d+) gemm2_resident=(\d) .* gemm2_pairs=(\d)",
+                             r.stderr, re.M)
+        # the override in effect on every call; without pairs TP8 (G2 = 3) runs the resident kernel
+        want = {(rows, "0", pairs2)} | ({(rows, "1", "0")} if pairs2 == "0" else set())
+        assert printed and set(printed) == want, printed
+        outs[pairs2, rows] = torch.load(path)
+    ref = outs["0", "4"]
+    assert len(ref) == len(GEMM2_PAIR_CASES) + 3
+    for key, got in outs.items():
+        for i, (a, b) in enumerate(zip(ref, got)):
+            assert torch.isfinite(b).all() and torch.equal(a, b), (key, i)
+
+
 def _child_partial_tiles(path: str) -> None:
     """Every token on the same 6 local experts (no map), so each expert's tiles hold the
     tokens in full tiles then one partial tile: calls of 64 + 16, 64 + 32 and 128 tokens

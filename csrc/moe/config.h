@@ -292,6 +292,8 @@ struct Mxfp4MoeConfig {
   int grid_tiles;        // token-tile rows of the classic mxfp4_gemm_kernel grids (its CTAs loop at 64-row tiles)
   bool gemm1_pairs;      // GEMM1 on pairs of an expert's 64-token tiles (mxfp4_gemm1_pair_kernel; routing tile_pairs)
   int grid_pairs;        // ... its grid's rows of tile pairs
+  bool gemm2_pairs;      // GEMM2 on pairs of an expert's 64-token tiles (mxfp4_gemm2_pair_kernel, gemm2_rows / 2
+                         // weight tiles per CTA; needs gemm1_pairs' tile_pairs)
 };
 
 // GEMM1 on pairs of an expert's tiles from two full tiles per expert: measured 1.01-1.10x
@@ -363,6 +365,13 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
     // rows of mxfp4_gemm1_pair_kernel's grid: pick_grid_tiles in units of pairs (128 rows)
     cfg.grid_pairs = pick_grid_tiles(c.M, c.topk, c.E, c.E_global, 128, cfg.max_tiles / 2);
   }
+  // GEMM2 on pairs of tiles where GEMM1 runs on them (the routing's tile_pairs) and GEMM2 runs
+  // CTAs of several weight tiles: each weight chunk converted once for 128 tokens, with half
+  // the rows kernel's weight tiles per CTA so that a CTA does the same work and the grid has
+  // as many CTAs (docs/perf-history/2026-12-07-mxfp4-w4a8-gemm2-rate-study.md). Off until
+  // measured; DSV4_MOE_GEMM2_PAIRS=1 turns it on, in place of the resident kernel too.
+  cfg.gemm2_pairs = cfg.gemm1_pairs && cfg.gemm2_rows > 1 && o.moe_gemm2_pairs.value_or(false);
+  if (cfg.gemm2_pairs) cfg.gemm2_resident = false;
   // the classic grids (GEMM2's rows kernels have max_tiles rows), on the final bound
   TORCH_CHECK(cfg.splitk || cfg.max_tiles <= 65535, "dsv4: mxfp4_moe's GEMM grid takes at most 65535 token tiles, ",
               "got ", cfg.max_tiles, " (M * k = ", S, " slots); call it on fewer tokens at a time");
@@ -386,7 +395,7 @@ inline void print_config(const Mxfp4MoeShape& c, const Mxfp4DeviceFacts& d, cons
       " splitk=", int(cfg.splitk), " sk_ctas=", cfg.sk_ctas, " pdl=", int(cfg.pdl), " quant_ctas=", cfg.quant_ctas,
       " gemm2_rows=", cfg.gemm2_rows, " gemm2_resident=", int(cfg.gemm2_resident),
       " fused_route=", int(cfg.fused_route), " grid_tiles=", cfg.grid_tiles, " gemm1_pairs=", int(cfg.gemm1_pairs),
-      " grid_pairs=", cfg.grid_pairs,
+      " grid_pairs=", cfg.grid_pairs, " gemm2_pairs=", int(cfg.gemm2_pairs),
       " workspace_bytes=", workspace_bytes);
   std::fprintf(stderr, "%s\n", line.c_str());
   std::fflush(stderr);

@@ -1152,6 +1152,142 @@ __global__ void __launch_bounds__(kThreads) mxfp4_gemm2_rows_kernel(const W4A8Pa
   gemm2_combine<BN, R>(p, tile, rt0, threadIdx.x);
 }
 
+// ------------------------------------------------------ GEMM2 on pairs of tiles ---
+
+// GEMM2's wait for h (gemm2_wait_h) for both tiles of a pair: the same two threads (they
+// issue the token copies, pair_segment's issuers 2 and 3), the same acquire and fence.
+__device__ __forceinline__ void gemm2_wait_h_pair(const W4A8Params& p, int t0, bool two) {
+  if (threadIdx.x == 64 || threadIdx.x == 96) {
+    wait_flag_geq(p.group_ready + t0, p.G2);
+    if (two) wait_flag_geq(p.group_ready + t0 + 1, p.G2);
+    fence_proxy_async_global();
+  }
+  __syncthreads();
+}
+
+// One weight tile rt of GEMM2 over the pair of token tiles t0, t0 + 1 (kTwo; else t0
+// alone): pair_segment's K loop with GEMM2's operands (w2 and its scale words, hq and hs at
+// KT = G2 chunks), then each tile's y (gemm2_store_y). Kept apart from pair_segment so that
+// GEMM1's pair kernel stays SASS-identical. A chunk's A fragments are converted once for
+// both tiles; each tile's four k32 wgmmas from zero, its promotion and its y are the rows
+// kernel's, so the outputs are bitwise the same. wait_h: the CTA's first tile, whose token
+// copies wait for both tiles' h (the weight copies of its first chunk go before the wait).
+template <bool kTwo>
+__device__ __forceinline__ void gemm2_pair_segment(const W4A8Params& p, uint8_t* smem, uint64_t* full,
+                                                   const uint8_t* lut, int& ring, uint32_t& phase, int t0, int rt,
+                                                   bool wait_h, int tid) {
+  using S = PairSmem;
+  const int e = __ldcg(p.tile_expert + t0);  // L2: read before any grid wait (as gemm_segment)
+  const int KT = p.G2, RT = p.K / kTileRows;
+  const size_t tile_index = (size_t(e) * RT + rt) * KT;
+  const uint8_t* wq = p.w2 + tile_index * kCodeTile;
+  const uint8_t* wsc = p.w2_scale + tile_index * kScaleTile;
+  const uint8_t* bq0 = p.hq + size_t(t0) * KT * S::kB;  // tile t0 + 1 follows: KT chunks later
+  const float* bs0 = p.hs + size_t(t0) * KT * 64;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int issuer = lane == 0 ? warp : -1;  // warp 0: codes (+ expected bytes), 1: scale words, 2: tile 0, 3: tile 1
+  constexpr uint32_t kTx = kCodeTile + kScaleTile + (kTwo ? 2 : 1) * (S::kB + S::kSx);
+  auto load = [&](int c, int slot) {
+    if (c >= KT || issuer < 0) return;
+    const uint32_t base = smem_u32(smem) + slot * S::kSlotBytes;
+    uint64_t* bar = full + slot;
+    if (issuer == 0) {
+      mbar_arrive_expect_tx(bar, kTx);
+      bulk_g2s(base + S::kOffW, wq + size_t(c) * kCodeTile, kCodeTile, bar);
+    } else if (issuer == 1) {
+      bulk_g2s(base + S::kOffS, wsc + size_t(c) * kScaleTile, kScaleTile, bar);
+    } else if (issuer == 2 || kTwo) {
+      const int j = issuer - 2;  // the tile
+      bulk_g2s(base + j * S::kOffB1, bq0 + (size_t(j) * KT + c) * S::kB, S::kB, bar);
+      bulk_g2s(base + S::kOffX0 + j * S::kSx, bs0 + (size_t(j) * KT + c) * 64, S::kSx, bar);
+    }
+  };
+  auto slot_after = [](int slot) { return slot + 1 == S::kSlots ? 0 : slot + 1; };
+  if (wait_h) {  // a thread's load issues only its own copies: issuers 0, 1 the weights, 2, 3 the token rows
+    if (issuer < 2) load(0, ring);
+    gemm2_wait_h_pair(p, t0, kTwo);
+    if (issuer >= 2) load(0, ring);
+  } else {
+    load(0, ring);
+  }
+
+  float acc0[32], acc1[32], part[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc0[i] = acc1[i] = part[i] = 0.0f;
+  const uint32_t rd_w = smem_u32(smem) + S::kOffW + tid * 16;
+  const uint32_t rd_s = smem_u32(smem) + S::kOffS + (warp * 8 + g) * 8;
+  const uint64_t desc0 = wgmma_desc_sw128(smem_u32(smem), 16, 1024);
+  const uint32_t lut_base = smem_u32(lut);
+  const uint32_t rot = (4 * t - 3) & 31;
+
+#pragma unroll 1
+  for (int c = 0; c < KT; ++c) {
+    __syncthreads();  // everyone is done with the slot refilled next (read in chunk c - 1)
+    load(c + 1, slot_after(ring));
+    mbar_wait(full + ring, phase);
+    const uint32_t so = ring * S::kSlotBytes;
+    uint32_t a[4][4];
+    const uint2 sw = chunk_fragments(a, rd_w + so, rd_s + so, lut_base, rot);
+    const uint64_t d0 = desc0 + (so >> 4);
+    const uint8_t* sx0 = smem + so + S::kOffX0;
+    chunk_wgmmas<64>(part, a, d0);
+    chunk_promote<64>(acc0, part, sw, sx0, t);
+    if constexpr (kTwo) {
+      chunk_wgmmas<64>(part, a, d0 + (S::kOffB1 >> 4));
+      chunk_promote<64>(acc1, part, sw, sx0 + S::kSx, t);
+    }
+    ring_advance<S::kSlots>(ring, phase);
+  }
+  __syncthreads();  // every chunk's reads done: the staging overwrites the ring
+  // each tile's y staged in a ring slot of its own (8 KB of a slot's 21 KB), so the second
+  // tile's staging writes need no barrier after the first tile's reads
+  gemm2_store_y<64>(p, acc0, reinterpret_cast<__nv_bfloat16*>(smem), t0, rt, tid);
+  if constexpr (kTwo)
+    gemm2_store_y<64>(p, acc1, reinterpret_cast<__nv_bfloat16*>(smem + S::kSlotBytes), t0 + 1, rt, tid);
+}
+
+// GEMM2 at 64-token tiles on pairs of an expert's token tiles (routing with tile_pairs, as
+// GEMM1's pair kernel: the second tile of an odd count empty), R consecutive 64-row weight
+// tiles per CTA (x = group of R row tiles, y = pair). Why (docs/perf-history/
+// 2026-12-07-mxfp4-w4a8-gemm2-rate-study.md): the rows kernel converts each weight chunk
+// for one 64-token tile, so a warp's chain per chunk (barrier, slot wait, conversion, four
+// wgmmas, their wait, promotion) carries 64 tokens of MMA; here, as in GEMM1's pair kernel,
+// it carries 128. An earlier GEMM2 pair kernel ran R = 4 (2x the rows kernel's work per CTA,
+// half its CTAs: 3.6 waves at V4-Pro M = 8192) and measured 0.94-1.06x the rows kernel
+// (docs/perf-history/2026-12-05-mxfp4-w4a8-pairs.md); config.h runs this one at R = half the
+// rows kernel's, so that a CTA does the rows kernel's work (R x 2 tiles x G2 chunks) and the
+// grid has as many CTAs. Ring: PairSmem, two slots of one chunk; 4 CTAs per SM. The combine
+// is gemm2_combine per tile (one count per token and group of R row tiles), so the outputs
+// are bitwise those of the rows kernel at any R.
+template <int R>
+__global__ void __launch_bounds__(kThreads, 4) mxfp4_gemm2_pair_kernel(const W4A8Params p) {
+  gemm_grid_dependencies<false>();
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = align_smem_1024(smem_raw);
+  __shared__ uint64_t full[PairSmem::kSlots];
+  __shared__ __align__(16) uint8_t lut[kLutBytes];
+  const int t0 = 2 * int(blockIdx.y);  // the first tile of a pair always holds a slot (tile_pairs)
+  if (t0 >= __ldcg(p.num_tiles)) return;
+  const bool two = !tile_empty<64>(p, t0 + 1);
+  init_cta(full, lut);
+  int ring = 0;
+  uint32_t phase = 0;
+  const int rt0 = blockIdx.x * R;
+#pragma unroll 1
+  for (int r = 0; r < R; ++r) {
+    if (two)
+      gemm2_pair_segment<true>(p, smem, full, lut, ring, phase, t0, rt0 + r, r == 0, threadIdx.x);
+    else
+      gemm2_pair_segment<false>(p, smem, full, lut, ring, phase, t0, rt0 + r, r == 0, threadIdx.x);
+    if (r + 1 < R) {  // the y staging smem is the next tile's ring, refilled by bulk copies
+      fence_proxy_async_smem();
+      __syncthreads();
+    }
+  }
+#pragma unroll 1
+  for (int j = 0; j < (two ? 2 : 1); ++j) gemm2_combine<64, R>(p, t0 + j, rt0, threadIdx.x);
+}
+
 // Shared memory of mxfp4_gemm2_resident_kernel for G2 K chunks: the token tile's G2 chunks
 // of FP8 rows and their scales (resident), then two weight slots of G2 chunks (codes, then
 // scale words), each also the y staging of the tile it held (8 KB for 64 tokens: G2 >= 2).

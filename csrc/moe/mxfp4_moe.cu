@@ -134,6 +134,8 @@ GemmOccupancy gemm_setup() {
       C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
     C10_CUDA_CHECK(cudaFuncSetAttribute(w4a8::mxfp4_gemm1_pair_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         w4a8::PairSmem::kBytes));
+    for (auto k : {w4a8::mxfp4_gemm2_pair_kernel<1>, w4a8::mxfp4_gemm2_pair_kernel<2>, w4a8::mxfp4_gemm2_pair_kernel<4>})
+      C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, w4a8::PairSmem::kBytes));
     using RS = w4a8::ResidentSmem<BN>;
     for (auto k : {w4a8::mxfp4_gemm2_resident_kernel<BN, 2>, w4a8::mxfp4_gemm2_resident_kernel<BN, 4>,
                    w4a8::mxfp4_gemm2_resident_kernel<BN, 8>})
@@ -223,6 +225,15 @@ void launch_gemms(const Mxfp4MoeConfig& cfg, const w4a8::W4A8Params& p, cudaStre
   // config.h: GEMM2 rows (and the resident variant, which implies them) only at 64-token
   // tiles on the classic grid
   if constexpr (BN == 64) {
+    if (cfg.gemm2_pairs) {  // config.h: gemm2_rows > 1 and tile_pairs (max_tiles even); R = gemm2_rows / 2
+      const int R = cfg.gemm2_rows / 2;
+      auto k = R == 1   ? w4a8::mxfp4_gemm2_pair_kernel<1>
+               : R == 2 ? w4a8::mxfp4_gemm2_pair_kernel<2>
+                        : w4a8::mxfp4_gemm2_pair_kernel<4>;
+      launch_kernel(k, dim3(unsigned(p.K / 64 / R), unsigned(cfg.max_tiles / 2)), block, w4a8::PairSmem::kBytes, stream,
+                    cfg.pdl, p);
+      return;
+    }
     if (cfg.gemm2_rows > 1) {
       const dim3 grid(unsigned(p.K / 64 / cfg.gemm2_rows), unsigned(cfg.max_tiles));
       if (cfg.gemm2_resident) {
