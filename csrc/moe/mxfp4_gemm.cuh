@@ -1019,17 +1019,36 @@ struct PairSmem {
   static_assert(64 * 128 <= kSlotBytes, "the epilogue's staging fits a slot");
 };
 
-template <bool kTwo>
+// GEMM2's wait for h (gemm2_wait_h) for both tiles of a pair: the same two threads (they
+// issue the token copies, pair_segment's issuers 2 and 3), the same acquire and fence.
+__device__ __forceinline__ void gemm2_wait_h_pair(const W4A8Params& p, int t0, bool two) {
+  if (threadIdx.x == 64 || threadIdx.x == 96) {
+    wait_flag_geq(p.group_ready + t0, p.G2);
+    if (two) wait_flag_geq(p.group_ready + t0 + 1, p.G2);
+    fence_proxy_async_global();
+  }
+  __syncthreads();
+}
+
+// One weight tile rt over the pair of token tiles t0, t0 + 1 (kTwo; else t0 alone), for
+// GEMM1 (kGemm1: w13, xg / xgs at K / 128 chunks, then gemm1_epilogue per tile) or GEMM2
+// (w2, hq / hs at G2 chunks, then each tile's y by gemm2_store_y, staged in a ring slot of
+// its own: 8 KB of a slot's 21 KB, so the second tile's staging writes need no barrier after
+// the first tile's reads). GEMM2's wait_h: the CTA's first tile, whose token copies wait for
+// both tiles' h (the weight copies of its first chunk go before the wait).
+template <bool kGemm1, bool kTwo>
 __device__ __forceinline__ void pair_segment(const W4A8Params& p, uint8_t* smem, uint64_t* full, const uint8_t* lut,
-                                             int& ring, uint32_t& phase, int t0, int rt, int tid) {
+                                             int& ring, uint32_t& phase, int t0, int rt, int tid,
+                                             bool wait_h = false) {
   using S = PairSmem;
-  const int e = __ldcg(p.tile_expert + t0);
-  const int KT = p.K / kChunk, RT = p.N / 32;
+  const int e = __ldcg(p.tile_expert + t0);  // L2: read before any grid wait (as gemm_segment)
+  const int KT = kGemm1 ? p.K / kChunk : p.G2;
+  const int RT = kGemm1 ? p.N / 32 : p.K / kTileRows;
   const size_t tile_index = (size_t(e) * RT + rt) * KT;
-  const uint8_t* wq = p.w13 + tile_index * kCodeTile;
-  const uint8_t* wsc = p.w13_scale + tile_index * kScaleTile;
-  const uint8_t* bq0 = p.xg + size_t(t0) * KT * S::kB;  // tile t0 + 1 follows: KT chunks later
-  const float* bs0 = p.xgs + size_t(t0) * KT * 64;
+  const uint8_t* wq = (kGemm1 ? p.w13 : p.w2) + tile_index * kCodeTile;
+  const uint8_t* wsc = (kGemm1 ? p.w13_scale : p.w2_scale) + tile_index * kScaleTile;
+  const uint8_t* bq0 = (kGemm1 ? p.xg : p.hq) + size_t(t0) * KT * S::kB;  // tile t0 + 1 follows: KT chunks later
+  const float* bs0 = (kGemm1 ? p.xgs : p.hs) + size_t(t0) * KT * 64;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int issuer = lane == 0 ? warp : -1;  // warp 0: codes (+ expected bytes), 1: scale words, 2: tile 0, 3: tile 1
   constexpr uint32_t kTx = kCodeTile + kScaleTile + (kTwo ? 2 : 1) * (S::kB + S::kSx);
@@ -1049,7 +1068,13 @@ __device__ __forceinline__ void pair_segment(const W4A8Params& p, uint8_t* smem,
     }
   };
   auto slot_after = [](int slot) { return slot + 1 == S::kSlots ? 0 : slot + 1; };
-  load(0, ring);
+  if (!kGemm1 && wait_h) {  // a thread's load issues only its own copies: issuers 0, 1 the weights, 2, 3 the token rows
+    if (issuer < 2) load(0, ring);
+    gemm2_wait_h_pair(p, t0, kTwo);
+    if (issuer >= 2) load(0, ring);
+  } else {
+    load(0, ring);
+  }
 
   float acc0[32], acc1[32], part[32];
 #pragma unroll
@@ -1083,8 +1108,14 @@ __device__ __forceinline__ void pair_segment(const W4A8Params& p, uint8_t* smem,
     ring_advance<S::kSlots>(ring, phase);
   }
   __syncthreads();  // every chunk's reads done: the staging overwrites the ring
-  gemm1_epilogue<64>(p, acc0, reinterpret_cast<float*>(smem), t0, rt, tid);
-  if constexpr (kTwo) gemm1_epilogue<64>(p, acc1, reinterpret_cast<float*>(smem), t0 + 1, rt, tid);
+  if constexpr (kGemm1) {
+    gemm1_epilogue<64>(p, acc0, reinterpret_cast<float*>(smem), t0, rt, tid);
+    if constexpr (kTwo) gemm1_epilogue<64>(p, acc1, reinterpret_cast<float*>(smem), t0 + 1, rt, tid);
+  } else {
+    gemm2_store_y<64>(p, acc0, reinterpret_cast<__nv_bfloat16*>(smem), t0, rt, tid);
+    if constexpr (kTwo)
+      gemm2_store_y<64>(p, acc1, reinterpret_cast<__nv_bfloat16*>(smem + S::kSlotBytes), t0 + 1, rt, tid);
+  }
 }
 
 // Grid: x = 64-row weight tile, y = pairs of token tiles (config.h's grid_pairs), a CTA
@@ -1104,9 +1135,9 @@ __global__ void __launch_bounds__(kThreads, 4) mxfp4_gemm1_pair_kernel(const W4A
   for (int pr = blockIdx.y; pr < num_pairs; pr += gridDim.y) {
     const int t0 = 2 * pr;
     if (!tile_empty<64>(p, t0 + 1))
-      pair_segment<true>(p, smem, full, lut, ring, phase, t0, blockIdx.x, threadIdx.x);
+      pair_segment<true, true>(p, smem, full, lut, ring, phase, t0, blockIdx.x, threadIdx.x);
     else
-      pair_segment<false>(p, smem, full, lut, ring, phase, t0, blockIdx.x, threadIdx.x);
+      pair_segment<true, false>(p, smem, full, lut, ring, phase, t0, blockIdx.x, threadIdx.x);
     if (pr + int(gridDim.y) < num_pairs) {  // the epilogue's staging is the next pair's ring
       fence_proxy_async_smem();
       __syncthreads();
@@ -1154,98 +1185,6 @@ __global__ void __launch_bounds__(kThreads) mxfp4_gemm2_rows_kernel(const W4A8Pa
 
 // ------------------------------------------------------ GEMM2 on pairs of tiles ---
 
-// GEMM2's wait for h (gemm2_wait_h) for both tiles of a pair: the same two threads (they
-// issue the token copies, pair_segment's issuers 2 and 3), the same acquire and fence.
-__device__ __forceinline__ void gemm2_wait_h_pair(const W4A8Params& p, int t0, bool two) {
-  if (threadIdx.x == 64 || threadIdx.x == 96) {
-    wait_flag_geq(p.group_ready + t0, p.G2);
-    if (two) wait_flag_geq(p.group_ready + t0 + 1, p.G2);
-    fence_proxy_async_global();
-  }
-  __syncthreads();
-}
-
-// One weight tile rt of GEMM2 over the pair of token tiles t0, t0 + 1 (kTwo; else t0
-// alone): pair_segment's K loop with GEMM2's operands (w2 and its scale words, hq and hs at
-// KT = G2 chunks), then each tile's y (gemm2_store_y). Kept apart from pair_segment so that
-// GEMM1's pair kernel stays SASS-identical. A chunk's A fragments are converted once for
-// both tiles; each tile's four k32 wgmmas from zero, its promotion and its y are the rows
-// kernel's, so the outputs are bitwise the same. wait_h: the CTA's first tile, whose token
-// copies wait for both tiles' h (the weight copies of its first chunk go before the wait).
-template <bool kTwo>
-__device__ __forceinline__ void gemm2_pair_segment(const W4A8Params& p, uint8_t* smem, uint64_t* full,
-                                                   const uint8_t* lut, int& ring, uint32_t& phase, int t0, int rt,
-                                                   bool wait_h, int tid) {
-  using S = PairSmem;
-  const int e = __ldcg(p.tile_expert + t0);  // L2: read before any grid wait (as gemm_segment)
-  const int KT = p.G2, RT = p.K / kTileRows;
-  const size_t tile_index = (size_t(e) * RT + rt) * KT;
-  const uint8_t* wq = p.w2 + tile_index * kCodeTile;
-  const uint8_t* wsc = p.w2_scale + tile_index * kScaleTile;
-  const uint8_t* bq0 = p.hq + size_t(t0) * KT * S::kB;  // tile t0 + 1 follows: KT chunks later
-  const float* bs0 = p.hs + size_t(t0) * KT * 64;
-  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int issuer = lane == 0 ? warp : -1;  // warp 0: codes (+ expected bytes), 1: scale words, 2: tile 0, 3: tile 1
-  constexpr uint32_t kTx = kCodeTile + kScaleTile + (kTwo ? 2 : 1) * (S::kB + S::kSx);
-  auto load = [&](int c, int slot) {
-    if (c >= KT || issuer < 0) return;
-    const uint32_t base = smem_u32(smem) + slot * S::kSlotBytes;
-    uint64_t* bar = full + slot;
-    if (issuer == 0) {
-      mbar_arrive_expect_tx(bar, kTx);
-      bulk_g2s(base + S::kOffW, wq + size_t(c) * kCodeTile, kCodeTile, bar);
-    } else if (issuer == 1) {
-      bulk_g2s(base + S::kOffS, wsc + size_t(c) * kScaleTile, kScaleTile, bar);
-    } else if (issuer == 2 || kTwo) {
-      const int j = issuer - 2;  // the tile
-      bulk_g2s(base + j * S::kOffB1, bq0 + (size_t(j) * KT + c) * S::kB, S::kB, bar);
-      bulk_g2s(base + S::kOffX0 + j * S::kSx, bs0 + (size_t(j) * KT + c) * 64, S::kSx, bar);
-    }
-  };
-  auto slot_after = [](int slot) { return slot + 1 == S::kSlots ? 0 : slot + 1; };
-  if (wait_h) {  // a thread's load issues only its own copies: issuers 0, 1 the weights, 2, 3 the token rows
-    if (issuer < 2) load(0, ring);
-    gemm2_wait_h_pair(p, t0, kTwo);
-    if (issuer >= 2) load(0, ring);
-  } else {
-    load(0, ring);
-  }
-
-  float acc0[32], acc1[32], part[32];
-#pragma unroll
-  for (int i = 0; i < 32; ++i) acc0[i] = acc1[i] = part[i] = 0.0f;
-  const uint32_t rd_w = smem_u32(smem) + S::kOffW + tid * 16;
-  const uint32_t rd_s = smem_u32(smem) + S::kOffS + (warp * 8 + g) * 8;
-  const uint64_t desc0 = wgmma_desc_sw128(smem_u32(smem), 16, 1024);
-  const uint32_t lut_base = smem_u32(lut);
-  const uint32_t rot = (4 * t - 3) & 31;
-
-#pragma unroll 1
-  for (int c = 0; c < KT; ++c) {
-    __syncthreads();  // everyone is done with the slot refilled next (read in chunk c - 1)
-    load(c + 1, slot_after(ring));
-    mbar_wait(full + ring, phase);
-    const uint32_t so = ring * S::kSlotBytes;
-    uint32_t a[4][4];
-    const uint2 sw = chunk_fragments(a, rd_w + so, rd_s + so, lut_base, rot);
-    const uint64_t d0 = desc0 + (so >> 4);
-    const uint8_t* sx0 = smem + so + S::kOffX0;
-    chunk_wgmmas<64>(part, a, d0);
-    chunk_promote<64>(acc0, part, sw, sx0, t);
-    if constexpr (kTwo) {
-      chunk_wgmmas<64>(part, a, d0 + (S::kOffB1 >> 4));
-      chunk_promote<64>(acc1, part, sw, sx0 + S::kSx, t);
-    }
-    ring_advance<S::kSlots>(ring, phase);
-  }
-  __syncthreads();  // every chunk's reads done: the staging overwrites the ring
-  // each tile's y staged in a ring slot of its own (8 KB of a slot's 21 KB), so the second
-  // tile's staging writes need no barrier after the first tile's reads
-  gemm2_store_y<64>(p, acc0, reinterpret_cast<__nv_bfloat16*>(smem), t0, rt, tid);
-  if constexpr (kTwo)
-    gemm2_store_y<64>(p, acc1, reinterpret_cast<__nv_bfloat16*>(smem + S::kSlotBytes), t0 + 1, rt, tid);
-}
-
 // GEMM2 at 64-token tiles on pairs of an expert's token tiles (routing with tile_pairs, as
 // GEMM1's pair kernel: the second tile of an odd count empty), R consecutive 64-row weight
 // tiles per CTA (x = group of R row tiles, y = pair). Why (docs/perf-history/
@@ -1276,9 +1215,9 @@ __global__ void __launch_bounds__(kThreads, 4) mxfp4_gemm2_pair_kernel(const W4A
 #pragma unroll 1
   for (int r = 0; r < R; ++r) {
     if (two)
-      gemm2_pair_segment<true>(p, smem, full, lut, ring, phase, t0, rt0 + r, r == 0, threadIdx.x);
+      pair_segment<false, true>(p, smem, full, lut, ring, phase, t0, rt0 + r, threadIdx.x, r == 0);
     else
-      gemm2_pair_segment<false>(p, smem, full, lut, ring, phase, t0, rt0 + r, r == 0, threadIdx.x);
+      pair_segment<false, false>(p, smem, full, lut, ring, phase, t0, rt0 + r, threadIdx.x, r == 0);
     if (r + 1 < R) {  // the y staging smem is the next tile's ring, refilled by bulk copies
       fence_proxy_async_smem();
       __syncthreads();
