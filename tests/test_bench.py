@@ -785,3 +785,33 @@ def test_rotation_us_is_the_mean_of_the_per_set_medians():
     assert rotation_us([5.0], 4) == 5.0  # sets no call ran are left out
     with pytest.raises(ValueError, match="dsv4: need timed calls"):
         rotation_us([], 2)
+
+
+def test_records_are_json_with_one_row_per_line(tmp_path):
+    """dsv4.bench.report.dump_record: the same data as json.dump, one top-level key per line
+    and each row of ``rows`` on one line (diffs per case; docs/compare/*.json are written so)."""
+    from dsv4.bench.report import dump_record
+
+    record = {"commit": "abc1234", "ceilings": {"copy TB/s": 4.25}, "rows": [
+        {"case": "a", "dsv4_us": 1.5, "ratio": None}, {"case": "b", "nested": [1, 2], "ok": True}], "empty": []}
+    path = tmp_path / "r.json"
+    dump_record(record, str(path))
+    text = path.read_text()
+    assert json.loads(text) == record
+    lines = text.splitlines()
+    assert lines[0] == "{" and lines[-1] == "}" and text.endswith("}\n")
+    assert sum(line.lstrip().startswith('{"case"') for line in lines) == 2
+    assert len(lines) == 2 + 1 + 1 + 4 + 1  # braces, commit, ceilings, rows' [ + 2 rows + ], empty
+
+
+def test_records_of_record_are_written_by_dump_record():
+    """docs/compare/*.json as dump_record writes them (so that a rerun diffs per row)."""
+    from pathlib import Path
+
+    from dsv4.bench.report import dumps_record
+
+    files = sorted((Path(__file__).resolve().parents[1] / "docs" / "compare").glob("*.json"))
+    if not files:
+        pytest.skip("no docs/compare in this checkout")
+    for f in files:
+        assert f.read_text() == dumps_record(json.loads(f.read_text())), f.name

@@ -1,5 +1,6 @@
 """The one report of every benchmark routine: tables as rich renders them on the terminal
-(and into .txt files), the same tables as markdown for docs/, and the number formats.
+(and into .txt files), the same tables as markdown for docs/, the number formats, and the
+JSON records (``--json``; docs/compare/*.json).
 
 A routine builds :class:`Table` objects (strings in cells) and hands them to
 :func:`print_tables`, :func:`to_text` or :func:`to_markdown`. Only the rich renderers
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 __all__ = ["Table", "print_tables", "to_text", "to_markdown", "console", "fmt_us", "fmt_ms", "fmt_ratio",
-           "fmt_ctx", "fmt_num"]
+           "fmt_ctx", "fmt_num", "dumps_record", "dump_record"]
 
 
 @dataclass
@@ -128,3 +129,26 @@ def fmt_ctx(ctx: Optional[int]) -> str:
 def fmt_num(x: Optional[float], spec: str = ".1f", suffix: str = "") -> str:
     """``format(x, spec) + suffix``, "-" when missing."""
     return "-" if x is None else format(x, spec) + suffix
+
+
+def dumps_record(record: dict) -> str:
+    """A routine's JSON record as text: one top-level key per line, and a list of row dicts
+    (``rows``) one row per line, so that a record diffs per case and stays small in the
+    tree (every device call carries the tree: tests/test_serve_smoke.py's budget)."""
+    import json
+
+    lines = []
+    for i, (k, v) in enumerate(record.items()):
+        end = "," if i < len(record) - 1 else ""
+        if isinstance(v, list) and v and all(isinstance(r, dict) for r in v):
+            rows = [json.dumps(r) for r in v]
+            lines.append(f" {json.dumps(k)}: [\n  " + ",\n  ".join(rows) + f"\n ]{end}")
+        else:
+            lines.append(f" {json.dumps(k)}: {json.dumps(v)}{end}")
+    return "{\n" + "\n".join(lines) + "\n}\n"
+
+
+def dump_record(record: dict, path: str) -> None:
+    """:func:`dumps_record` into ``path``."""
+    with open(path, "w") as f:
+        f.write(dumps_record(record))

@@ -19,7 +19,6 @@ over >= 30 calls on rotating input sets, the mean of each set's median); useful 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -28,7 +27,7 @@ from .. import traffic
 from ..argtypes import int_list
 from ..cases import random_fp8_pool
 from ..models import HEAD_DIM, MODELS, RATIO, SOFTMAX_SCALE, WINDOW
-from ..report import Table, print_tables, to_markdown
+from ..report import Table, dump_record, print_tables, to_markdown
 
 SUMMARY = "sparse_mqa_decode / sparse_mqa_prefill / dense_fmha rates against the same-run ceilings"
 BLOCK = 64  # entries per block of both pools
@@ -208,8 +207,7 @@ def run(args: argparse.Namespace) -> int:
         r["pct_gemm"] = 100 * r["tflops"] / gemm
         r["pct_copy"] = 100 * r["tbs"] / copy
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(gemm_tflops=gemm, copy_tbs=copy, rows=rows), f, indent=1)
+        dump_record(dict(gemm_tflops=gemm, copy_tbs=copy, rows=rows), args.json)
     t = table(rows, gemm, copy)
     print_tables([t])
     if args.markdown:

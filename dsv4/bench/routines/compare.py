@@ -37,6 +37,7 @@ from ..cases import PREDECESSORS, DecodePools, QProjection, decode_case, dsv4_de
 from ..experts import MOE_LABELS, dsv4_moe, moe_cases, moe_format_list, moe_routing, prepare, random_experts
 from ..incumbents import MOE_INCUMBENTS
 from ..models import HEAD_DIM, KINDS, MODELS, MOE_MODELS, SCHEDULED, SOFTMAX_SCALE
+from ..report import dump_record
 from .compare_tables import fmt_case, line, markdown, render
 
 SUMMARY = "dsv4 side by side with the kernels vLLM 0.33.0 runs on Hopper (FlashMLA SM90, Humming)"
@@ -371,9 +372,7 @@ def run(args: argparse.Namespace) -> int:
             if "tbps" in r:
                 r["pct_copy"] = 100 * r["tbps"] / ceilings["copy TB/s"]
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(anchors=head, ceilings=ceilings, predecessor=args.predecessor, rows=rows), f,
-                          indent=1)
+            dump_record(dict(anchors=head, ceilings=ceilings, predecessor=args.predecessor, rows=rows), args.json)
         if args.markdown:
             with open(args.markdown, "w") as f:
                 f.write(markdown(rows, ceilings))

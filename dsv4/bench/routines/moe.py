@@ -48,7 +48,7 @@ from ..argtypes import name_list
 from ..experts import MOE_LABELS, MoeSetup, dsv4_moe, moe_bf16_baseline, moe_cases, moe_format_list, moe_routing
 from ..experts import ROUTINGS, quantized_experts
 from ..models import MOE_MODELS
-from ..report import Table, print_tables, to_markdown
+from ..report import Table, dump_record, print_tables, to_markdown
 
 SUMMARY = "routed-expert MoE (NVFP4, MXFP4) rates against a bf16 grouped-GEMM baseline and the same-run ceilings"
 SWITCHES = {"sk": "DSV4_MOE_SPLITK", "pdl": "DSV4_MOE_PDL", "dx": "DSV4_MOE_DIRECT_X", "ws": "DSV4_MOE_WS",
@@ -152,8 +152,7 @@ def run_variants(argv: list[str], variants: list[str], json_out) -> int:
             ceilings.append((data["copy_tbps"], data["gemm_tflops"]))
     copy_tbps, gemm_tflops = min(c[0] for c in ceilings), min(c[1] for c in ceilings)
     if json_out:
-        with open(json_out, "w") as f:
-            json.dump(dict(copy_tbps=copy_tbps, gemm_tflops=gemm_tflops, rows=rows), f, indent=1)
+        dump_record(dict(copy_tbps=copy_tbps, gemm_tflops=gemm_tflops, rows=rows), json_out)
     print("\n=== all variants (each row's % uses its own process's ceilings)")
     print_tables([table(rows, copy_tbps, gemm_tflops)])
     return 0
@@ -241,8 +240,7 @@ def run(args: argparse.Namespace) -> int:
             rows += _model_rows(args, MOE_MODELS[name], fmt, acts, decode, prefill, variant, copy_tbps, gemm_tflops)
             torch.cuda.empty_cache()  # the experts of one (model, format) are freed with its rows' frame
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(copy_tbps=copy_tbps, gemm_tflops=gemm_tflops, rows=rows), f, indent=1)
+        dump_record(dict(copy_tbps=copy_tbps, gemm_tflops=gemm_tflops, rows=rows), args.json)
     t = table(rows, copy_tbps, gemm_tflops)
     print_tables([t])
     if args.markdown:

@@ -8,13 +8,12 @@ small shapes measure the host), the eager time printed beside it. Bytes: dsv4.be
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
 from .. import traffic
-from ..report import Table, print_tables, to_markdown
+from ..report import Table, dump_record, print_tables, to_markdown
 
 SUMMARY = "quantize_nvfp4 against the same-run device copy bandwidth"
 SHAPES = [(8192, 7168), (16384, 4096), (128, 7168), (8192, 2048)]
@@ -56,8 +55,7 @@ def run(args: argparse.Namespace) -> int:
     tab = table(rows, ceiling)
     print_tables([tab])
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(copy_tbps=ceiling, rows=rows), f, indent=1)
+        dump_record(dict(copy_tbps=ceiling, rows=rows), args.json)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(to_markdown([tab]))
