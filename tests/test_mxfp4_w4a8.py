@@ -679,7 +679,7 @@ def test_gpu_gemm2_rows_bitwise(tmp_path):
     for rows, res in (("1", "0"), ("2", "0"), ("4", "0"), ("8", "0"), ("2", "1"), ("4", "1"), ("8", "1")):
         path = tmp_path / f"rows{rows}-{res}.pt"
         env = dict(DSV4_MOE_BLOCK_N="64", DSV4_MOE_SPLITK="0", DSV4_MOE_GEMM2_ROWS=rows, DSV4_MOE_GEMM2_RESIDENT=res,
-                   DSV4_PRINT_CONFIG="1")
+                   DSV4_MOE_GEMM2_PAIRS="0", DSV4_PRINT_CONFIG="1")
         r = _run_child(env, f"_child_gemm2_rows({str(path)!r})")
         printed = re.findall(r"^dsv4 config mxfp4_moe: .* gemm2_rows=(\d+) gemm2_resident=(\d)", r.stderr, re.M)
         # the override in effect on every call; the resident kernel only where GEMM2 has 2-4 chunks (v41_tp8)
@@ -729,7 +729,9 @@ def test_gpu_gemm1_pairs_bitwise(tmp_path):
     outs = {}
     for pairs in ("0", "1"):
         path = tmp_path / f"pairs{pairs}.pt"
-        env = dict(DSV4_MOE_BLOCK_N="64", DSV4_MOE_SPLITK="0", DSV4_MOE_GEMM1_PAIRS=pairs, DSV4_PRINT_CONFIG="1")
+        # GEMM2 pinned to the rows / resident / classic kernels (its pair kernel: the test below)
+        env = dict(DSV4_MOE_BLOCK_N="64", DSV4_MOE_SPLITK="0", DSV4_MOE_GEMM1_PAIRS=pairs, DSV4_MOE_GEMM2_PAIRS="0",
+                   DSV4_PRINT_CONFIG="1")
         r = _run_child(env, f"_child_gemm1_pairs({str(path)!r})")
         printed = re.findall(r"^dsv4 config mxfp4_moe: .* gemm1_pairs=(\d)", r.stderr, re.M)
         assert printed and {p for p in printed} == {pairs}, printed
