@@ -93,10 +93,11 @@ std::vector<int64_t> nvfp4_moe_config(c10::IntArrayRef shape, bool nvfp4, int64_
 //   device: [sms, then per token tile 8, 16, 64 the resident split-K GEMM1, split-K GEMM2
 //     and classic GEMM1 CTAs per SM] (10 values, Mxfp4DeviceFacts);
 //   overrides: [DSV4_MOE_SPLITK, DSV4_MOE_PDL, DSV4_MOE_BLOCK_N, DSV4_MOE_GEMM2_ROWS,
-//     DSV4_MOE_GEMM2_RESIDENT, DSV4_MOE_FUSED_ROUTE, DSV4_MOE_GEMM1_PAIRS], -1 = unset.
+//     DSV4_MOE_GEMM2_RESIDENT, DSV4_MOE_FUSED_ROUTE, DSV4_MOE_GEMM1_PAIRS, DSV4_MOE_GEMM2_PAIRS],
+//     -1 = unset.
 // Returns [block_n, max_tiles, multi_cta_route, splitk, gemm1_ctas, gemm2_ctas, sk_ctas,
 // pdl, quant_ctas, gemm2_rows, gemm2_resident, fused_route, grid_tiles, gemm1_pairs,
-// grid_pairs] (Mxfp4MoeConfig's fields in order).
+// grid_pairs, gemm2_pairs] (Mxfp4MoeConfig's fields in order).
 std::vector<int64_t> mxfp4_moe_config(c10::IntArrayRef shape, c10::IntArrayRef device, c10::IntArrayRef overrides) {
   TORCH_CHECK(shape.size() == 6 && device.size() == 10 && overrides.size() == 8,
               "dsv4_testing::mxfp4_moe_config: shape has 6 values, device 10, overrides 8");
