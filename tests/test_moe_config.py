@@ -362,7 +362,7 @@ MX_BLOCK_NS = (8, 16, 64)
 
 
 def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=None, block_n=None, rows=None,
-                    resident=None, fused=None, pairs=None):
+                    resident=None, fused=None, pairs=None, pairs2=None):
     """mxfp4_moe's get_best_config, written out (csrc/moe/config.h)."""
     S, per_expert = M * topk, M * topk / Eg
     bn = block_n or _block_n(per_expert, 16)  # config.h kMxfp4Max16
@@ -397,14 +397,18 @@ def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=Non
         tiles += min(E, S)
         tiles += tiles & 1
         gp = min(tiles // 2, math.ceil(1.25 * (math.ceil(S * E / Eg / 128) + touched)) + 1)
+    # GEMM2 on GEMM1's pairs where GEMM2 CTAs take several weight tiles; by default not where
+    # the token tile is resident (2 <= G2 <= 4), in place of the resident kernel when forced on
+    p2 = int(bool(pr) and r > 1 and (not 2 <= G2 <= 4 if pairs2 is None else bool(pairs2)))
+    res = 0 if p2 else res
     return [bn, tiles, int(S > 8192), int(sk), g1, g2, max(g1, g2),
-            1 if pdl is None else int(pdl), qctas, r, res, fr, grid, pr, gp]
+            1 if pdl is None else int(pdl), qctas, r, res, fr, grid, pr, gp, p2]
 
 
 @needs_extension
 def test_mxfp4_config():
-    def config(shape, device, overrides):  # overrides not given are unset (the last: DSV4_MOE_GEMM1_PAIRS)
-        return torch.ops.dsv4_testing.mxfp4_moe_config(shape, device, list(overrides) + [-1] * (7 - len(overrides)))
+    def config(shape, device, overrides):  # overrides not given are unset (the last two: DSV4_MOE_GEMM1_PAIRS, _GEMM2_PAIRS)
+        return torch.ops.dsv4_testing.mxfp4_moe_config(shape, device, list(overrides) + [-1] * (8 - len(overrides)))
 
     shapes = [(9, 256, 128, 4, 4, 2), (1, 4096, 2048, 32, 256, 6), (1, 7168, 3072, 48, 384, 6),
               (64, 4096, 2048, 32, 256, 6), (512, 5120, 2304, 48, 384, 6), (512, 5120, 320, 384, 384, 6),
@@ -463,11 +467,11 @@ def test_mxfp4_config():
     # touched experts, a quarter more: 161 rows, against the bound's 799 (without pairs)
     flash8k = [8192, 4096, 2048, 32, 256, 6]
     no_pairs = config(flash8k, MX_DEVICE, [-1] * 6 + [0])
-    assert no_pairs[1:2] + no_pairs[12:] == [799, 161, 0, 0]
+    assert no_pairs[1:2] + no_pairs[12:] == [799, 161, 0, 0, 0]
     # with pairs (192 tokens per local expert: the rule's default): the bound 799 + 32 (+1 to
     # even), the pairs' grid: 48 pairs of full tiles + 32 touched experts, a quarter more: 101
     pairs = config(flash8k, MX_DEVICE, [])
-    assert pairs[1:2] + pairs[12:] == [832, 161, 1, 101]
+    assert pairs[1:2] + pairs[12:] == [832, 161, 1, 101, 1]
     # the rule: from 128 tokens per local expert (V4-Pro EP8 and TP8 at M = 8192), not at 2048
     for shape, want in (([8192, 7168, 3072, 48, 384, 6], 1), ([8191, 7168, 3072, 48, 384, 6], 0),
                         ([2048, 4096, 2048, 32, 256, 6], 0), ([8192, 5120, 288, 384, 384, 6], 1)):
@@ -478,6 +482,21 @@ def test_mxfp4_config():
     assert config(flash8k, MX_DEVICE, [-1, -1, 16, -1, -1, -1, 1])[13] == 0  # nor at 16-token tiles
     assert config([16, 5120, 2304, 48, 384, 6], MX_DEVICE, [-1, -1, 64])[11] == 0  # not on 64-row tiles
     assert config([1, 4096, 2048, 32, 256, 6], MX_DEVICE, [-1, -1, -1, -1, -1, 0])[11] == 0
+    # GEMM2 on GEMM1's pairs: on by default where GEMM1's pairs run and GEMM2 CTAs take several
+    # weight tiles, but not where the token tile is resident (TP8, G2 = 3: that kernel stays)
+    pro8k, tp8 = [8192, 7168, 3072, 48, 384, 6], [8192, 5120, 288, 384, 384, 6]
+    assert [config(s, MX_DEVICE, [])[13:16:2] for s in (pro8k, flash8k, tp8)] == [[1, 1], [1, 1], [1, 0]]
+    assert config(tp8, MX_DEVICE, [])[10] == 1  # the resident kernel
+    assert config(tp8, MX_DEVICE, [-1] * 7 + [1])[10:16:5] == [0, 1]  # forced on: in its place
+    assert config(pro8k, MX_DEVICE, [-1] * 7 + [0])[15] == 0
+    assert config(pro8k, MX_DEVICE, [-1] * 6 + [0, 1])[15] == 0  # needs GEMM1's pairs
+    assert config(pro8k, MX_DEVICE, [-1, -1, -1, 1, -1, -1, -1, 1])[15] == 0  # and several weight tiles
+    assert config([2048, 7168, 3072, 48, 384, 6], MX_DEVICE, [])[15] == 0  # no pairs at M = 2048
+    for shape in (pro8k, flash8k, tp8, [16384, 4096, 2048, 32, 256, 6], [2048, 4096, 2048, 32, 256, 6]):
+        for rows in (None, 1, 2, 8):
+            for p2 in (None, 0, 1):
+                ov = [-1, -1, -1, -1 if rows is None else rows, -1, -1, -1, -1 if p2 is None else p2]
+                assert config(shape, MX_DEVICE, ov) == _mxfp4_expected(*shape, rows=rows, pairs2=p2), (shape, rows, p2)
 
 
 # ---------------------------------------------------- GPU / extension ---------

@@ -679,7 +679,7 @@ def test_gpu_gemm2_rows_bitwise(tmp_path):
     for rows, res in (("1", "0"), ("2", "0"), ("4", "0"), ("8", "0"), ("2", "1"), ("4", "1"), ("8", "1")):
         path = tmp_path / f"rows{rows}-{res}.pt"
         env = dict(DSV4_MOE_BLOCK_N="64", DSV4_MOE_SPLITK="0", DSV4_MOE_GEMM2_ROWS=rows, DSV4_MOE_GEMM2_RESIDENT=res,
-                   DSV4_PRINT_CONFIG="1")
+                   DSV4_MOE_GEMM2_PAIRS="0", DSV4_PRINT_CONFIG="1")
         r = _run_child(env, f"_child_gemm2_rows({str(path)!r})")
         printed = re.findall(r"^dsv4 config mxfp4_moe: .* gemm2_rows=(\d+) gemm2_resident=(\d)", r.stderr, re.M)
         # the override in effect on every call; the resident kernel only where GEMM2 has 2-4 chunks (v41_tp8)
@@ -696,18 +696,28 @@ PAIR_CASES = (("flash", 700, False), ("flash", 2048, True), ("pro", 999, True), 
               ("v41_tp8", 300, False), ("v41_tp8", 2000, True))
 
 
-def _child_gemm1_pairs(path: str) -> None:
-    """PAIR_CASES against the reference, then skewed routing (every slot on two local
-    experts: many tiles per expert, some experts none) and a graph replay; the outputs
-    saved to ``path``."""
-    outs = [_check(name, M, seed=M + 95, use_map=um).cpu() for name, M, um in PAIR_CASES]
+def _pair_outputs(cases, seed: int, reference: bool, graph: bool = True) -> list:
+    """The pair kernels' inputs: ``cases`` (against the float32 reference where
+    ``reference``, else on a poisoned output), skewed routing (every slot on two local
+    experts: many tiles per expert, some experts none) and, where ``graph``, a graph replay
+    on a poisoned output; the outputs on the CPU."""
+    outs = []
+    for name, M, um in cases:
+        if reference:
+            outs.append(_check(name, M, seed=M + seed, use_map=um).cpu())
+            continue
+        w, p = _gpu_model(name)
+        x, ids, tw, emap = _gpu_case(name, M, seed=M + seed, use_map=um)
+        outs.append(routed_moe(x, ids, tw, p, expert_map=emap, out=torch.full_like(x, float("nan"))).cpu())
     for name, M in (("flash", 2048), ("v41_tp8", 777)):
         w, p = _gpu_model(name)
-        x, ids, tw, emap = _gpu_case(name, M, seed=M + 96, routing="skewed")
+        x, ids, tw, emap = _gpu_case(name, M, seed=M + seed + 1, routing="skewed")
         kw = {} if emap is None else {"expert_map": emap}
         outs.append(routed_moe(x, ids, tw, p, **kw).cpu())
+    if not graph:
+        return outs
     w, p = _gpu_model("pro")
-    x, ids, tw, emap = _gpu_case("pro", 1200, seed=97, use_map=True)
+    x, ids, tw, emap = _gpu_case("pro", 1200, seed=seed + 2, use_map=True)
     out = torch.full_like(x, float("nan"))
     routed_moe(x, ids, tw, p, expert_map=emap, out=out)  # warm (first-use setup outside the capture)
     g = torch.cuda.CUDAGraph()
@@ -717,7 +727,13 @@ def _child_gemm1_pairs(path: str) -> None:
     g.replay()
     torch.cuda.synchronize()
     outs.append(out.cpu())
-    torch.save(outs, path)
+    return outs
+
+
+def _child_gemm1_pairs(path: str) -> None:
+    """PAIR_CASES against the reference, skewed routing, a graph replay (_pair_outputs);
+    the outputs saved to ``path``."""
+    torch.save(_pair_outputs(PAIR_CASES, 95, reference=True), path)
 
 
 @pytest.mark.gpu
@@ -729,7 +745,9 @@ def test_gpu_gemm1_pairs_bitwise(tmp_path):
     outs = {}
     for pairs in ("0", "1"):
         path = tmp_path / f"pairs{pairs}.pt"
-        env = dict(DSV4_MOE_BLOCK_N="64", DSV4_MOE_SPLITK="0", DSV4_MOE_GEMM1_PAIRS=pairs, DSV4_PRINT_CONFIG="1")
+        # GEMM2 pinned to the rows / resident / classic kernels (its pair kernel: the test below)
+        env = dict(DSV4_MOE_BLOCK_N="64", DSV4_MOE_SPLITK="0", DSV4_MOE_GEMM1_PAIRS=pairs, DSV4_MOE_GEMM2_PAIRS="0",
+                   DSV4_PRINT_CONFIG="1")
         r = _run_child(env, f"_child_gemm1_pairs({str(path)!r})")
         printed = re.findall(r"^dsv4 config mxfp4_moe: .* gemm1_pairs=(\d)", r.stderr, re.M)
         assert printed and {p for p in printed} == {pairs}, printed
@@ -746,36 +764,12 @@ GEMM2_PAIR_CASES = (("flash", 700, False), ("flash", 2048, True), ("pro", 999, T
 
 
 def _child_gemm2_pairs(path: str, graph: bool = True) -> None:
-    """GEMM2_PAIR_CASES, skewed routing (many tiles on two experts) and a graph replay on
-    a poisoned output; no float32 reference here (the rows kernel, which these outputs must
-    equal bitwise, is checked against it by the tests above); the outputs saved to ``path``.
-    ``graph=False`` leaves out the replay, for compute-sanitizer runs under
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1, where a graph capture cannot allocate."""
-    outs = []
-    for name, M, um in GEMM2_PAIR_CASES:
-        w, p = _gpu_model(name)
-        x, ids, tw, emap = _gpu_case(name, M, seed=M + 101, use_map=um)
-        outs.append(routed_moe(x, ids, tw, p, expert_map=emap, out=torch.full_like(x, float("nan"))).cpu())
-    for name, M in (("flash", 2048), ("v41_tp8", 777)):
-        w, p = _gpu_model(name)
-        x, ids, tw, emap = _gpu_case(name, M, seed=M + 102, routing="skewed")
-        kw = {} if emap is None else {"expert_map": emap}
-        outs.append(routed_moe(x, ids, tw, p, **kw).cpu())
-    if not graph:
-        torch.save(outs, path)
-        return
-    w, p = _gpu_model("pro")
-    x, ids, tw, emap = _gpu_case("pro", 1200, seed=103, use_map=True)
-    out = torch.full_like(x, float("nan"))
-    routed_moe(x, ids, tw, p, expert_map=emap, out=out)  # warm (first-use setup outside the capture)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        routed_moe(x, ids, tw, p, expert_map=emap, out=out)
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    outs.append(out.cpu())
-    torch.save(outs, path)
+    """GEMM2_PAIR_CASES on poisoned outputs, skewed routing, a graph replay (_pair_outputs);
+    no float32 reference here (the rows kernel, which these outputs must equal bitwise, is
+    checked against it by the tests above); the outputs saved to ``path``. ``graph=False``
+    leaves out the replay, for compute-sanitizer runs under PYTORCH_NO_CUDA_MEMORY_CACHING=1,
+    where a graph capture cannot allocate."""
+    torch.save(_pair_outputs(GEMM2_PAIR_CASES, 101, reference=False, graph=graph), path)
 
 
 @pytest.mark.gpu

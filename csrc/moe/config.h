@@ -343,8 +343,9 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
   }
   cfg.pdl = o.moe_pdl.value_or(true);
   cfg.gemm2_rows = 1;
+  const int64_t G2 = (c.N + 127) / 128;  // GEMM2's K chunks of 128
   if (!cfg.splitk && cfg.block_n == 64) {
-    const int64_t row_tiles = c.K / 64, G2 = (c.N + 127) / 128;  // GEMM2's K chunks of 128
+    const int64_t row_tiles = c.K / 64;
     cfg.gemm2_rows = o.moe_gemm2_rows.value_or(pick_gemm2_rows(G2, row_tiles));
     TORCH_CHECK(row_tiles % cfg.gemm2_rows == 0, "dsv4: DSV4_MOE_GEMM2_ROWS=", cfg.gemm2_rows,
                 " must divide mxfp4_moe's K / 64 = ", row_tiles, " GEMM2 weight tiles");
@@ -370,9 +371,10 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
   // the rows kernel's weight tiles per CTA so that a CTA does the same work and the grid has
   // as many CTAs (docs/perf-history/2026-12-07-mxfp4-w4a8-gemm2-rate-study.md). Measured on
   // an H100: GEMM2 6.0-7.2% faster at M >= 8192, the op 1.02-1.04x, M = 2048 1.00-1.01x,
-  // outputs bitwise the rows kernel's. Off until its memcheck (not yet run on the pair
-  // kernel); DSV4_MOE_GEMM2_PAIRS=1 turns it on, in place of the resident kernel too.
-  cfg.gemm2_pairs = cfg.gemm1_pairs && cfg.gemm2_rows > 1 && o.moe_gemm2_pairs.value_or(false);
+  // outputs bitwise the rows kernel's. On by default except where the token tile is resident
+  // (2 <= G2 <= 4, V4.1-Flash at TP8: pairs against the resident kernel not yet measured);
+  // DSV4_MOE_GEMM2_PAIRS=1 turns it on there too, in place of the resident kernel, =0 off.
+  cfg.gemm2_pairs = cfg.gemm1_pairs && cfg.gemm2_rows > 1 && o.moe_gemm2_pairs.value_or(G2 < 2 || G2 > 4);
   if (cfg.gemm2_pairs) cfg.gemm2_resident = false;
   // the classic grids (GEMM2's rows kernels have max_tiles rows), on the final bound
   TORCH_CHECK(cfg.splitk || cfg.max_tiles <= 65535, "dsv4: mxfp4_moe's GEMM grid takes at most 65535 token tiles, ",
