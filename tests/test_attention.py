@@ -944,6 +944,37 @@ def test_forced_split_count():
             _splits(1, 4, forced=bad)
 
 
+def _ring32(max_tiles, num_splits, forced=None):
+    return torch.ops.dsv4_testing.sparse_mqa_ring32(max_tiles, num_splits, forced)
+
+
+@needs_ext
+def test_ring32_rule():
+    """DSV4_ATTN_RING32 unset (attention::pick_ring32): value 2 (the ring, loads ahead) where
+    the longest work item, ceil(max_tiles / splits), has at most 9 tiles of 64 keys, else 0
+    (today's kernel); set: that value. V4-Pro on 132 SMs with the priced split counts at
+    B = 1..256: CSA (and HCA 128K, 18 tiles) on the ring up to B = 32 (9, 9, 9, 5, 3, 2 splits:
+    items of 2-9 tiles), today's from B = 64 (unsplit, 18 tiles); HCA 4K / 32K and SWA on
+    the ring at every B (docs/perf-history/2026-12-07-attention-ring32.md)."""
+    want = {"V4-Pro SWA": (2,) * 9, "V4-Pro CSA": (2,) * 6 + (0,) * 3,
+            "V4-Pro HCA 4K": (2,) * 9, "V4-Pro HCA 32K": (2,) * 9}
+    for name, w in want.items():
+        h, tiles, _, _ = SPLIT_CASES[name]
+        got = tuple(_ring32(tiles, _splits(b * h // 64, tiles)) for b in SPLIT_BATCHES)
+        assert got == w, name
+    assert _ring32(4, _splits(32 * 2, 4)) == 2     # HCA 4K B = 32: the ring
+    assert _ring32(18, _splits(128 * 2, 18)) == 0  # CSA 4K B = 128: today's
+    assert _ring32(18, _splits(32 * 2, 18)) == 2   # CSA 4K B = 32: 2 splits of 9 tiles (the tie)
+    for tiles in range(0, 40):
+        for s in range(1, 17):
+            assert _ring32(tiles, s) == (2 if -(-tiles // s) <= 9 else 0), (tiles, s)
+            for f in (0, 1, 2):
+                assert _ring32(tiles, s, f) == f
+    for args in ((-1, 1), (4, 0), (4, 65), (4, 1, 3), (4, 1, -1)):
+        with pytest.raises(RuntimeError, match="dsv4: sparse_mqa_ring32 takes"):
+            _ring32(*args)
+
+
 # ----------------------------------------------------------------------------------------
 # GPU: the development switches of csrc/common/env.h (read once per process, so each
 # setting runs in a child process) keep every result right
@@ -978,10 +1009,11 @@ def child_switch_cases() -> None:
                                  {"DSV4_ATTN_COOP_ROUND": "0"}, {"DSV4_ATTN_PRODUCER_AHEAD": "0"},
                                  {"DSV4_ATTN_COOP_PREFETCH": "0"}, {"DSV4_ATTN_FIRST_PV_INIT": "0"},
                                  {"DSV4_ATTN_SPLITS": "3"}, {"DSV4_ATTN_SPLITS": "16"},
-                                 {"DSV4_ATTN_CROSSOVER": "1"}, {"DSV4_ATTN_ROW_PREFETCH": "1"}],
+                                 {"DSV4_ATTN_CROSSOVER": "1"}, {"DSV4_ATTN_ROW_PREFETCH": "1"},
+                                 {"DSV4_ATTN_RING32": "1"}, {"DSV4_ATTN_RING32": "2"}],
                          ids=["splits0", "pdl0", "specialize0", "main_pdl0", "coop0", "producer_ahead0",
                               "coop_prefetch0", "first_pv_init0", "forced_splits3", "forced_splits16", "crossover1",
-                              "row_prefetch1"])
+                              "row_prefetch1", "ring32_1", "ring32_2"])
 def test_development_switches_keep_results(env):
     proc = _child(env, "child_switch_cases()")
     assert proc.returncode == 0 and "switch cases passed" in proc.stdout, \
@@ -1054,9 +1086,9 @@ def child_save(outputs, path):
 
 def child_compare(outputs, path):
     """In a child process: test_attention.<outputs>() bitwise against the pairs saved to path
-    (the first ones are COOP_CASES' or, for crossover_outputs, CROSSOVER_CASES' twice, named
-    in a failure)."""
-    cases = 2 * CROSSOVER_CASES if outputs == "crossover_outputs" else COOP_CASES
+    (the first ones are COOP_CASES' or, for crossover_outputs / ring32_outputs,
+    CROSSOVER_CASES' / RING32_CASES' twice, named in a failure)."""
+    cases = {"crossover_outputs": 2 * CROSSOVER_CASES, "ring32_outputs": 2 * RING32_CASES}.get(outputs, COOP_CASES)
     for k, ((o1, l1), (o2, l2)) in enumerate(zip(torch.load(path), globals()[outputs]())):
         case = cases[k] if k < len(cases) else f"case {k}"
         assert torch.equal(o1.view(torch.int16), o2.view(torch.int16)), f"out differs: {case}"
@@ -1065,7 +1097,11 @@ def child_compare(outputs, path):
 
 
 def _bitwise_across_processes(tmp_path, outputs, env_save, env_compare):
-    """<outputs>() under the switches env_save, then again under env_compare, bitwise equal."""
+    """<outputs>() under the switches env_save, then again under env_compare, bitwise equal.
+    DSV4_ATTN_RING32 is 0 (today's kernel) unless an env names it: unset, its rule would put
+    the short 128-head fp8 cases on the ring, which the crossover, for one, never runs."""
+    env_save = {"DSV4_ATTN_RING32": "0", **env_save}
+    env_compare = {"DSV4_ATTN_RING32": "0", **env_compare}
     path = str(tmp_path / f"{outputs}.pt")
     proc = _child(env_save, f"child_save({outputs!r}, {path!r})")
     assert proc.returncode == 0 and f"{outputs} saved" in proc.stdout, proc.stderr[-6000:]
@@ -1155,3 +1191,119 @@ def crossover_outputs():
 def test_crossover_is_bitwise_todays(tmp_path, env):
     _bitwise_across_processes(tmp_path, "crossover_outputs", {**env, "DSV4_ATTN_CROSSOVER": "0"},
                               {**env, "DSV4_ATTN_CROSSOVER": "1"})
+
+
+# The two-round ring of 32-key tiles (DSV4_ATTN_RING32=1, csrc/attention/sparse_mqa_ring32.cuh;
+# fp8 caches at 128 heads). Its online softmax takes 32-key sub-tiles, so its rounding is not
+# today's: the outputs are checked against the float32 reference (test_decode_gpu's
+# tolerances), not bitwise. Cases: (B, s_q, topk, extra_topk or None, block_size, extra
+# block_size), 128 heads: V4-Pro CSA 4K-like (window 128 + 1024 compressed entries) and
+# HCA-like (window + a short list in a block-size-2 cache) at B = 1, 3, 37, 128, and the
+# one-source (SWA) instance. Lengths are ragged and include 0, values on both sides of the
+# 32- and 64-key boundaries (a tile with < 32 valid keys leaves consumer 1's sub-tile empty;
+# odd counts of 32-key sub-tiles and of tiles) and values past the list (clamped); skipped
+# (-1) and out-of-range entries are sprinkled in, open every tile, fill a whole tile and a
+# whole 32-key sub-tile, over caches whose every unused slot reads as NaN; outputs start as
+# NaN.
+RING32_CASES = [
+    (1, 1, 128, 1024, 64, 64),    # CSA 4K, one token: many splits
+    (3, 1, 128, 1024, 64, 64),
+    (37, 1, 128, 1024, 64, 64),
+    (128, 1, 128, 1024, 64, 64),  # CSA 4K B=128: several rounds per item, items per CTA
+    (1, 1, 128, 64, 64, 2),       # HCA-like
+    (3, 1, 128, 64, 64, 2),
+    (37, 2, 128, 64, 64, 2),
+    (128, 1, 128, 64, 64, 2),
+    (37, 1, 128, None, 64, None),  # one source (SWA)
+]
+RING32_LENGTHS = [0, 1, 31, 32, 33, 63, 64, 65, 95, 96, 97, 127, 129, 161, 200, 511, 1000, 1023, 1024, 1029]
+
+
+def _ring32_lengths(b, topk, g):
+    """Lengths [b]: for one token topk - 23; else the boundary values of RING32_LENGTHS that
+    fit (up to topk + 5, clamped by the kernel) in a random order, then random ones."""
+    if b == 1:
+        return torch.tensor([topk - 23], dtype=torch.int32)
+    fixed = torch.tensor([n for n in RING32_LENGTHS if n <= topk + 5], dtype=torch.int32)
+    fixed = fixed[torch.randperm(fixed.numel(), generator=g)]
+    lens = torch.randint(0, topk + 1, (b,), generator=g, dtype=torch.int32)
+    n = min(b, fixed.numel())
+    lens[:n] = fixed[:n]
+    return lens
+
+
+def _ring32_list(b, s_q, topk, bs, g, seed):
+    """(poisoned cache, clean f32 rows, indices, lengths) of one list, on the GPU."""
+    dev = "cuda"
+    nb = max(8, 4 * topk // bs)
+    cache, rows = make_cache("fp8", nb, bs, dev, seed)
+    lens = _ring32_lengths(b, topk, g)
+    idx = skip_indices(b, s_q, topk, nb * bs, lens, g)
+    if topk >= 256:
+        idx[..., 160:192] = -1  # a whole 32-key sub-tile (consumer 1's of tile 2) skipped
+    idx, lens = idx.to(dev), lens.to(dev)
+    bad = poisoned_copy(cache, "fp8", used_slots(idx, lens, nb * bs), math.nan)
+    return bad, rows, idx, lens
+
+
+def ring32_case_run(case, batch_invariant):
+    """One RING32_CASES case: the kernel over the poisoned caches against the float32
+    reference over the clean rows; returns (out, lse) on the CPU."""
+    dev = "cuda"
+    b, s_q, topk, topk2, bs, bs2 = case
+    g = _gen(zlib.crc32(str(case).encode()))
+    cache, rows, idx, lens = _ring32_list(b, s_q, topk, bs, g, 21)
+    cache2 = rows2 = idx2 = lens2 = None
+    if topk2 is not None:
+        cache2, rows2, idx2, lens2 = _ring32_list(b, s_q, topk2, bs2, g, 22)
+    q = (torch.randn(b, s_q, 128, 512, generator=g) * 3).bfloat16().to(dev)
+    sink = make_sink("finite", 128, g).to(dev)
+    out = torch.full((b, s_q, 128, 512), float("nan"), dtype=torch.bfloat16, device=dev)
+    o, lse = sparse_mqa_decode(q, cache, idx, lens, sink, SCALE, cache2, idx2, lens2, out=out,
+                               batch_invariant=batch_invariant)
+    ro, rl = ref_decode(q, rows, idx, lens, sink, SCALE, rows2, idx2, lens2)
+    try:
+        assert_close(o, lse, ro, rl)
+    except AssertionError as e:
+        raise AssertionError(f"{case} batch_invariant={batch_invariant}: {e}") from None
+    return o.cpu(), lse.cpu()
+
+
+def child_ring32_cases(batch_invariant):
+    """In a child process (DSV4_ATTN_RING32=1): every RING32_CASES case, and a check that the
+    ring's kernel is the one that ran (where the profiler sees kernels)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        ring32_case_run(RING32_CASES[3], batch_invariant)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    if any("sparse_mqa" in n for n in names):
+        assert any("sparse_mqa_fwd_ring32_kernel" in n for n in names), "the ring32 kernel did not run"
+    for case in RING32_CASES:
+        ring32_case_run(case, batch_invariant)
+    print("ring32 cases passed")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "invariant"])
+@pytest.mark.parametrize("env", [{}, {"DSV4_ATTN_SPLITS": "3"}, {"DSV4_ATTN_FIRST_PV_INIT": "0"}],
+                         ids=["rule", "forced_splits3", "first_pv_init0"])
+def test_ring32_matches_reference(env, batch_invariant):
+    proc = _child({**env, "DSV4_ATTN_RING32": "1"}, f"child_ring32_cases({batch_invariant})")
+    assert proc.returncode == 0 and "ring32 cases passed" in proc.stdout, \
+        f"under {env} (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+# DSV4_ATTN_RING32=2: the same kernel with the producer's global loads one 32-row half ahead
+# (issued before the previous half's dequant; the same loads, arithmetic and stores in
+# another order), so outputs and LSE are bitwise those of DSV4_ATTN_RING32=1: every
+# RING32_CASES case, default and batch-invariant (each also against the reference), with
+# the split rule and under DSV4_ATTN_SPLITS=3.
+def ring32_outputs():
+    return [ring32_case_run(case, invariant) for invariant in (False, True) for case in RING32_CASES]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("env", [{}, {"DSV4_ATTN_SPLITS": "3"}], ids=["rule", "forced_splits3"])
+def test_ring32_loads_ahead_bitwise(tmp_path, env):
+    _bitwise_across_processes(tmp_path, "ring32_outputs", {**env, "DSV4_ATTN_RING32": "1"},
+                              {**env, "DSV4_ATTN_RING32": "2"})

@@ -39,7 +39,8 @@ ATTN_OVERRIDES = ("DSV4_ATTN_PRICED_SPLITS", "DSV4_ATTN_PDL", "DSV4_ATTN_SPECIAL
                   "DSV4_ATTN_COOP_ROUND", "DSV4_ATTN_PRODUCER_AHEAD", "DSV4_ATTN_COOP_PREFETCH",
                   "DSV4_ATTN_FIRST_PV_INIT", "DSV4_ATTN_CROSSOVER",
                   "DSV4_ATTN_ROW_PREFETCH")  # csrc/attention (tests/test_attention.py)
-ATTN_CHOICES = {"DSV4_ATTN_SPLITS": "`1`, `2`, `3`, `4`, `5`, `6`, `7`, `8`, `9`, `10`, `12`, `16`"}
+ATTN_CHOICES = {"DSV4_ATTN_SPLITS": "`1`, `2`, `3`, `4`, `5`, `6`, `7`, `8`, `9`, `10`, `12`, `16`",
+                "DSV4_ATTN_RING32": "`0`, `1`, `2`"}
 VARIABLES = OVERRIDES + tuple(CHOICES) + ("DSV4_PRINT_CONFIG",) + ATTN_OVERRIDES + tuple(ATTN_CHOICES)
 
 
@@ -583,7 +584,8 @@ def test_bad_value_is_an_error(name):
 @pytest.mark.parametrize("name,allowed,bad", [("DSV4_MOE_BLOCK_N", "8, 16, 64", b) for b in ("yes", "32", "064", " 64", "-1")]
                          + [("DSV4_MOE_GEMM2_ROWS", "1, 2, 4, 8", b) for b in ("3", "16", "0")]
                          + [("DSV4_ATTN_SPLITS", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16", b)
-                            for b in ("0", "11", "32", "08", " 4", "auto")])
+                            for b in ("0", "11", "32", "08", " 4", "auto")]
+                         + [("DSV4_ATTN_RING32", "0, 1, 2", b) for b in ("3", "yes", "01", "-1")])
 def test_bad_choice_is_an_error(name, allowed, bad):
     out = _child({name: bad}, "child_bad_value")
     msg = f'ERROR: dsv4: environment variable {name} must be one of {allowed} (or unset), got "{bad}"'

@@ -3,7 +3,7 @@
 // launch. Development switches (csrc/common/env.h, README "Environment variables"):
 // DSV4_ATTN_PRICED_SPLITS, DSV4_ATTN_PDL, DSV4_ATTN_SPECIALIZE, DSV4_ATTN_MAIN_PDL,
 // DSV4_ATTN_COOP_ROUND, DSV4_ATTN_PRODUCER_AHEAD, DSV4_ATTN_COOP_PREFETCH,
-// DSV4_ATTN_FIRST_PV_INIT, DSV4_ATTN_CROSSOVER, DSV4_ATTN_ROW_PREFETCH.
+// DSV4_ATTN_FIRST_PV_INIT, DSV4_ATTN_CROSSOVER, DSV4_ATTN_ROW_PREFETCH, DSV4_ATTN_RING32.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -15,6 +15,7 @@
 #include <optional>
 
 #include "attention/sparse_mqa.cuh"
+#include "attention/sparse_mqa_ring32.cuh"
 #include "attention/sparse_mqa_splits.h"
 #include "common/checks.h"
 #include "common/dynamic_smem.h"
@@ -140,6 +141,16 @@ void launch_main(const SparseMqaParams& p, int64_t grid, cudaStream_t stream, bo
   ensure_max_dynamic_smem<kernel>(attention::kSmemBytes);
   launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(attention::kThreads), attention::kSmemBytes, stream,
                 pdl, p, kPair ? 2 : 1);
+}
+
+// The two-round ring of 32-key tiles (DSV4_ATTN_RING32, sparse_mqa_ring32.cuh): a kernel of
+// its own, so that the instances above are untouched; fp8 caches, 128 heads.
+template <int kNumSrc, int kLoadsAhead>
+void launch_ring32(const SparseMqaParams& p, int64_t grid, cudaStream_t stream, bool pdl) {
+  constexpr auto kernel = attention::sparse_mqa_fwd_ring32_kernel<kNumSrc, kLoadsAhead>;
+  ensure_max_dynamic_smem<kernel>(attention::kSmemBytesRing32);
+  launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(attention::kThreads), attention::kSmemBytesRing32,
+                stream, pdl, p);
 }
 
 // The crossover's resident CTAs: twice the two-CTA clusters the device holds at once with
@@ -277,8 +288,22 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   const int64_t split_pairs = p.pairs_per_split > 0 ? std::min<int64_t>(p.pairs_per_split, all_pairs)
                                                     : (all_pairs + p.num_splits - 1) / p.num_splits;
   const bool ahead = split_pairs > 1 && env::switches().attn_producer_ahead.value_or(true);
+  // fp8 rows at 128 heads (V4-Pro), not paired: the ring of 32-key tiles, two rounds deep
+  // (sparse_mqa_ring32.cuh); every round, round 0 included, by the producer (the cooperative
+  // first round and DSV4_ATTN_PRODUCER_AHEAD do not apply). DSV4_ATTN_RING32=1, or 2 for the
+  // same kernel with the producer's loads one half-step ahead (kLoadsAhead, bitwise the same
+  // results). Unset: attention::pick_ring32's rule (sparse_mqa_splits.h), value 2 where the
+  // longest work item has at most 9 tiles of 64 keys, today's kernel otherwise (the look-back
+  // of docs/perf-history/2026-12-07-attention-ring32.md). 64-head calls keep the kernel above.
+  const int ring32 = kind == CacheKind::kFp8 && H == 128 && !pair
+                         ? attention::pick_ring32(max_tiles, p.num_splits, env::switches().attn_ring32)
+                         : 0;
   if (pair) {
     one ? launch_main<true, 1, 0, true>(p, grid, stream, pdl) : launch_main<true, 2, 0, true>(p, grid, stream, pdl);
+  } else if (ring32 == 2) {  // the producer's loads one half-step ahead (same results as 1)
+    one ? launch_ring32<1, 1>(p, grid, stream, pdl) : launch_ring32<2, 1>(p, grid, stream, pdl);
+  } else if (ring32 == 1) {
+    one ? launch_ring32<1, 0>(p, grid, stream, pdl) : launch_ring32<2, 0>(p, grid, stream, pdl);
   } else if (kind == CacheKind::kFp8 && coop && ahead) {
     one ? launch_main<true, 1, 2>(p, grid, stream, pdl) : launch_main<true, 2, 2>(p, grid, stream, pdl);
   } else if (kind == CacheKind::kFp8 && coop) {
@@ -374,5 +399,18 @@ TORCH_LIBRARY_FRAGMENT(dsv4_testing, m) {
                       forced.value_or(0));
           const std::optional<int> f = forced.has_value() ? std::optional<int>(static_cast<int>(*forced)) : std::nullopt;
           return dsv4::attention::choose_splits(base_ctas, max_tiles, static_cast<int>(sms), priced, f);
+        });
+  // The DSV4_ATTN_RING32 value a 128-head fp8 call (not paired) runs with, for `max_tiles`
+  // and `num_splits` as the launcher computes them; `forced` stands for DSV4_ATTN_RING32
+  // (None: unset, the rule), never read from the environment.
+  m.def("sparse_mqa_ring32(int max_tiles, int num_splits, int? forced=None) -> int",
+        [](int64_t max_tiles, int64_t num_splits, std::optional<int64_t> forced) -> int64_t {
+          TORCH_CHECK(max_tiles >= 0 && num_splits >= 1 && num_splits <= dsv4::attention::kMaxSplits,
+                      "dsv4: sparse_mqa_ring32 takes max_tiles >= 0, num_splits in [1, ", dsv4::attention::kMaxSplits,
+                      "], got ", max_tiles, ", ", num_splits);
+          TORCH_CHECK(!forced.has_value() || (*forced >= 0 && *forced <= 2),
+                      "dsv4: sparse_mqa_ring32 takes forced in {0, 1, 2} or None, got ", forced.value_or(-1));
+          const std::optional<int> f = forced.has_value() ? std::optional<int>(static_cast<int>(*forced)) : std::nullopt;
+          return dsv4::attention::pick_ring32(max_tiles, static_cast<int>(num_splits), f);
         });
 }

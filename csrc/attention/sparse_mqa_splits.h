@@ -96,5 +96,23 @@ inline int choose_splits(int64_t base_ctas, int64_t max_tiles, int sms, bool pri
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(*forced, cap)));
 }
 
+// DSV4_ATTN_RING32 (csrc/common/env.h): which kernel a 128-head fp8 call (not paired) runs,
+// 0 = today's (sparse_mqa.cuh), 1 = the two-round ring of 32-key tiles
+// (sparse_mqa_ring32.cuh), 2 = the ring with the producer's loads one half-step ahead.
+// `forced` (the variable set): that value. Unset: value 2 where the call's longest work item
+// has at most kRing32MaxTiles 64-key tiles (ceil(max_tiles / num_splits)), today's otherwise.
+// From the look-back of docs/perf-history/2026-12-07-attention-ring32.md (H100): value 2
+// won where items are short (V4-Pro HCA 4K, 3 tiles: 0.85-0.94x -> 0.98-1.05x FlashMLA at
+// B = 8-256; SWA, 2-3 tiles; CSA / HCA split items at B = 8-16), tied at 9 tiles (CSA 4K
+// B = 32, 2 splits: 53.2 us both) and lost 3-7% at 18 tiles (B >= 64 unsplit). Not yet
+// measured as a rule, nor on an H200.
+constexpr int64_t kRing32MaxTiles = 9;
+inline int pick_ring32(int64_t max_tiles, int num_splits, std::optional<int> forced) {
+  if (forced.has_value()) return *forced;
+  const int64_t splits = std::max(num_splits, 1);
+  const int64_t item_tiles = (max_tiles + splits - 1) / splits;
+  return item_tiles <= kRing32MaxTiles ? 2 : 0;
+}
+
 }  // namespace attention
 }  // namespace dsv4

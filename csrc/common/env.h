@@ -69,6 +69,9 @@ struct Switches {
   std::optional<bool> attn_first_pv_init;    // DSV4_ATTN_FIRST_PV_INIT: 0 = O cleared in registers per item
   std::optional<bool> attn_row_prefetch;  // DSV4_ATTN_ROW_PREFETCH: 1 = bf16 rows sent to L2 a round ahead
   std::optional<bool> attn_crossover;  // DSV4_ATTN_CROSSOVER: 1 = 128-head fp8 calls in two-CTA clusters
+  std::optional<int> attn_ring32;  // DSV4_ATTN_RING32: 1 = 128-head fp8 calls on the two-round ring of 32-key tiles,
+                                   // 2 = the same with the producer's loads one half-step ahead, 0 = today's
+                                   // kernel; unset: attention::pick_ring32's rule (sparse_mqa_splits.h)
 };
 
 inline Switches read_switches() {
@@ -98,6 +101,7 @@ inline Switches read_switches() {
   s.attn_first_pv_init = get("DSV4_ATTN_FIRST_PV_INIT");
   s.attn_crossover = get("DSV4_ATTN_CROSSOVER");
   s.attn_row_prefetch = get("DSV4_ATTN_ROW_PREFETCH");
+  s.attn_ring32 = parse_int_choice("DSV4_ATTN_RING32", std::getenv("DSV4_ATTN_RING32"), {0, 1, 2});
   return s;
 }
 
