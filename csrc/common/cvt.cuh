@@ -35,6 +35,14 @@ __device__ __forceinline__ void fma_bf16x8(float (&acc)[8], float w, const uint4
 // A bf16x2 word as the vector type of the bf16 intrinsics.
 __device__ __forceinline__ __nv_bfloat162 as_bf16x2(uint32_t w) { return *reinterpret_cast<const __nv_bfloat162*>(&w); }
 
+// a * b per bf16 lane, rounded to nearest even (mul.rn.bf16x2, sm_90: one HMUL2.BF16;
+// subnormals kept).
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
 // e4m3 of a float: round to nearest even, finite values saturating at +-448 (one
 // cvt.rn.satfinite.e4m3x2.f32 on sm_89+).
 __device__ __forceinline__ __nv_fp8_e4m3 e4m3_rn_satfinite(float v) {
