@@ -26,7 +26,9 @@
 // budgets), sparse_mqa_schedule.cuh (token tiles, work items, index -> slot),
 // sparse_mqa_producer.cuh (paged sources, row offsets, fp8 / bf16 loaders),
 // sparse_mqa_first_round.cuh (round 0 of a CTA's first item by all warpgroups),
-// sparse_mqa_combine.cuh (split-KV merge); the kernel and its consumers are here.
+// sparse_mqa_softmax.cuh (the consumers' softmax arithmetic on S / P / O fragments, shared
+// with the ring32 kernel), sparse_mqa_combine.cuh (split-KV merge); the kernel and its
+// consumers are here.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -39,6 +41,7 @@
 #include "attention/sparse_mqa_params.cuh"
 #include "attention/sparse_mqa_producer.cuh"
 #include "attention/sparse_mqa_schedule.cuh"
+#include "attention/sparse_mqa_softmax.cuh"
 #include "common/cvt.cuh"
 #include "common/mma/mma_sync.cuh"
 #include "common/mma/wgmma.cuh"
@@ -56,12 +59,6 @@ namespace attention {
 // fp32 sums, and the O rescale (128 FMUL per thread) is skipped in most rounds
 // (conditional rescaling, as in FlashAttention-4).
 constexpr float kMaxSlack = 8.f;
-// Past this |row max| (scaled log2 units) the softmax rounds S * scale before subtracting the
-// max instead of one FFMA: the FFMA's max-key exponent (the product's rounding error, up to
-// 2^-12 here) then stays below bf16's half ulp of P = 1, so one visible key still gives its
-// value row exactly (tests/test_attention.py test_decode_fp8_dequant_exact). Real logits are
-// far below it.
-constexpr float kFfmaMaxLogit = 4096.f;
 
 // Q [64 heads x 512] of a work item -> smem (swizzled), by the consumer threads (128..383)
 // only, so that the producer's gathers overlap it; cp.async keeps all 16 chunks per thread
@@ -296,109 +293,21 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     const uint64_t valid = *reinterpret_cast<const volatile uint64_t*>(mask16 + 4 * g);
     // A tile with every key valid (all but the last of most tokens) skips the per-key
     // select (~64 instructions per thread); the branch is uniform (one mask per tile).
-    if (valid != ~uint64_t(0)) {
-#pragma unroll
-      for (int k = 0; k < 32; ++k) {
-        const int key = 8 * (k >> 2) + 2 * quad + (k & 1);
-        s[k] = ((valid >> key) & 1) ? s[k] : -INFINITY;
-      }
-    }
-    mx0 = -INFINITY;
-    mx1 = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
-      mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    mx0 *= p.scale_log2;
-    mx1 *= p.scale_log2;
+    if (valid != ~uint64_t(0)) mask_skipped_keys(s, valid, quad);
+    row_max_scaled(s, p.scale_log2, mx0, mx1);
   };
-  // P = 2^(S * scale - new max) (in s; one FFMA per element, as FlashMLA's softmax, instead of
-  // a multiply in mask_and_max and a subtraction here), O and the row sums rescaled from the
-  // old max to the new one.
-  // A max of -inf (nothing visible yet) is used as 0 so no (-inf) - (-inf) appears; the
-  // factor from an old -inf max is 0 (nothing accumulated).
-  // O rows r0 / r0 + 8 times f0 / f1, skipped when every factor of the warp is 1 (the common
-  // case once the row maxima settle; multiplying by 1 changes nothing).
-  auto rescale_o = [&](float f0, float f1) {
-    if (__all_sync(0xffffffffu, f0 == 1.f && f1 == 1.f)) return;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      o[4 * j] *= f0;
-      o[4 * j + 1] *= f0;
-      o[4 * j + 2] *= f1;
-      o[4 * j + 3] *= f1;
-    }
-  };
+  // The online softmax (sparse_mqa_softmax.cuh), the rescale of O alone (the seesaw's
+  // correction), P packed as the local PV's A operand and stored as the other's.
   // fresh: the item's round 0 with O set by its first PV: O holds nothing of this item, so
-  // no rescale (the factors are 0 there anyway: the running max is still -inf).
+  // no rescale.
+  auto rescale_o = [&](float f0, float f1) { rescale_rows(o, f0, f1); };
   auto softmax = [&](float mn0, float mn1, bool fresh) {
-    const float ms0 = mn0 == -INFINITY ? 0.f : mn0;
-    const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
-    const float a0 = ex2_approx_ftz(m0 - ms0), a1 = ex2_approx_ftz(m1 - ms1);
-    m0 = mn0;
-    m1 = mn1;
-    float sum0 = 0.f, sum1 = 0.f;
-    const float sc = p.scale_log2;
-    // The FFMA's exponent for the max key is the rounding error of max(S) * scale, up to
-    // 2^-24 |max|: harmless for real logits, but at |max| ~ 2^30 it overflows 2^x or
-    // flushes the whole row to 0 (the fp8 cache's scales reach 2^73). Past kFfmaMaxLogit
-    // (warp-uniform) the exponent is the old scale-round-subtract, exact 0 at the max.
-    if (__any_sync(0xffffffffu, fmaxf(fabsf(ms0), fabsf(ms1)) > kFfmaMaxLogit)) {
-#pragma unroll
-      for (int k = 0; k < 32; ++k) s[k] = __fmul_rn(s[k], sc);  // _rn: never contracted into the FFMA
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        s[4 * j] = ex2_approx_ftz(s[4 * j] - ms0);
-        s[4 * j + 1] = ex2_approx_ftz(s[4 * j + 1] - ms0);
-        s[4 * j + 2] = ex2_approx_ftz(s[4 * j + 2] - ms1);
-        s[4 * j + 3] = ex2_approx_ftz(s[4 * j + 3] - ms1);
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        s[4 * j] = ex2_approx_ftz(fmaf(s[4 * j], sc, -ms0));
-        s[4 * j + 1] = ex2_approx_ftz(fmaf(s[4 * j + 1], sc, -ms0));
-        s[4 * j + 2] = ex2_approx_ftz(fmaf(s[4 * j + 2], sc, -ms1));
-        s[4 * j + 3] = ex2_approx_ftz(fmaf(s[4 * j + 3], sc, -ms1));
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      sum0 += s[4 * j] + s[4 * j + 1];
-      sum1 += s[4 * j + 2] + s[4 * j + 3];
-    }
-    l0 = l0 * a0 + sum0;
-    l1 = l1 * a1 + sum1;
-    if (!fresh) rescale_o(a0, a1);
+    online_softmax(s, o, m0, m1, l0, l1, mn0, mn1, p.scale_log2, fresh);
   };
-  auto pack_p = [&](float c0, float c1) {
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      pa[4 * kk + 0] = pack_bf16x2(s[8 * kk + 0] * c0, s[8 * kk + 1] * c0);
-      pa[4 * kk + 1] = pack_bf16x2(s[8 * kk + 2] * c1, s[8 * kk + 3] * c1);
-      pa[4 * kk + 2] = pack_bf16x2(s[8 * kk + 4] * c0, s[8 * kk + 5] * c0);
-      pa[4 * kk + 3] = pack_bf16x2(s[8 * kk + 6] * c1, s[8 * kk + 7] * c1);
-    }
-  };
-  // pa -> my P tile in smem (K-major, 128-byte swizzle: the A operand of the other's PV), by
-  // four stmatrix.x4 instead of 16 32-bit stores (as FlashMLA stores P). Key pair kk's four
-  // matrices are pa[4 kk + i]: rows 8 (i & 1) .. + 7 of the warp's 16, keys 16 kk + 8 (i >> 1)
-  // .. + 7, the 16-byte chunk 2 kk + (i >> 1) of each row, swizzled by the row (row & 7 is
-  // lane & 7 here). Lane l addresses row l & 7 of matrix l >> 3.
+  auto pack_p = [&](float c0, float c1) { pack_p_frag(pa, s, c0, c1); };
   const int st_i = lane >> 3, st_r = lane & 7;
   const uint32_t st_row = smem_u32(p_mine) + (16 * w + st_r + 8 * (st_i & 1)) * 128;
-  auto store_p = [&]() {
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      stmatrix_x4(st_row + (((2 * kk + (st_i >> 1)) ^ st_r) << 4), pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2],
-                  pa[4 * kk + 3]);
-    fence_proxy_async_smem();
-  };
+  auto store_p = [&]() { store_p_frag(st_row, st_i, st_r, pa); };
 
   if (!kCoop && blockIdx.x < num_items) load_q_tile(p, work_item(p, blockIdx.x), smem);
   int round_base = 0;  // rounds of the CTA's earlier items: the barrier phases continue

@@ -162,6 +162,26 @@ __device__ __forceinline__ void load_half_fp8(uint8_t* buf_smem, const uint8_t* 
   mbar_arrive(ready);
 }
 
+// One lane's global loads of one half (`half`: 0 left, 1 right) of the fp8 cache row at byte
+// offset d of base (d < 0: a skipped row, zeros), lane group g = lane / 4 on that row and
+// q = lane % 4 on its 16-byte chunks: v[m] the half's chunk q + 4 m of its 256 fp8 bytes
+// (m = 3 on the left only), rope[n] the bf16 rope's chunk q + 4 (n ^ (g & 1)) (right only;
+// the order alternates with g & 1 for the stores' banks). Zeros where nothing is loaded.
+__device__ __forceinline__ void load_row_half_fp8(uint4 (&v)[4], uint4 (&rope)[2], const uint8_t* base, int64_t d,
+                                                  int half, int g, int q) {
+  const uint8_t* src0 = base + half * 256 + 16 * q;
+  const bool left = half == 0;
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    v[m] = d >= 0 && (m < 3 || left) ? ldg_nc_v4(src0 + d + 64 * m) : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    const int rc = q + 4 * (n ^ (g & 1));
+    rope[n] = d >= 0 && !left ? ldg_nc_v4(base + d + 448 + 16 * rc) : make_uint4(0, 0, 0, 0);
+  }
+}
+
 // The crossover at 128 heads (kPair, sparse_mqa.cuh): the two CTAs of a cluster are the two
 // head blocks of one (token, split) and read the same rows, so each producer dequantizes half
 // of every tile, rows 32 rank .. 32 rank + 31, and stores them into both CTAs' buffers
@@ -191,18 +211,9 @@ __device__ __forceinline__ void load_half_fp8_pair(uint8_t* buf_smem, const uint
   const uint32_t lo = row + (((2 * q) ^ g) << 4), hi = row + (((2 * q + 1) ^ g) << 4);
   const int64_t d = __shfl_sync(0xffffffffu, data_off, g);
   const uint32_t e4 = __shfl_sync(0xffffffffu, half ? scales.y : scales.x, g);
-  const uint8_t* src0 = base + half * 256 + 16 * q;
   const bool left = half == 0;
   uint4 v[4], rope[2];
-#pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    v[m] = d >= 0 && (m < 3 || left) ? ldg_nc_v4(src0 + d + 64 * m) : make_uint4(0, 0, 0, 0);
-  }
-#pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    const int rc = q + 4 * (n ^ (g & 1));
-    rope[n] = d >= 0 && !left ? ldg_nc_v4(base + d + 448 + 16 * rc) : make_uint4(0, 0, 0, 0);
-  }
+  load_row_half_fp8(v, rope, base, d, half, g, q);
   wait_free();
   // The peer's phase of this half is the current one: its previous phase completed before
   // the peer's consumers freed the half, which wait_free waited for.

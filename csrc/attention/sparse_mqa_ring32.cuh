@@ -53,11 +53,12 @@
 
 #include <cstdint>
 
-#include "attention/sparse_mqa.cuh"  // load_q_tile, kMaxSlack, kFfmaMaxLogit
+#include "attention/sparse_mqa.cuh"  // load_q_tile, kMaxSlack
 #include "attention/sparse_mqa_layout.cuh"
 #include "attention/sparse_mqa_params.cuh"
 #include "attention/sparse_mqa_producer.cuh"
 #include "attention/sparse_mqa_schedule.cuh"
+#include "attention/sparse_mqa_softmax.cuh"
 #include "common/cvt.cuh"
 #include "common/mma/wgmma.cuh"
 #include "common/ptx/math.cuh"
@@ -118,18 +119,9 @@ __device__ __forceinline__ void load_sub_half_fp8(uint8_t* buf_smem, const uint8
   const uint32_t lo = row + (((2 * q) ^ g) << 4), hi = row + (((2 * q + 1) ^ g) << 4);
   const int64_t d = __shfl_sync(0xffffffffu, data_off, 8 * c + g);
   const uint32_t e4 = __shfl_sync(0xffffffffu, half ? scales.y : scales.x, 8 * c + g);
-  const uint8_t* src0 = base + half * 256 + 16 * q;
   const bool left = half == 0;
   uint4 v[4], rope[2];
-#pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    v[m] = d >= 0 && (m < 3 || left) ? ldg_nc_v4(src0 + d + 64 * m) : make_uint4(0, 0, 0, 0);
-  }
-#pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    const int rc = q + 4 * (n ^ (g & 1));
-    rope[n] = d >= 0 && !left ? ldg_nc_v4(base + d + 448 + 16 * rc) : make_uint4(0, 0, 0, 0);
-  }
+  load_row_half_fp8(v, rope, base, d, half, g, q);
   wait_free();
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
@@ -146,6 +138,36 @@ __device__ __forceinline__ void load_sub_half_fp8(uint8_t* buf_smem, const uint8
   mbar_arrive(ready);
 }
 
+// A row lane's scale bytes of tile `tile` at slot sl (lanes 0..15 hold a tile row each). fp8
+// rows of skipped entries (sl < 0) are zeros; their scale byte 127 (2^0) keeps them zeros.
+template <int kNumSrc>
+__device__ __forceinline__ uint2 tile_scales(const SparseMqaParams& p, const TokenTiles& tt, int tile, int sl) {
+  uint2 sw = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
+  if (sl >= 0) {
+    const PagedSource s = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile));
+    int64_t d, so;
+    row_offsets<true>(s, sl, d, so);
+    sw = ldg_nc_v2(s.base + so);
+  }
+  return sw;
+}
+
+// Tile `tile`'s rows (slot of row lane l % 16) into L2: lane l covers its row at bytes
+// min(128 (l / 16 + 2 m), 575), m < 3 (the six 128-byte lines a 576-byte row can touch).
+template <int kNumSrc>
+__device__ __forceinline__ void prefetch_tile_rows_l2(const SparseMqaParams& p, const TokenTiles& tt, int tile,
+                                                      int slot) {
+  const int lane = threadIdx.x & 31;
+  const PagedSource s = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile));
+  int64_t d, so;
+  row_offsets<true>(s, slot, d, so);
+  d = __shfl_sync(0xffffffffu, d, lane & 15);
+  if (d >= 0) {
+#pragma unroll
+    for (int m = 0; m < 3; ++m) prefetch_l2(s.base + d + min(128 * (lane / 16 + 2 * m), 575));
+  }
+}
+
 // The producer warpgroup's rounds of one item (round_base: the CTA's earlier rounds).
 // Per round (one tile): the next tile's slots and scales (its indices loaded a round
 // earlier), the tile after next's indices, the next tile's rows into L2; then the four
@@ -160,43 +182,21 @@ __device__ __forceinline__ void producer_loop_ring32(const SparseMqaParams& p, c
   const bool row_lane_ok = lane < 16;
   const int row_lane = 32 * ((lane >> 3) & 1) + 8 * warp + (lane & 7);  // tile row of lanes 0..15
   const int rounds = ring32_rounds(tt);
-  // fp8 rows of skipped entries are zeros; their scale byte 127 (2^0) keeps them zeros.
-  const auto fetch_scales = [&](int tile, int sl) {
-    uint2 sw = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
-    if (sl >= 0) {
-      const PagedSource s = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile));
-      int64_t d, so;
-      row_offsets<true>(s, sl, d, so);
-      sw = ldg_nc_v2(s.base + so);
-    }
-    return sw;
-  };
   int slot, raw_next;
   uint2 scales;
   {
     const int raw = row_lane_ok ? tile_index<kNumSrc>(p, tt, b, i, tt.t0, row_lane) : -1;
     raw_next = row_lane_ok ? tile_index<kNumSrc>(p, tt, b, i, tt.t0 + 1, row_lane) : -1;
     slot = index_slot<kNumSrc>(p, tt, tt.t0, raw);
-    scales = fetch_scales(tt.t0, slot);
+    scales = tile_scales<kNumSrc>(p, tt, tt.t0, slot);
   }
   for (int r = 0; r < rounds; ++r) {
     const int tile = tt.t0 + r;
     const int gr = round_base + r;  // the CTA's global round: buffer set gr % 2, use gr / 2
     const int slot_next = index_slot<kNumSrc>(p, tt, tile + 1, raw_next);
     raw_next = row_lane_ok ? tile_index<kNumSrc>(p, tt, b, i, tile + 2, row_lane) : -1;
-    const uint2 scales_next = fetch_scales(tile + 1, slot_next);
-    {
-      // Next tile's rows into L2: lane l covers the row of lane l % 16 at bytes
-      // min(128 (l / 16 + 2 m), 575), m < 3 (the six 128-byte lines a 576-byte row can touch).
-      const PagedSource s = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile + 1));
-      int64_t d, so;
-      row_offsets<true>(s, slot_next, d, so);
-      d = __shfl_sync(0xffffffffu, d, lane & 15);
-      if (d >= 0) {
-#pragma unroll
-        for (int m = 0; m < 3; ++m) prefetch_l2(s.base + d + min(128 * (lane / 16 + 2 * m), 575));
-      }
-    }
+    const uint2 scales_next = tile_scales<kNumSrc>(p, tt, tile + 1, slot_next);
+    prefetch_tile_rows_l2<kNumSrc>(p, tt, tile + 1, slot_next);  // the next tile's rows
     const PagedSource src = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile));
     int64_t data_off, so;
     row_offsets<true>(src, slot, data_off, so);
@@ -289,16 +289,6 @@ __device__ __forceinline__ void producer_loop_ring32_ahead(const SparseMqaParams
   const bool row_lane_ok = lane < 16;
   const int row_lane = 32 * ((lane >> 3) & 1) + 8 * warp + (lane & 7);  // tile row of lanes 0..15
   const int rounds = ring32_rounds(tt);
-  const auto fetch_scales = [&](int tile, int sl) {
-    uint2 sw = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
-    if (sl >= 0) {
-      const PagedSource s = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile));
-      int64_t d, so;
-      row_offsets<true>(s, sl, d, so);
-      sw = ldg_nc_v2(s.base + so);
-    }
-    return sw;
-  };
   int slot, raw_next;
   uint2 scales;
   uint4 xa[5], xb[5];
@@ -312,24 +302,15 @@ __device__ __forceinline__ void producer_loop_ring32_ahead(const SparseMqaParams
       row_offsets<true>(src, slot, data_off, so);
       issue_sub_half_loads(xa, src.base, data_off, 0, 0);
     }
-    scales = fetch_scales(tt.t0, slot);
+    scales = tile_scales<kNumSrc>(p, tt, tt.t0, slot);
   }
   for (int r = 0; r < rounds; ++r) {
     const int tile = tt.t0 + r;
     const int gr = round_base + r;
     const int slot_next = index_slot<kNumSrc>(p, tt, tile + 1, raw_next);
     raw_next = row_lane_ok ? tile_index<kNumSrc>(p, tt, b, i, tile + 2, row_lane) : -1;
-    const uint2 scales_next = fetch_scales(tile + 1, slot_next);
-    {
-      const PagedSource s = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile + 1));
-      int64_t d, so;
-      row_offsets<true>(s, slot_next, d, so);
-      d = __shfl_sync(0xffffffffu, d, lane & 15);
-      if (d >= 0) {
-#pragma unroll
-        for (int m = 0; m < 3; ++m) prefetch_l2(s.base + d + min(128 * (lane / 16 + 2 * m), 575));
-      }
-    }
+    const uint2 scales_next = tile_scales<kNumSrc>(p, tt, tile + 1, slot_next);
+    prefetch_tile_rows_l2<kNumSrc>(p, tt, tile + 1, slot_next);
     const PagedSource src = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile));
     int64_t data_off, so;
     row_offsets<true>(src, slot, data_off, so);
@@ -491,95 +472,20 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_ring32_kernel(cons
     const int sb = 2 * (gr & 1) + g;
     mbar_wait(&ready[kRing32MaskReady + sb], (gr >> 1) & 1);
     const uint32_t valid = *reinterpret_cast<const volatile uint32_t*>(smem + kOffMask + 4 * sb);
-    if (valid != ~0u) {
-#pragma unroll
-      for (int k = 0; k < 16; ++k) {
-        const int key = 8 * (k >> 2) + 2 * quad + (k & 1);
-        s[k] = ((valid >> key) & 1) ? s[k] : -INFINITY;
-      }
-    }
-    mx0 = -INFINITY;
-    mx1 = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
-      mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    mx0 *= p.scale_log2;
-    mx1 *= p.scale_log2;
+    if (valid != ~0u) mask_skipped_keys(s, valid, quad);
+    row_max_scaled(s, p.scale_log2, mx0, mx1);
   };
-  auto rescale_o = [&](float f0, float f1) {
-    if (__all_sync(0xffffffffu, f0 == 1.f && f1 == 1.f)) return;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      o[4 * j] *= f0;
-      o[4 * j + 1] *= f0;
-      o[4 * j + 2] *= f1;
-      o[4 * j + 3] *= f1;
-    }
-  };
-  // The online softmax of sparse_mqa_fwd_kernel (its comments hold: -inf maxima, the FFMA
-  // exponent and its large-logit fallback, conditional rescale), over 16 values.
+  // sparse_mqa_fwd_kernel's softmax steps (sparse_mqa_softmax.cuh) over 16 values: its
+  // comments hold (-inf maxima, the FFMA exponent and its large-logit fallback, conditional
+  // rescale). P tile stores: two stmatrix.x4, chunks 0..3 of each swizzled 128-byte row.
+  auto rescale_o = [&](float f0, float f1) { rescale_rows(o, f0, f1); };
   auto softmax = [&](float mn0, float mn1, bool fresh) {
-    const float ms0 = mn0 == -INFINITY ? 0.f : mn0;
-    const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
-    const float a0 = ex2_approx_ftz(m0 - ms0), a1 = ex2_approx_ftz(m1 - ms1);
-    m0 = mn0;
-    m1 = mn1;
-    float sum0 = 0.f, sum1 = 0.f;
-    const float sc = p.scale_log2;
-    if (__any_sync(0xffffffffu, fmaxf(fabsf(ms0), fabsf(ms1)) > kFfmaMaxLogit)) {
-#pragma unroll
-      for (int k = 0; k < 16; ++k) s[k] = __fmul_rn(s[k], sc);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        s[4 * j] = ex2_approx_ftz(s[4 * j] - ms0);
-        s[4 * j + 1] = ex2_approx_ftz(s[4 * j + 1] - ms0);
-        s[4 * j + 2] = ex2_approx_ftz(s[4 * j + 2] - ms1);
-        s[4 * j + 3] = ex2_approx_ftz(s[4 * j + 3] - ms1);
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        s[4 * j] = ex2_approx_ftz(fmaf(s[4 * j], sc, -ms0));
-        s[4 * j + 1] = ex2_approx_ftz(fmaf(s[4 * j + 1], sc, -ms0));
-        s[4 * j + 2] = ex2_approx_ftz(fmaf(s[4 * j + 2], sc, -ms1));
-        s[4 * j + 3] = ex2_approx_ftz(fmaf(s[4 * j + 3], sc, -ms1));
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      sum0 += s[4 * j] + s[4 * j + 1];
-      sum1 += s[4 * j + 2] + s[4 * j + 3];
-    }
-    l0 = l0 * a0 + sum0;
-    l1 = l1 * a1 + sum1;
-    if (!fresh) rescale_o(a0, a1);
+    online_softmax(s, o, m0, m1, l0, l1, mn0, mn1, p.scale_log2, fresh);
   };
-  auto pack_p = [&](float c0, float c1) {
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      pa[4 * kk + 0] = pack_bf16x2(s[8 * kk + 0] * c0, s[8 * kk + 1] * c0);
-      pa[4 * kk + 1] = pack_bf16x2(s[8 * kk + 2] * c1, s[8 * kk + 3] * c1);
-      pa[4 * kk + 2] = pack_bf16x2(s[8 * kk + 4] * c0, s[8 * kk + 5] * c0);
-      pa[4 * kk + 3] = pack_bf16x2(s[8 * kk + 6] * c1, s[8 * kk + 7] * c1);
-    }
-  };
-  // pa -> my P tile (the A operand of the other's PV): two stmatrix.x4, chunks 0..3 of each
-  // swizzled 128-byte row (see sparse_mqa_fwd_kernel's store_p).
+  auto pack_p = [&](float c0, float c1) { pack_p_frag(pa, s, c0, c1); };
   const int st_i = lane >> 3, st_r = lane & 7;
   const uint32_t st_row = smem_u32(p_mine) + (16 * w + st_r + 8 * (st_i & 1)) * 128;
-  auto store_p = [&]() {
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk)
-      stmatrix_x4(st_row + (((2 * kk + (st_i >> 1)) ^ st_r) << 4), pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2],
-                  pa[4 * kk + 3]);
-    fence_proxy_async_smem();
-  };
+  auto store_p = [&]() { store_p_frag(st_row, st_i, st_r, pa); };
 
   if (blockIdx.x < num_items) load_q_tile(p, work_item(p, blockIdx.x), smem);
   int round_base = 0;  // rounds of the CTA's earlier items: the barrier phases continue
