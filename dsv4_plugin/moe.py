@@ -96,8 +96,9 @@ QUANT_NAME = "deepseek_v4_fp8"
 
 def mxfp4_claimed() -> bool:
     """DSV4_MOE_MXFP4=1 claims MXFP4 routed experts (DeepSeek's native checkpoints) for
-    dsv4. Off by default: on the H200 dsv4's MXFP4 MoE measures slower than the Humming
-    W4A8 kernels vLLM runs for them (docs/perf.md, "Routed-expert MoE (MXFP4)"), so they
+    dsv4. Off by default until dsv4's MXFP4 MoE measures ahead of the Humming W4A8 call
+    vLLM runs for them at every size (not yet: V4-Pro at M = 512 and 8192 on an H100, and
+    M >= 2048 in the H200 run of record; docs/perf.md, "Routed-expert MoE (MXFP4)"), so they
     stay on vLLM's kernels with one log line (README "Left to vLLM"). A switch of
     dsv4._env: unset or empty, 0 or 1; anything else is an error naming it."""
     return _env.switch("DSV4_MOE_MXFP4", False)
@@ -537,7 +538,7 @@ class DSV4DeepseekV4Config(DeepseekV4FP8Config):
         if not mxfp4_claimed():
             logger.info_once(
                 "dsv4 plugin: MXFP4 routed experts stay on vLLM's MoE kernels (Humming "
-                "W4A8, faster than dsv4's MXFP4 MoE at prefill sizes on H200, docs/perf.md; "
+                "W4A8: dsv4's MXFP4 MoE is not yet ahead of it at every size, docs/perf.md; "
                 "DSV4_MOE_MXFP4=1 selects dsv4's); attention runs dsv4"
             )
             return None
