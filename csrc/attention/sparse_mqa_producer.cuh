@@ -283,6 +283,39 @@ __device__ __forceinline__ void publish_mask_pair(uint8_t* smem, int buf, unsign
   }
 }
 
+// A row lane's scale bytes of tile `tile` at slot sl (the row lanes hold a tile row each). fp8
+// rows of skipped entries (sl < 0) are zeros; their scale byte 127 (2^0) keeps them zeros.
+template <int kNumSrc>
+__device__ __forceinline__ uint2 tile_scales(const SparseMqaParams& p, const TokenTiles& tt, int tile, int sl) {
+  uint2 sw = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
+  if (sl >= 0) {
+    const PagedSource s = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile));
+    int64_t d, so;
+    row_offsets<true>(s, sl, d, so);
+    sw = ldg_nc_v2(s.base + so);
+  }
+  return sw;
+}
+
+// Tile `tile`'s fp8 rows into L2, the slot of each row held by one of the first kRowLanes
+// lanes: lane l covers the row of lane l % kRowLanes at bytes min(128 (l / kRowLanes +
+// kGroups m), 575), m < kLines (the six 128-byte lines a 576-byte row can touch; with 8 row
+// lanes, 4 groups of 2 lines cover them). `lane` is the caller's lane index: taken from the
+// caller, the 64-key kernels' producers keep their SASS (recomputed here, they did not).
+template <int kNumSrc, int kRowLanes = 16>
+__device__ __forceinline__ void prefetch_tile_rows_l2(const SparseMqaParams& p, const TokenTiles& tt, int tile,
+                                                      int slot, int lane) {
+  constexpr int kGroups = 32 / kRowLanes, kLines = (6 + kGroups - 1) / kGroups;
+  const PagedSource s = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile));
+  int64_t d, so;
+  row_offsets<true>(s, slot, d, so);
+  d = __shfl_sync(0xffffffffu, d, lane & (kRowLanes - 1));
+  if (d >= 0) {
+#pragma unroll
+    for (int m = 0; m < kLines; ++m) prefetch_l2(s.base + d + min(128 * (lane / kRowLanes + kGroups * m), 575));
+  }
+}
+
 // fp8_ds_mla rows: register-staged loads, dequantized into the buffer. kPair: the crossover
 // (load_half_fp8_pair), rows 32 rank .. 32 rank + 31 of every tile into both CTAs.
 template <int kNumSrc, bool kPair = false>
@@ -306,24 +339,13 @@ __device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, cons
   // are never waited for.
   int slot[2], slot_next[2], raw_next[2];
   uint2 scales[2], scales_next[2];
-  // fp8 rows of skipped entries are zeros; their scale byte 127 (2^0) keeps them zeros.
-  const auto fetch_scales = [&](int tile, int sl) {
-    uint2 sw = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
-    if (sl >= 0) {
-      const PagedSource s = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile));
-      int64_t d, so;
-      row_offsets<true>(s, sl, d, so);
-      sw = ldg_nc_v2(s.base + so);
-    }
-    return sw;
-  };
   const bool row_lane_ok = lane < kRowLanes;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const int raw = row_lane_ok ? tile_index<kNumSrc>(p, tt, b, i, tt.t0 + k, row_lane) : -1;
     raw_next[k] = row_lane_ok ? tile_index<kNumSrc>(p, tt, b, i, tt.t0 + 2 + k, row_lane) : -1;
     slot[k] = index_slot<kNumSrc>(p, tt, tt.t0 + k, raw);
-    scales[k] = fetch_scales(tt.t0 + k, slot[k]);
+    scales[k] = tile_scales<kNumSrc>(p, tt, tt.t0 + k, slot[k]);
   }
 
   for (int r = 0; r < rounds; ++r) {
@@ -334,20 +356,8 @@ __device__ __forceinline__ void producer_loop_fp8(const SparseMqaParams& p, cons
     for (int k = 0; k < 2; ++k) {
       slot_next[k] = index_slot<kNumSrc>(p, tt, tile0 + 2 + k, raw_next[k]);
       raw_next[k] = row_lane_ok ? tile_index<kNumSrc>(p, tt, b, i, tile0 + 4 + k, row_lane) : -1;
-      scales_next[k] = fetch_scales(tile0 + 2 + k, slot_next[k]);
-      // Rows into L2: lane l covers row l % 16 at bytes min(128 (l / 16 + 2 m), 575), m < 3
-      // (kPair: row l % 8 at min(128 (l / 8 + 4 m), 575), m < 2).
-      const PagedSource s = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile0 + 2 + k));
-      int64_t d, so;
-      row_offsets<true>(s, slot_next[k], d, so);
-      d = __shfl_sync(0xffffffffu, d, lane & (kRowLanes - 1));
-      if (d >= 0) {
-        constexpr int kLines = kPair ? 2 : 3, kGroups = 32 / kRowLanes;
-#pragma unroll
-        for (int m = 0; m < kLines; ++m) {
-          prefetch_l2(s.base + d + min(128 * (lane / kRowLanes + kGroups * m), 575));
-        }
-      }
+      scales_next[k] = tile_scales<kNumSrc>(p, tt, tile0 + 2 + k, slot_next[k]);
+      prefetch_tile_rows_l2<kNumSrc, kRowLanes>(p, tt, tile0 + 2 + k, slot_next[k], lane);  // its rows into L2
     }
     int64_t data_off[2];
 #pragma unroll

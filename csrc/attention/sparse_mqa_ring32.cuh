@@ -138,36 +138,6 @@ __device__ __forceinline__ void load_sub_half_fp8(uint8_t* buf_smem, const uint8
   mbar_arrive(ready);
 }
 
-// A row lane's scale bytes of tile `tile` at slot sl (lanes 0..15 hold a tile row each). fp8
-// rows of skipped entries (sl < 0) are zeros; their scale byte 127 (2^0) keeps them zeros.
-template <int kNumSrc>
-__device__ __forceinline__ uint2 tile_scales(const SparseMqaParams& p, const TokenTiles& tt, int tile, int sl) {
-  uint2 sw = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
-  if (sl >= 0) {
-    const PagedSource s = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile));
-    int64_t d, so;
-    row_offsets<true>(s, sl, d, so);
-    sw = ldg_nc_v2(s.base + so);
-  }
-  return sw;
-}
-
-// Tile `tile`'s rows (slot of row lane l % 16) into L2: lane l covers its row at bytes
-// min(128 (l / 16 + 2 m), 575), m < 3 (the six 128-byte lines a 576-byte row can touch).
-template <int kNumSrc>
-__device__ __forceinline__ void prefetch_tile_rows_l2(const SparseMqaParams& p, const TokenTiles& tt, int tile,
-                                                      int slot) {
-  const int lane = threadIdx.x & 31;
-  const PagedSource s = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile));
-  int64_t d, so;
-  row_offsets<true>(s, slot, d, so);
-  d = __shfl_sync(0xffffffffu, d, lane & 15);
-  if (d >= 0) {
-#pragma unroll
-    for (int m = 0; m < 3; ++m) prefetch_l2(s.base + d + min(128 * (lane / 16 + 2 * m), 575));
-  }
-}
-
 // The producer warpgroup's rounds of one item (round_base: the CTA's earlier rounds).
 // Per round (one tile): the next tile's slots and scales (its indices loaded a round
 // earlier), the tile after next's indices, the next tile's rows into L2; then the four
@@ -196,7 +166,7 @@ __device__ __forceinline__ void producer_loop_ring32(const SparseMqaParams& p, c
     const int slot_next = index_slot<kNumSrc>(p, tt, tile + 1, raw_next);
     raw_next = row_lane_ok ? tile_index<kNumSrc>(p, tt, b, i, tile + 2, row_lane) : -1;
     const uint2 scales_next = tile_scales<kNumSrc>(p, tt, tile + 1, slot_next);
-    prefetch_tile_rows_l2<kNumSrc>(p, tt, tile + 1, slot_next);  // the next tile's rows
+    prefetch_tile_rows_l2<kNumSrc>(p, tt, tile + 1, slot_next, lane);  // the next tile's rows
     const PagedSource src = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile));
     int64_t data_off, so;
     row_offsets<true>(src, slot, data_off, so);
@@ -310,7 +280,7 @@ __device__ __forceinline__ void producer_loop_ring32_ahead(const SparseMqaParams
     const int slot_next = index_slot<kNumSrc>(p, tt, tile + 1, raw_next);
     raw_next = row_lane_ok ? tile_index<kNumSrc>(p, tt, b, i, tile + 2, row_lane) : -1;
     const uint2 scales_next = tile_scales<kNumSrc>(p, tt, tile + 1, slot_next);
-    prefetch_tile_rows_l2<kNumSrc>(p, tt, tile + 1, slot_next);
+    prefetch_tile_rows_l2<kNumSrc>(p, tt, tile + 1, slot_next, lane);
     const PagedSource src = paged_source<kNumSrc>(p, tile_list<kNumSrc>(tt, tile));
     int64_t data_off, so;
     row_offsets<true>(src, slot, data_off, so);
