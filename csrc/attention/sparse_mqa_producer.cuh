@@ -300,8 +300,8 @@ __device__ __forceinline__ uint2 tile_scales(const SparseMqaParams& p, const Tok
 // Tile `tile`'s fp8 rows into L2, the slot of each row held by one of the first kRowLanes
 // lanes: lane l covers the row of lane l % kRowLanes at bytes min(128 (l / kRowLanes +
 // kGroups m), 575), m < kLines (the six 128-byte lines a 576-byte row can touch; with 8 row
-// lanes, 4 groups of 2 lines cover them). `lane` is the caller's lane index: taken from the
-// caller, the 64-key kernels' producers keep their SASS (recomputed here, they did not).
+// lanes, 4 groups of 2 lines cover them). `lane` is the caller's lane index (recomputed here from
+// threadIdx, the 64-key kernels' producers came out 8-16 instructions longer).
 template <int kNumSrc, int kRowLanes = 16>
 __device__ __forceinline__ void prefetch_tile_rows_l2(const SparseMqaParams& p, const TokenTiles& tt, int tile,
                                                       int slot, int lane) {
