@@ -27,8 +27,9 @@
 // sparse_mqa_producer.cuh (paged sources, row offsets, fp8 / bf16 loaders),
 // sparse_mqa_first_round.cuh (round 0 of a CTA's first item by all warpgroups),
 // sparse_mqa_softmax.cuh (the consumers' softmax arithmetic on S / P / O fragments, shared
-// with the ring32 kernel), sparse_mqa_combine.cuh (split-KV merge); the kernel and its
-// consumers are here.
+// with the ring32 kernel), sparse_mqa_item.cuh (a consumer's start and end of a work item:
+// sinks, state reset, row sums, output; shared too), sparse_mqa_combine.cuh (split-KV
+// merge); the kernel and its consumers are here.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -36,6 +37,7 @@
 #include <cstdint>
 
 #include "attention/sparse_mqa_combine.cuh"
+#include "attention/sparse_mqa_item.cuh"
 #include "attention/sparse_mqa_first_round.cuh"
 #include "attention/sparse_mqa_layout.cuh"
 #include "attention/sparse_mqa_params.cuh"
@@ -315,28 +317,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     const WorkItem wi = work_item(p, item);
     const int rounds = token_rounds(token_tiles<kNumSrc>(p, wi.b, wi.split));
     const int h0 = wi.hb * kHeadsPerCta + r0, h1 = h0 + 8;
-    // The sink logits of this thread's rows, loaded now (their latency overlaps Q's and the
-    // rounds), so that the epilogue does not start with a dependent global load. Only the
-    // unsplit path needs them (the combine applies the sink otherwise).
-    float sink0 = -INFINITY, sink1 = -INFINITY;
-    if (p.num_splits == 1 && p.sink != nullptr) {
-      sink0 = p.sink[h0];
-      sink1 = p.sink[h1];
-    }
-    // O starts at zero: set by the item's first PV (scale-d = 0: O = P V, which is what 0 + P V
-    // gives, zeros' signs aside), so the consumers' path to their first MMA carries no 64
-    // register-pair clears (1 KB of cold code on a small batch's critical path,
-    // docs/perf-history/2026-12-04-attention-code-diet.md); cleared here only for an item with
-    // no round (an empty token's output is 0) or under DSV4_ATTN_FIRST_PV_INIT=0. The register
-    // fence keeps the branch: without it the compiler merged the two paths by 128 selects,
-    // executed on every item.
-    if (rounds == 0 || !p.first_pv_init) {
-#pragma unroll
-      for (int k = 0; k < 128; ++k) o[k] = 0.f;
-      fence_regs(o);
-    }
-    m0 = m1 = -INFINITY;
-    l0 = l1 = 0.f;
+    float sink0, sink1;
+    start_item(p, rounds, h0, h1, o, m0, m1, l0, l1, sink0, sink1);
     cp_async_wait_all();
     fence_proxy_async_smem();
     named_bar_sync(kBarQ, 256);
@@ -450,19 +432,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
       }
     }
 
-    // Row sums: quad, then the other consumer's tiles (same final max on both).
-    float* ssum = reinterpret_cast<float*>(smem + kOffSum);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    if (quad == 0) {
-      ssum[g * 64 + r0] = l0;
-      ssum[g * 64 + r0 + 8] = l1;
-    }
-    named_bar_sync(kBarSum, 256);
-    l0 += ssum[(1 - g) * 64 + r0];
-    l1 += ssum[(1 - g) * 64 + r0 + 8];
+    reduce_row_sums(l0, l1, smem, g, r0, quad);
     // Both consumers are past their last S of this item, so Q's smem is free: the next item's
     // Q loads while this one's output is stored.
     if (item + static_cast<int>(gridDim.x) < num_items) load_q_tile(p, work_item(p, item + gridDim.x), smem);
@@ -471,58 +441,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_kernel(const __gri
     // The CTA's last item: let the combine (launched with programmatic stream serialization
     // when the call splits) get its CTAs scheduled and run its prologue during these stores.
     if (item + static_cast<int>(gridDim.x) >= num_items) pdl_launch_dependents();
-    constexpr float kLn2 = 0.6931471805599453f;
-    constexpr float kLog2e = 1.4426950408889634f;
-    const float lse0 = l0 > 0.f ? (m0 + __log2f(l0)) * kLn2 : -INFINITY;
-    const float lse1 = l1 > 0.f ? (m1 + __log2f(l1)) * kLn2 : -INFINITY;
-    if (p.num_splits == 1) {
-      float inv0 = 0.f, inv1 = 0.f;
-      // rcp.approx (1 ulp) rather than an IEEE division (a refinement sequence with a
-      // slow-path call): the sums are >= 1 (the reference max is at most the row's max, so
-      // its key contributes 2^(max - m) >= 1), far from subnormals, and the result is
-      // rounded to bf16.
-      if (l0 > 0.f) inv0 = rcp_approx_ftz(l0 + ex2_approx_ftz(sink0 * kLog2e - m0));
-      if (l1 > 0.f) inv1 = rcp_approx_ftz(l1 + ex2_approx_ftz(sink1 * kLog2e - m1));
-      // A quad holds 8 columns of each 8-column chunk j, two per lane. Lanes q and q ^ 1 swap one
-      // word so that each stores 4 contiguous columns (8 bytes): even lanes of chunk j, odd lanes
-      // of chunk j + 1. A warp store then writes whole 32-byte sectors, half as many as with
-      // 4-byte stores (the output stores were ~10% of the consumers' time).
-      const bool odd = quad & 1;
-      uint16_t* ob = p.out + wi.b * p.out_stride_b + wi.i * p.out_stride_q + 256 * g + 4 * (quad >> 1) + 8 * odd;
-      uint16_t* o0p = ob + h0 * p.out_stride_h;
-      uint16_t* o1p = ob + h1 * p.out_stride_h;
-#pragma unroll
-      for (int j = 0; j < 32; j += 2) {
-        const uint32_t a0 = pack_bf16x2(o[4 * j] * inv0, o[4 * j + 1] * inv0);  // chunk j, row r0
-        const uint32_t b0 = pack_bf16x2(o[4 * j + 4] * inv0, o[4 * j + 5] * inv0);  // chunk j + 1
-        const uint32_t a1 = pack_bf16x2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);  // row r0 + 8
-        const uint32_t b1 = pack_bf16x2(o[4 * j + 6] * inv1, o[4 * j + 7] * inv1);
-        const uint32_t x0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
-        const uint32_t x1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
-        *reinterpret_cast<uint2*>(o0p + 8 * j) = odd ? make_uint2(x0, b0) : make_uint2(a0, x0);
-        *reinterpret_cast<uint2*>(o1p + 8 * j) = odd ? make_uint2(x1, b1) : make_uint2(a1, x1);
-      }
-      if (g == 0 && quad == 0) {
-        p.lse[static_cast<int64_t>(wi.token) * p.num_heads + h0] = lse0;
-        p.lse[static_cast<int64_t>(wi.token) * p.num_heads + h1] = lse1;
-      }
-    } else {
-      const float inv0 = l0 > 0.f ? rcp_approx_ftz(l0) : 0.f;  // >= 1, see above
-      const float inv1 = l1 > 0.f ? rcp_approx_ftz(l1) : 0.f;
-      const int64_t row = (static_cast<int64_t>(wi.split) * p.batch * p.s_q + wi.token) * p.num_heads;
-      const int dcol = 256 * g + 2 * quad;
-      float* o0p = p.part_o + (row + h0) * kHeadDim + dcol;
-      float* o1p = p.part_o + (row + h1) * kHeadDim + dcol;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        *reinterpret_cast<float2*>(o0p + 8 * j) = make_float2(o[4 * j] * inv0, o[4 * j + 1] * inv0);
-        *reinterpret_cast<float2*>(o1p + 8 * j) = make_float2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
-      }
-      if (g == 0 && quad == 0) {
-        p.part_lse[row + h0] = lse0;
-        p.part_lse[row + h1] = lse1;
-      }
-    }
+    store_item_output(p, wi, o, l0, l1, m0, m1, sink0, sink1, h0, h1, g, quad);
     round_base += rounds;
   }  // work items
   // kPair: no CTA leaves while its peer's consumers may still arrive on its freed barriers

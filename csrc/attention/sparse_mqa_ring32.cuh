@@ -54,6 +54,7 @@
 #include <cstdint>
 
 #include "attention/sparse_mqa.cuh"  // load_q_tile, kMaxSlack
+#include "attention/sparse_mqa_item.cuh"
 #include "attention/sparse_mqa_layout.cuh"
 #include "attention/sparse_mqa_params.cuh"
 #include "attention/sparse_mqa_producer.cuh"
@@ -463,18 +464,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_ring32_kernel(cons
     const WorkItem wi = work_item(p, item);
     const int rounds = ring32_rounds(token_tiles<kNumSrc>(p, wi.b, wi.split));
     const int h0 = wi.hb * kHeadsPerCta + r0, h1 = h0 + 8;
-    float sink0 = -INFINITY, sink1 = -INFINITY;
-    if (p.num_splits == 1 && p.sink != nullptr) {
-      sink0 = p.sink[h0];
-      sink1 = p.sink[h1];
-    }
-    if (rounds == 0 || !p.first_pv_init) {
-#pragma unroll
-      for (int k = 0; k < 128; ++k) o[k] = 0.f;
-      fence_regs(o);
-    }
-    m0 = m1 = -INFINITY;
-    l0 = l1 = 0.f;
+    float sink0, sink1;
+    start_item(p, rounds, h0, h1, o, m0, m1, l0, l1, sink0, sink1);
     cp_async_wait_all();
     fence_proxy_async_smem();
     named_bar_sync(kBarQ, 256);
@@ -579,66 +570,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_ring32_kernel(cons
       }
     }
 
-    // Row sums and the epilogue: as sparse_mqa_fwd_kernel's.
-    float* ssum = reinterpret_cast<float*>(smem + kOffSum);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    if (quad == 0) {
-      ssum[g * 64 + r0] = l0;
-      ssum[g * 64 + r0 + 8] = l1;
-    }
-    named_bar_sync(kBarSum, 256);
-    l0 += ssum[(1 - g) * 64 + r0];
-    l1 += ssum[(1 - g) * 64 + r0 + 8];
+    // Row sums and the epilogue: as sparse_mqa_fwd_kernel's (sparse_mqa_item.cuh).
+    reduce_row_sums(l0, l1, smem, g, r0, quad);
     if (item + static_cast<int>(gridDim.x) < num_items) load_q_tile(p, work_item(p, item + gridDim.x), smem);
 
     if (item + static_cast<int>(gridDim.x) >= num_items) pdl_launch_dependents();
-    constexpr float kLn2 = 0.6931471805599453f;
-    constexpr float kLog2e = 1.4426950408889634f;
-    const float lse0 = l0 > 0.f ? (m0 + __log2f(l0)) * kLn2 : -INFINITY;
-    const float lse1 = l1 > 0.f ? (m1 + __log2f(l1)) * kLn2 : -INFINITY;
-    if (p.num_splits == 1) {
-      float inv0 = 0.f, inv1 = 0.f;
-      if (l0 > 0.f) inv0 = rcp_approx_ftz(l0 + ex2_approx_ftz(sink0 * kLog2e - m0));
-      if (l1 > 0.f) inv1 = rcp_approx_ftz(l1 + ex2_approx_ftz(sink1 * kLog2e - m1));
-      const bool odd = quad & 1;
-      uint16_t* ob = p.out + wi.b * p.out_stride_b + wi.i * p.out_stride_q + 256 * g + 4 * (quad >> 1) + 8 * odd;
-      uint16_t* o0p = ob + h0 * p.out_stride_h;
-      uint16_t* o1p = ob + h1 * p.out_stride_h;
-#pragma unroll
-      for (int j = 0; j < 32; j += 2) {
-        const uint32_t a0 = pack_bf16x2(o[4 * j] * inv0, o[4 * j + 1] * inv0);
-        const uint32_t b0 = pack_bf16x2(o[4 * j + 4] * inv0, o[4 * j + 5] * inv0);
-        const uint32_t a1 = pack_bf16x2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
-        const uint32_t b1 = pack_bf16x2(o[4 * j + 6] * inv1, o[4 * j + 7] * inv1);
-        const uint32_t x0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
-        const uint32_t x1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
-        *reinterpret_cast<uint2*>(o0p + 8 * j) = odd ? make_uint2(x0, b0) : make_uint2(a0, x0);
-        *reinterpret_cast<uint2*>(o1p + 8 * j) = odd ? make_uint2(x1, b1) : make_uint2(a1, x1);
-      }
-      if (g == 0 && quad == 0) {
-        p.lse[static_cast<int64_t>(wi.token) * p.num_heads + h0] = lse0;
-        p.lse[static_cast<int64_t>(wi.token) * p.num_heads + h1] = lse1;
-      }
-    } else {
-      const float inv0 = l0 > 0.f ? rcp_approx_ftz(l0) : 0.f;
-      const float inv1 = l1 > 0.f ? rcp_approx_ftz(l1) : 0.f;
-      const int64_t row = (static_cast<int64_t>(wi.split) * p.batch * p.s_q + wi.token) * p.num_heads;
-      const int dcol = 256 * g + 2 * quad;
-      float* o0p = p.part_o + (row + h0) * kHeadDim + dcol;
-      float* o1p = p.part_o + (row + h1) * kHeadDim + dcol;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        *reinterpret_cast<float2*>(o0p + 8 * j) = make_float2(o[4 * j] * inv0, o[4 * j + 1] * inv0);
-        *reinterpret_cast<float2*>(o1p + 8 * j) = make_float2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
-      }
-      if (g == 0 && quad == 0) {
-        p.part_lse[row + h0] = lse0;
-        p.part_lse[row + h1] = lse1;
-      }
-    }
+    store_item_output(p, wi, o, l0, l1, m0, m1, sink0, sink1, h0, h1, g, quad);
     round_base += rounds;
   }  // work items
 }
