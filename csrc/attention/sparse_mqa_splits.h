@@ -104,8 +104,9 @@ inline int choose_splits(int64_t base_ctas, int64_t max_tiles, int sms, bool pri
 // From the look-back of docs/perf-history/2026-12-07-attention-ring32.md (H100): value 2
 // won where items are short (V4-Pro HCA 4K, 3 tiles: 0.85-0.94x -> 0.98-1.05x FlashMLA at
 // B = 8-256; SWA, 2-3 tiles; CSA / HCA split items at B = 8-16), tied at 9 tiles (CSA 4K
-// B = 32, 2 splits: 53.2 us both) and lost 3-7% at 18 tiles (B >= 64 unsplit). Not yet
-// measured as a rule, nor on an H200.
+// B = 32, 2 splits: 53.2 us both) and lost 3-7% at 18 tiles (B >= 64 unsplit). Measured as
+// the rule on H100s since (that note's look-backs: V4-Pro 0.98-1.13x FlashMLA over the whole
+// decode sweep at 8752082); not yet on an H200.
 constexpr int64_t kRing32MaxTiles = 9;
 inline int pick_ring32(int64_t max_tiles, int num_splits, std::optional<int> forced) {
   if (forced.has_value()) return *forced;
