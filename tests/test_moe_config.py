@@ -33,7 +33,7 @@ import dsv4._ops
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 OVERRIDES = ("DSV4_MOE_WS", "DSV4_MOE_SPLITK", "DSV4_MOE_DIRECT_X", "DSV4_MOE_PDL", "DSV4_MOE_GEMM2_RESIDENT",
-             "DSV4_MOE_FUSED_ROUTE", "DSV4_MOE_GEMM1_PAIRS", "DSV4_MOE_GEMM2_PAIRS")
+             "DSV4_MOE_FUSED_ROUTE", "DSV4_MOE_GEMM1_PAIRS", "DSV4_MOE_GEMM2_PAIRS", "DSV4_MOE_LATE_ZERO")
 CHOICES = {"DSV4_MOE_BLOCK_N": "`8`, `16`, `64`", "DSV4_MOE_GEMM2_ROWS": "`1`, `2`, `4`, `8`"}  # -> README's values
 ATTN_OVERRIDES = ("DSV4_ATTN_PRICED_SPLITS", "DSV4_ATTN_PDL", "DSV4_ATTN_SPECIALIZE", "DSV4_ATTN_MAIN_PDL",
                   "DSV4_ATTN_COOP_ROUND", "DSV4_ATTN_PRODUCER_AHEAD", "DSV4_ATTN_COOP_PREFETCH",
@@ -363,7 +363,7 @@ MX_BLOCK_NS = (8, 16, 64)
 
 
 def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=None, block_n=None, rows=None,
-                    resident=None, fused=None, pairs=None, pairs2=None):
+                    resident=None, fused=None, pairs=None, pairs2=None, late_zero=None):
     """mxfp4_moe's get_best_config, written out (csrc/moe/config.h)."""
     S, per_expert = M * topk, M * topk / Eg
     bn = block_n or _block_n(per_expert, 16)  # config.h kMxfp4Max16
@@ -402,14 +402,17 @@ def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=Non
     # the token tile is resident (2 <= G2 <= 4), in place of the resident kernel when forced on
     p2 = int(bool(pr) and r > 1 and (not 2 <= G2 <= 4 if pairs2 is None else bool(pairs2)))
     res = 0 if p2 else res
+    # the zero rows of all-remote tokens by GEMM1's pair kernel: only where it runs, off by default
+    lz = int(bool(pr) and bool(late_zero))
     return [bn, tiles, int(S > 8192), int(sk), g1, g2, max(g1, g2),
-            1 if pdl is None else int(pdl), qctas, r, res, fr, grid, pr, gp, p2]
+            1 if pdl is None else int(pdl), qctas, r, res, fr, grid, pr, gp, p2, lz]
 
 
 @needs_extension
 def test_mxfp4_config():
-    def config(shape, device, overrides):  # overrides not given are unset (the last two: DSV4_MOE_GEMM1_PAIRS, _GEMM2_PAIRS)
-        return torch.ops.dsv4_testing.mxfp4_moe_config(shape, device, list(overrides) + [-1] * (8 - len(overrides)))
+    def config(shape, device, overrides):  # overrides not given are unset (the last three: DSV4_MOE_GEMM1_PAIRS,
+        # _GEMM2_PAIRS, _LATE_ZERO)
+        return torch.ops.dsv4_testing.mxfp4_moe_config(shape, device, list(overrides) + [-1] * (9 - len(overrides)))
 
     shapes = [(9, 256, 128, 4, 4, 2), (1, 4096, 2048, 32, 256, 6), (1, 7168, 3072, 48, 384, 6),
               (64, 4096, 2048, 32, 256, 6), (512, 5120, 2304, 48, 384, 6), (512, 5120, 320, 384, 384, 6),
@@ -468,11 +471,11 @@ def test_mxfp4_config():
     # touched experts, a quarter more: 161 rows, against the bound's 799 (without pairs)
     flash8k = [8192, 4096, 2048, 32, 256, 6]
     no_pairs = config(flash8k, MX_DEVICE, [-1] * 6 + [0])
-    assert no_pairs[1:2] + no_pairs[12:] == [799, 161, 0, 0, 0]
+    assert no_pairs[1:2] + no_pairs[12:] == [799, 161, 0, 0, 0, 0]
     # with pairs (192 tokens per local expert: the rule's default): the bound 799 + 32 (+1 to
     # even), the pairs' grid: 48 pairs of full tiles + 32 touched experts, a quarter more: 101
     pairs = config(flash8k, MX_DEVICE, [])
-    assert pairs[1:2] + pairs[12:] == [832, 161, 1, 101, 1]
+    assert pairs[1:2] + pairs[12:] == [832, 161, 1, 101, 1, 0]
     # the rule: from 128 tokens per local expert (V4-Pro EP8 and TP8 at M = 8192), not at 2048
     for shape, want in (([8192, 7168, 3072, 48, 384, 6], 1), ([8191, 7168, 3072, 48, 384, 6], 0),
                         ([2048, 4096, 2048, 32, 256, 6], 0), ([8192, 5120, 288, 384, 384, 6], 1)):
@@ -498,6 +501,17 @@ def test_mxfp4_config():
             for p2 in (None, 0, 1):
                 ov = [-1, -1, -1, -1 if rows is None else rows, -1, -1, -1, -1 if p2 is None else p2]
                 assert config(shape, MX_DEVICE, ov) == _mxfp4_expected(*shape, rows=rows, pairs2=p2), (shape, rows, p2)
+    # the all-remote tokens' zero rows by GEMM1's pair kernel: off by default, on where forced and
+    # the pairs run (M >= 8192 at V4-Pro EP8), never without them
+    assert [config(s, MX_DEVICE, [])[16] for s in (pro8k, flash8k, tp8)] == [0, 0, 0]
+    assert [config(s, MX_DEVICE, [-1] * 8 + [1])[16] for s in (pro8k, flash8k, tp8)] == [1, 1, 1]
+    assert config(pro8k, MX_DEVICE, [-1] * 6 + [0, -1, 1])[16] == 0  # no pairs: the quantization writes them
+    assert config([2048, 7168, 3072, 48, 384, 6], MX_DEVICE, [-1] * 8 + [1])[16] == 0
+    for shape in (pro8k, flash8k, [2048, 4096, 2048, 32, 256, 6], [512, 7168, 3072, 48, 384, 6]):
+        for lz in (None, 0, 1):
+            for pr in (None, 0, 1):
+                ov = [-1] * 6 + [-1 if pr is None else pr, -1, -1 if lz is None else lz]
+                assert config(shape, MX_DEVICE, ov) == _mxfp4_expected(*shape, pairs=pr, late_zero=lz), (shape, pr, lz)
 
 
 # ---------------------------------------------------- GPU / extension ---------

@@ -714,6 +714,13 @@ def _pair_outputs(cases, seed: int, reference: bool, graph: bool = True) -> list
         x, ids, tw, emap = _gpu_case(name, M, seed=M + seed + 1, routing="skewed")
         kw = {} if emap is None else {"expert_map": emap}
         outs.append(routed_moe(x, ids, tw, p, **kw).cpu())
+    # every token remote: no token tile, so the quantization zeroes every row (with
+    # DSV4_MOE_LATE_ZERO=1 GEMM1's pair kernel takes them over only where a tile exists)
+    w, p = _gpu_model("pro")
+    x, ids, tw, emap = _gpu_case("pro", 999, seed=seed + 3)
+    outs.append(routed_moe(x, ids, tw, p, expert_map=torch.full_like(emap, -1),
+                           out=torch.full_like(x, float("nan"))).cpu())
+    assert torch.equal(outs[-1], torch.zeros_like(outs[-1]))
     if not graph:
         return outs
     w, p = _gpu_model("pro")
@@ -741,20 +748,25 @@ def test_gpu_gemm1_pairs_bitwise(tmp_path):
     """mxfp4_gemm1_pair_kernel (a CTA per weight tile and pair of an expert's token tiles,
     each weight chunk converted once for both) computes each tile's sums, promotions and
     epilogue as the one-tile kernel does, so the outputs are bitwise equal; the routing's
-    empty second tiles of odd counts are skipped by GEMM2 (classic, rows and resident)."""
+    empty second tiles of odd counts are skipped by GEMM2 (classic, rows and resident). With
+    DSV4_MOE_LATE_ZERO=1 the pair kernel writes the all-remote tokens' zero rows (poisoned
+    outputs, expert maps, a graph replay), again bitwise equal."""
     outs = {}
-    for pairs in ("0", "1"):
-        path = tmp_path / f"pairs{pairs}.pt"
-        # GEMM2 pinned to the rows / resident / classic kernels (its pair kernel: the test below)
+    for pairs, lz in (("0", "0"), ("1", "0"), ("1", "1")):
+        path = tmp_path / f"pairs{pairs}-{lz}.pt"
+        # GEMM2 pinned to the rows / resident / classic kernels (its pair kernel: the test below);
+        # DSV4_MOE_LATE_ZERO=1: the all-remote tokens' zero rows by GEMM1's pair kernel
         env = dict(DSV4_MOE_BLOCK_N="64", DSV4_MOE_SPLITK="0", DSV4_MOE_GEMM1_PAIRS=pairs, DSV4_MOE_GEMM2_PAIRS="0",
-                   DSV4_PRINT_CONFIG="1")
+                   DSV4_MOE_LATE_ZERO=lz, DSV4_PRINT_CONFIG="1")
         r = _run_child(env, f"_child_gemm1_pairs({str(path)!r})")
-        printed = re.findall(r"^dsv4 config mxfp4_moe: .* gemm1_pairs=(\d)", r.stderr, re.M)
-        assert printed and {p for p in printed} == {pairs}, printed
-        outs[pairs] = torch.load(path)
-    assert len(outs["0"]) == len(PAIR_CASES) + 3
-    for i, (a, b) in enumerate(zip(outs["0"], outs["1"])):
-        assert torch.isfinite(b).all() and torch.equal(a, b), i
+        printed = re.findall(r"^dsv4 config mxfp4_moe: .* gemm1_pairs=(\d) .* late_zero=(\d)", r.stderr, re.M)
+        assert printed and set(printed) == {(pairs, lz)}, printed  # the overrides in effect on every call
+        outs[pairs, lz] = torch.load(path)
+    ref = outs["0", "0"]
+    assert len(ref) == len(PAIR_CASES) + 4
+    for key, got in outs.items():
+        for i, (a, b) in enumerate(zip(ref, got)):
+            assert torch.isfinite(b).all() and torch.equal(a, b), (key, i)
 
 
 # GEMM2 on pairs: odd and even tile counts per expert (the second tile of an odd count
@@ -791,7 +803,7 @@ def test_gpu_gemm2_pairs_bitwise(tmp_path):
         assert printed and set(printed) == want, printed
         outs[pairs2, rows] = torch.load(path)
     ref = outs["0", "4"]
-    assert len(ref) == len(GEMM2_PAIR_CASES) + 3
+    assert len(ref) == len(GEMM2_PAIR_CASES) + 4
     for key, got in outs.items():
         for i, (a, b) in enumerate(zip(ref, got)):
             assert torch.isfinite(b).all() and torch.equal(a, b), (key, i)

@@ -55,6 +55,7 @@ struct Switches {
   std::optional<bool> moe_fused_route;  // DSV4_MOE_FUSED_ROUTE: 0 = mxfp4_moe's routing kernel at decode sizes too
   std::optional<bool> moe_gemm1_pairs;  // DSV4_MOE_GEMM1_PAIRS: 1 = mxfp4_moe's GEMM1 on pairs of 64-token tiles
   std::optional<bool> moe_gemm2_pairs;  // DSV4_MOE_GEMM2_PAIRS: 1 = mxfp4_moe's GEMM2 on pairs of 64-token tiles
+  std::optional<bool> moe_late_zero;    // DSV4_MOE_LATE_ZERO: 1 = all-remote tokens' zero rows by GEMM1's pair kernel
   bool print_config;                 // DSV4_PRINT_CONFIG=1: each MoE call prints its config to stderr
   // Sparse MQA attention (csrc/attention/sparse_mqa.cu); unset: the library's rule.
   std::optional<bool> attn_priced_splits;  // DSV4_ATTN_PRICED_SPLITS: 0 = the earlier split-count rule
@@ -87,6 +88,7 @@ inline Switches read_switches() {
   s.moe_fused_route = get("DSV4_MOE_FUSED_ROUTE");
   s.moe_gemm1_pairs = get("DSV4_MOE_GEMM1_PAIRS");
   s.moe_gemm2_pairs = get("DSV4_MOE_GEMM2_PAIRS");
+  s.moe_late_zero = get("DSV4_MOE_LATE_ZERO");
   s.print_config = get("DSV4_PRINT_CONFIG").value_or(false);
   s.attn_priced_splits = get("DSV4_ATTN_PRICED_SPLITS");
   // Counts up to 16, all within attention::kMaxSplits (sparse_mqa_splits.h asserts it).

@@ -294,6 +294,7 @@ struct Mxfp4MoeConfig {
   int grid_pairs;        // ... its grid's rows of tile pairs
   bool gemm2_pairs;      // GEMM2 on pairs of an expert's 64-token tiles (mxfp4_gemm2_pair_kernel, gemm2_rows / 2
                          // weight tiles per CTA; needs gemm1_pairs' tile_pairs)
+  bool late_zero;        // the output rows of tokens without a local slot zeroed by GEMM1's pair kernel
 };
 
 // GEMM1 on pairs of an expert's tiles from two full tiles per expert: measured 1.01-1.10x
@@ -376,6 +377,14 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
   // DSV4_MOE_GEMM2_PAIRS=1 turns it on there too, in place of the resident kernel, =0 off.
   cfg.gemm2_pairs = cfg.gemm1_pairs && cfg.gemm2_rows > 1 && o.moe_gemm2_pairs.value_or(G2 < 2 || G2 > 4);
   if (cfg.gemm2_pairs) cfg.gemm2_resident = false;
+  // Under expert parallelism the output rows of tokens without a local slot are zeros (45%
+  // of the tokens at EP8, top-6 of 384), written by the quantization of GEMM1's input,
+  // which is bound by memory: at V4-Pro M = 8192 they are 53 of its ~161 MB. Where GEMM1
+  // runs on pairs (M >= 8192 at EP8) it is bound by its MMA chains, not by memory, so its
+  // pair kernel may write those rows instead (mxfp4_gemm.cuh zero_remote_rows). Off until
+  // measured (DSV4_MOE_LATE_ZERO=1 turns it on where the pairs run;
+  // docs/perf-history/2026-12-07-mxfp4-w4a8-late-zero.md).
+  cfg.late_zero = cfg.gemm1_pairs && o.moe_late_zero.value_or(false);
   // the classic grids (GEMM2's rows kernels have max_tiles rows), on the final bound
   TORCH_CHECK(cfg.splitk || cfg.max_tiles <= 65535, "dsv4: mxfp4_moe's GEMM grid takes at most 65535 token tiles, ",
               "got ", cfg.max_tiles, " (M * k = ", S, " slots); call it on fewer tokens at a time");
@@ -399,7 +408,7 @@ inline void print_config(const Mxfp4MoeShape& c, const Mxfp4DeviceFacts& d, cons
       " splitk=", int(cfg.splitk), " sk_ctas=", cfg.sk_ctas, " pdl=", int(cfg.pdl), " quant_ctas=", cfg.quant_ctas,
       " gemm2_rows=", cfg.gemm2_rows, " gemm2_resident=", int(cfg.gemm2_resident),
       " fused_route=", int(cfg.fused_route), " grid_tiles=", cfg.grid_tiles, " gemm1_pairs=", int(cfg.gemm1_pairs),
-      " grid_pairs=", cfg.grid_pairs, " gemm2_pairs=", int(cfg.gemm2_pairs),
+      " grid_pairs=", cfg.grid_pairs, " gemm2_pairs=", int(cfg.gemm2_pairs), " late_zero=", int(cfg.late_zero),
       " workspace_bytes=", workspace_bytes);
   std::fprintf(stderr, "%s\n", line.c_str());
   std::fflush(stderr);

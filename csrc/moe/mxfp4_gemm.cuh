@@ -255,7 +255,8 @@ __device__ __forceinline__ void quantize_x(const W4A8Params& p, Route route, Slo
 // steps (a window of consecutive tokens at a time), the next step's loads in flight while
 // it converts one; the first step's loads are issued before the routing grid is done
 // (PDL). The warp of a token's first step also writes its combine_left entries and zeroes
-// its output row when it has no local slot. A group's arithmetic is quantize_raw's
+// its output row when it has no local slot (where GEMM1 runs on pairs, GEMM1 writes those
+// rows: zero_remote_rows). A group's arithmetic is quantize_raw's
 // (group_scale, quantize_word), so xg and xgs are the same bit for bit.
 template <bool kUe8m0>
 __global__ void __launch_bounds__(256, kQuantXCtasPerSm) mxfp4_quant_x_kernel(const W4A8Params p) {
@@ -307,6 +308,9 @@ __global__ void __launch_bounds__(256, kQuantXCtasPerSm) mxfp4_quant_x_kernel(co
   uint4 cur[4];
   if (warp < steps) load(tkn, step, cur);  // before the routing is known: x is the call's input
   pdl_wait();  // the routing's tables from here on
+  // The zero rows of tokens without a local slot: here, unless GEMM1's pair kernel writes
+  // them (late_zero), which it does only where a token tile exists.
+  const bool zero_here = !p.late_zero || __ldg(p.num_tiles) == 0;
   int pos_cur = warp < steps ? lookup(tkn) : -1;
   int pos_nxt = warp < steps - nwarps ? lookup(tkn1) : -1;
   const int RT2 = p.K / kTileRows;
@@ -386,7 +390,7 @@ __global__ void __launch_bounds__(256, kQuantXCtasPerSm) mxfp4_quant_x_kernel(co
     }
     if (step == 0) {  // once per token: GEMM2's combine counters, and a zero output without local slots
       for (int rt = lane; rt < RT2; rt += 32) p.combine_left[size_t(tkn) * RT2 + rt] = local;
-      if (local == 0) {  // no GEMM2 CTA writes this token
+      if (local == 0 && zero_here) {  // no GEMM2 CTA writes this token
         uint4* o = reinterpret_cast<uint4*>(p.out + size_t(tkn) * p.K);
         for (int c = lane; c < p.K / 8; c += 32) o[c] = make_uint4(0, 0, 0, 0);
       }
@@ -993,6 +997,44 @@ __global__ void __launch_bounds__(kThreads) mxfp4_gemm_kernel(const W4A8Params p
 
 // ------------------------------------------------------ GEMM1 on pairs of tiles ---
 
+// The zero output rows of tokens without a local slot, where GEMM1's pair kernel writes them
+// (config.h late_zero; mxfp4_quant_x_kernel elsewhere). Working CTA `unit` of `units` takes
+// kZeroTokens consecutive tokens (unit * kZeroTokens, then + units * kZeroTokens, ...), so
+// the first waves do it all: at V4-Pro M = 8192 under a tenth of the CTAs, one slot lookup
+// round trip each at its start (a warp looks up its tokens' slots together). At the start,
+// not beside the K loop: there the same code cost the loop two spilled registers (SASS).
+// Ordering: the stores precede the CTA's epilogue, whose __threadfence precedes its count
+// of its h groups (gemm1_epilogue); GEMM2, every CTA of which acquires the h it reads,
+// therefore finishes after them, and so does the op. Streaming stores (evict first): the
+// rows are not read again in the op.
+constexpr int kZeroTokens = 16;
+
+__device__ __forceinline__ void zero_remote_rows(const W4A8Params& p, int unit, int units, int tid) {
+  constexpr int kPerWarp = kZeroTokens / (kThreads / 32);
+  const int warp = tid >> 5, lane = tid & 31;
+  for (int base = unit * kZeroTokens; base < p.M; base += units * kZeroTokens) {
+    int pos[kPerWarp];
+#pragma unroll
+    for (int i = 0; i < kPerWarp; ++i) {
+      const int t = base + warp * kPerWarp + i;
+      pos[i] = t < p.M && lane < p.topk ? __ldg(p.slot_pos + size_t(t) * p.topk + lane) : -1;
+    }
+#pragma unroll
+    for (int i = 0; i < kPerWarp; ++i) {
+      const int t = base + warp * kPerWarp + i;
+      bool local = __ballot_sync(0xFFFFFFFFu, pos[i] >= 0) != 0;
+      for (int j0 = 32; !local && j0 < p.topk; j0 += 32) {  // more than 32 slots per token
+        const int j = j0 + lane;
+        local = __ballot_sync(0xFFFFFFFFu, j < p.topk && __ldg(p.slot_pos + size_t(t) * p.topk + j) >= 0) != 0;
+      }
+      if (t < p.M && !local) {
+        uint4* o = reinterpret_cast<uint4*>(p.out + size_t(t) * p.K);
+        for (int c = lane; c < p.K / 8; c += 32) __stcs(o + c, make_uint4(0, 0, 0, 0));
+      }
+    }
+  }
+}
+
 // GEMM1 at 64-token tiles, a CTA per 64-row weight tile and PAIR of token tiles of one
 // expert (routing with tile_pairs: every expert has an even number of tiles, the second
 // of an odd count empty). Why: the one-tile kernel spends 228 instructions per 128-chunk
@@ -1128,6 +1170,10 @@ __global__ void __launch_bounds__(kThreads, 4) mxfp4_gemm1_pair_kernel(const W4A
   __shared__ __align__(16) uint8_t lut[kLutBytes];
   const int num_pairs = __ldcg(p.num_tiles) / 2;
   if (int(blockIdx.y) >= num_pairs) return;
+  // the working CTAs (blockIdx.y < num_pairs) share the zero rows
+  if (p.late_zero)
+    zero_remote_rows(p, blockIdx.y * gridDim.x + blockIdx.x, int(gridDim.x) * min(int(gridDim.y), num_pairs),
+                     threadIdx.x);
   init_cta(full, lut);
   int ring = 0;
   uint32_t phase = 0;

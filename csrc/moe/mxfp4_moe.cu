@@ -305,6 +305,7 @@ void mxfp4_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor
   p.has_limit = swiglu_limit.has_value() ? 1 : 0;
   p.swiglu_limit = swiglu_limit.has_value() ? float(*swiglu_limit) : 0.0f;
   p.sk_ctas = cfg.sk_ctas;
+  p.late_zero = cfg.late_zero ? 1 : 0;
   p.slot_pos = rp.slot_pos;
   p.row_slot = rp.row_slot;
   p.tile_expert = rp.tile_expert;

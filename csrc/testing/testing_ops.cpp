@@ -93,14 +93,15 @@ std::vector<int64_t> nvfp4_moe_config(c10::IntArrayRef shape, bool nvfp4, int64_
 //   device: [sms, then per token tile 8, 16, 64 the resident split-K GEMM1, split-K GEMM2
 //     and classic GEMM1 CTAs per SM] (10 values, Mxfp4DeviceFacts);
 //   overrides: [DSV4_MOE_SPLITK, DSV4_MOE_PDL, DSV4_MOE_BLOCK_N, DSV4_MOE_GEMM2_ROWS,
-//     DSV4_MOE_GEMM2_RESIDENT, DSV4_MOE_FUSED_ROUTE, DSV4_MOE_GEMM1_PAIRS, DSV4_MOE_GEMM2_PAIRS],
+//     DSV4_MOE_GEMM2_RESIDENT, DSV4_MOE_FUSED_ROUTE, DSV4_MOE_GEMM1_PAIRS, DSV4_MOE_GEMM2_PAIRS,
+//     DSV4_MOE_LATE_ZERO],
 //     -1 = unset.
 // Returns [block_n, max_tiles, multi_cta_route, splitk, gemm1_ctas, gemm2_ctas, sk_ctas,
 // pdl, quant_ctas, gemm2_rows, gemm2_resident, fused_route, grid_tiles, gemm1_pairs,
-// grid_pairs, gemm2_pairs] (Mxfp4MoeConfig's fields in order).
+// grid_pairs, gemm2_pairs, late_zero] (Mxfp4MoeConfig's fields in order).
 std::vector<int64_t> mxfp4_moe_config(c10::IntArrayRef shape, c10::IntArrayRef device, c10::IntArrayRef overrides) {
-  TORCH_CHECK(shape.size() == 6 && device.size() == 10 && overrides.size() == 8,
-              "dsv4_testing::mxfp4_moe_config: shape has 6 values, device 10, overrides 8");
+  TORCH_CHECK(shape.size() == 6 && device.size() == 10 && overrides.size() == 9,
+              "dsv4_testing::mxfp4_moe_config: shape has 6 values, device 10, overrides 9");
   const moe::Mxfp4MoeShape c{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5]};
   moe::Mxfp4DeviceFacts d{};
   d.sms = int(device[0]);
@@ -115,10 +116,11 @@ std::vector<int64_t> mxfp4_moe_config(c10::IntArrayRef shape, c10::IntArrayRef d
   o.moe_fused_route = as_switch(overrides[5]);
   o.moe_gemm1_pairs = as_switch(overrides[6]);
   o.moe_gemm2_pairs = as_switch(overrides[7]);
+  o.moe_late_zero = as_switch(overrides[8]);
   const moe::Mxfp4MoeConfig g = moe::get_best_config(c, d, o);
   return {g.block_n,    g.max_tiles, g.multi_cta_route, g.splitk,     g.gemm1_ctas,     g.gemm2_ctas,
           g.sk_ctas,    g.pdl,       g.quant_ctas,      g.gemm2_rows, g.gemm2_resident, g.fused_route,
-          g.grid_tiles, g.gemm1_pairs, g.grid_pairs, g.gemm2_pairs};
+          g.grid_tiles, g.gemm1_pairs, g.grid_pairs, g.gemm2_pairs, g.late_zero};
 }
 
 }  // namespace

@@ -26,7 +26,8 @@ rows -> DSV4_MOE_GEMM2_ROWS: GEMM2's weight tiles per CTA (NVFP4: where N <= 512
 res -> DSV4_MOE_GEMM2_RESIDENT: 0 fetches GEMM2's token tile per weight tile; fr ->
 DSV4_MOE_FUSED_ROUTE: 0 keeps MXFP4 W4A8's routing kernel at decode sizes; pair ->
 DSV4_MOE_GEMM1_PAIRS: 1 runs MXFP4 W4A8's GEMM1 on pairs of 64-token tiles; pair2 ->
-DSV4_MOE_GEMM2_PAIRS: 1 runs its GEMM2 on them too (where GEMM1's pairs run);
+DSV4_MOE_GEMM2_PAIRS: 1 runs its GEMM2 on them too (where GEMM1's pairs run); lz ->
+DSV4_MOE_LATE_ZERO: 1 has GEMM1's pair kernel write the all-remote tokens' zero rows;
 README.md, "Environment variables"). The library reads them once per
 process, so each variant runs in a child process of its own and the rows are merged.
 --profile prints per-kernel device times (torch.profiler, CUDA-graph replays, warm L2) of every size.
@@ -54,7 +55,7 @@ SUMMARY = "routed-expert MoE (NVFP4, MXFP4) rates against a bf16 grouped-GEMM ba
 SWITCHES = {"sk": "DSV4_MOE_SPLITK", "pdl": "DSV4_MOE_PDL", "dx": "DSV4_MOE_DIRECT_X", "ws": "DSV4_MOE_WS",
             "bn": "DSV4_MOE_BLOCK_N", "rows": "DSV4_MOE_GEMM2_ROWS", "res": "DSV4_MOE_GEMM2_RESIDENT",
             "fr": "DSV4_MOE_FUSED_ROUTE", "pair": "DSV4_MOE_GEMM1_PAIRS",
-            "pair2": "DSV4_MOE_GEMM2_PAIRS"}
+            "pair2": "DSV4_MOE_GEMM2_PAIRS", "lz": "DSV4_MOE_LATE_ZERO"}
 VALUES = {"bn": ("8", "16", "64"), "rows": ("1", "2", "4", "8")}  # the others: "0", "1"
 N_SETS = 4
 
