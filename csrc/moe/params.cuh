@@ -204,8 +204,8 @@ struct W4A8Params {
   int ue8m0, has_limit;
   float swiglu_limit;
   int sk_ctas;                      // split-K: bound on either GEMM's grid (0: classic grids)
-  int late_zero;                    // the zero rows of tokens without a local slot: by GEMM1's pair kernel
-                                    // (mxfp4_gemm.cuh zero_remote_rows), not mxfp4_quant_x_kernel
+  int late_zero;                    // 1: the zero rows of tokens without a local slot by GEMM1's pair kernel
+                                    // (zero_remote_rows), not by mxfp4_quant_x_kernel (config.h late_zero)
   // routing (routing.cuh)
   const int* slot_pos;              // [M * topk] padded row of each slot, -1 = not local
   const int* row_slot;              // [max_tiles * block_n] slot of each padded row, -1 = padding
