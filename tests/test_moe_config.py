@@ -402,8 +402,8 @@ def _mxfp4_expected(M, K, N, E, Eg, topk, device=MX_DEVICE, splitk=None, pdl=Non
     # the token tile is resident (2 <= G2 <= 4), in place of the resident kernel when forced on
     p2 = int(bool(pr) and r > 1 and (not 2 <= G2 <= 4 if pairs2 is None else bool(pairs2)))
     res = 0 if p2 else res
-    # the zero rows of all-remote tokens by GEMM1's pair kernel: only where it runs, off by default
-    lz = int(bool(pr) and bool(late_zero))
+    # the zero rows of all-remote tokens by GEMM1's pair kernel: wherever it runs, unless switched off
+    lz = int(bool(pr) and (late_zero is None or bool(late_zero)))
     return [bn, tiles, int(S > 8192), int(sk), g1, g2, max(g1, g2),
             1 if pdl is None else int(pdl), qctas, r, res, fr, grid, pr, gp, p2, lz]
 
@@ -475,7 +475,7 @@ def test_mxfp4_config():
     # with pairs (192 tokens per local expert: the rule's default): the bound 799 + 32 (+1 to
     # even), the pairs' grid: 48 pairs of full tiles + 32 touched experts, a quarter more: 101
     pairs = config(flash8k, MX_DEVICE, [])
-    assert pairs[1:2] + pairs[12:] == [832, 161, 1, 101, 1, 0]
+    assert pairs[1:2] + pairs[12:] == [832, 161, 1, 101, 1, 1]
     # the rule: from 128 tokens per local expert (V4-Pro EP8 and TP8 at M = 8192), not at 2048
     for shape, want in (([8192, 7168, 3072, 48, 384, 6], 1), ([8191, 7168, 3072, 48, 384, 6], 0),
                         ([2048, 4096, 2048, 32, 256, 6], 0), ([8192, 5120, 288, 384, 384, 6], 1)):
@@ -501,10 +501,10 @@ def test_mxfp4_config():
             for p2 in (None, 0, 1):
                 ov = [-1, -1, -1, -1 if rows is None else rows, -1, -1, -1, -1 if p2 is None else p2]
                 assert config(shape, MX_DEVICE, ov) == _mxfp4_expected(*shape, rows=rows, pairs2=p2), (shape, rows, p2)
-    # the all-remote tokens' zero rows by GEMM1's pair kernel: off by default, on where forced and
-    # the pairs run (M >= 8192 at V4-Pro EP8), never without them
-    assert [config(s, MX_DEVICE, [])[16] for s in (pro8k, flash8k, tp8)] == [0, 0, 0]
-    assert [config(s, MX_DEVICE, [-1] * 8 + [1])[16] for s in (pro8k, flash8k, tp8)] == [1, 1, 1]
+    # the all-remote tokens' zero rows by GEMM1's pair kernel: by default wherever the pairs run
+    # (M >= 8192 at V4-Pro EP8), off where switched off, never without the pairs
+    assert [config(s, MX_DEVICE, [])[16] for s in (pro8k, flash8k, tp8)] == [1, 1, 1]
+    assert [config(s, MX_DEVICE, [-1] * 8 + [0])[16] for s in (pro8k, flash8k, tp8)] == [0, 0, 0]
     assert config(pro8k, MX_DEVICE, [-1] * 6 + [0, -1, 1])[16] == 0  # no pairs: the quantization writes them
     assert config([2048, 7168, 3072, 48, 384, 6], MX_DEVICE, [-1] * 8 + [1])[16] == 0
     for shape in (pro8k, flash8k, [2048, 4096, 2048, 32, 256, 6], [512, 7168, 3072, 48, 384, 6]):

@@ -381,10 +381,12 @@ inline Mxfp4MoeConfig get_best_config(const Mxfp4MoeShape& c, const Mxfp4DeviceF
   // of the tokens at EP8, top-6 of 384), written by the quantization of GEMM1's input,
   // which is bound by memory: at V4-Pro M = 8192 they are 53 of its ~161 MB. Where GEMM1
   // runs on pairs (M >= 8192 at EP8) it is bound by its MMA chains, not by memory, so its
-  // pair kernel may write those rows instead (mxfp4_gemm.cuh zero_remote_rows). Off until
-  // measured (DSV4_MOE_LATE_ZERO=1 turns it on where the pairs run;
-  // docs/perf-history/2026-12-07-mxfp4-w4a8-late-zero.md).
-  cfg.late_zero = cfg.gemm1_pairs && o.moe_late_zero.value_or(false);
+  // pair kernel writes those rows instead (mxfp4_gemm.cuh zero_remote_rows). Measured on an
+  // H100 (docs/perf-history/2026-12-07-mxfp4-w4a8-late-zero.md): the quantization 75.5 ->
+  // 52.6 us at V4-Pro M = 8192, GEMM1 +9 us; the op's kernels 10-25 us faster at every EP
+  // shape at M = 8192 and 16384, outputs bitwise the same. DSV4_MOE_LATE_ZERO=0 keeps them in
+  // the quantization.
+  cfg.late_zero = cfg.gemm1_pairs && o.moe_late_zero.value_or(true);
   // the classic grids (GEMM2's rows kernels have max_tiles rows), on the final bound
   TORCH_CHECK(cfg.splitk || cfg.max_tiles <= 65535, "dsv4: mxfp4_moe's GEMM grid takes at most 65535 token tiles, ",
               "got ", cfg.max_tiles, " (M * k = ", S, " slots); call it on fewer tokens at a time");
