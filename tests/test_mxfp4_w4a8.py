@@ -737,6 +737,16 @@ def _pair_outputs(cases, seed: int, reference: bool, graph: bool = True) -> list
     return outs
 
 
+def _assert_pair_outputs_equal(outs: dict, ref_key, cases) -> None:
+    """Each build's _pair_outputs (``outs``: key -> list, ``cases`` plus the 4 calls it adds)
+    finite and bitwise equal to those of ``ref_key``."""
+    ref = outs[ref_key]
+    assert len(ref) == len(cases) + 4
+    for key, got in outs.items():
+        for i, (a, b) in enumerate(zip(ref, got)):
+            assert torch.isfinite(b).all() and torch.equal(a, b), (key, i)
+
+
 def _child_gemm1_pairs(path: str) -> None:
     """PAIR_CASES against the reference, skewed routing, a graph replay (_pair_outputs);
     the outputs saved to ``path``."""
@@ -762,11 +772,7 @@ def test_gpu_gemm1_pairs_bitwise(tmp_path):
         printed = re.findall(r"^dsv4 config mxfp4_moe: .* gemm1_pairs=(\d) .* late_zero=(\d)", r.stderr, re.M)
         assert printed and set(printed) == {(pairs, lz)}, printed  # the overrides in effect on every call
         outs[pairs, lz] = torch.load(path)
-    ref = outs["0", "0"]
-    assert len(ref) == len(PAIR_CASES) + 4
-    for key, got in outs.items():
-        for i, (a, b) in enumerate(zip(ref, got)):
-            assert torch.isfinite(b).all() and torch.equal(a, b), (key, i)
+    _assert_pair_outputs_equal(outs, ("0", "0"), PAIR_CASES)
 
 
 # GEMM2 on pairs: odd and even tile counts per expert (the second tile of an odd count
@@ -802,11 +808,7 @@ def test_gpu_gemm2_pairs_bitwise(tmp_path):
         want = {(rows, "0", pairs2)} | ({(rows, "1", "0")} if pairs2 == "0" else set())
         assert printed and set(printed) == want, printed
         outs[pairs2, rows] = torch.load(path)
-    ref = outs["0", "4"]
-    assert len(ref) == len(GEMM2_PAIR_CASES) + 4
-    for key, got in outs.items():
-        for i, (a, b) in enumerate(zip(ref, got)):
-            assert torch.isfinite(b).all() and torch.equal(a, b), (key, i)
+    _assert_pair_outputs_equal(outs, ("0", "4"), GEMM2_PAIR_CASES)
 
 
 def _child_partial_tiles(path: str) -> None:
