@@ -117,6 +117,11 @@ __device__ __forceinline__ size_t act_row(int tile, int kc, int KC, int BN, int 
 }
 __device__ __forceinline__ int act_word(int r, int pos) { return (((pos >> 4) ^ (r & 7)) << 4) | (pos & 15); }
 
+// Slot j of token t (routing's slot_pos: its padded row, -1 = not local), -1 past top-k.
+__device__ __forceinline__ int slot_lookup(const W4A8Params& p, int t, int j) {
+  return j < p.topk ? __ldg(p.slot_pos + size_t(t) * p.topk + j) : -1;
+}
+
 // Token tkn's group grp of x (warp-wide): the lane's 4 bf16 (elements 4 lane .. 4 lane + 3).
 __device__ __forceinline__ uint2 load_group(const W4A8Params& p, int tkn, int grp, int lane) {
   return __ldg(reinterpret_cast<const uint2*>(p.x + size_t(tkn) * p.K + grp * kChunk + lane * 4));
@@ -289,9 +294,7 @@ __global__ void __launch_bounds__(256, kQuantXCtasPerSm) mxfp4_quant_x_kernel(co
   // The token's slot positions j0 .. j0 + 31 (lane j: slot j0 + j, -1 past top-k or not
   // local); the first 32 looked up two steps ahead (below), so neither the step's x loads
   // nor its stores wait for the lookup.
-  auto lookup = [&](int t, int j0 = 0) {
-    return j0 + lane < topk ? __ldg(p.slot_pos + size_t(t) * topk + j0 + lane) : -1;
-  };
+  auto lookup = [&](int t, int j0 = 0) { return slot_lookup(p, t, j0 + lane); };
   // Under expert parallelism many tokens have no local slot (45% at EP8, top-6 of 384),
   // and neither their x nor its conversion is needed: a step's first 32 slot positions
   // are looked up two steps ahead, so the warp knows whether the next step's token has a
@@ -1017,16 +1020,14 @@ __device__ __forceinline__ void zero_remote_rows(const W4A8Params& p, int unit, 
 #pragma unroll
     for (int i = 0; i < kPerWarp; ++i) {
       const int t = base + warp * kPerWarp + i;
-      pos[i] = t < p.M && lane < p.topk ? __ldg(p.slot_pos + size_t(t) * p.topk + lane) : -1;
+      pos[i] = t < p.M ? slot_lookup(p, t, lane) : -1;
     }
 #pragma unroll
     for (int i = 0; i < kPerWarp; ++i) {
       const int t = base + warp * kPerWarp + i;
       bool local = __ballot_sync(0xFFFFFFFFu, pos[i] >= 0) != 0;
-      for (int j0 = 32; !local && j0 < p.topk; j0 += 32) {  // more than 32 slots per token
-        const int j = j0 + lane;
-        local = __ballot_sync(0xFFFFFFFFu, j < p.topk && __ldg(p.slot_pos + size_t(t) * p.topk + j) >= 0) != 0;
-      }
+      for (int j0 = 32; !local && j0 < p.topk; j0 += 32)  // more than 32 slots per token
+        local = __ballot_sync(0xFFFFFFFFu, slot_lookup(p, t, j0 + lane) >= 0) != 0;
       if (t < p.M && !local) {
         uint4* o = reinterpret_cast<uint4*>(p.out + size_t(t) * p.K);
         for (int c = lane; c < p.K / 8; c += 32) __stcs(o + c, make_uint4(0, 0, 0, 0));
