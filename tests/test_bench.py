@@ -419,7 +419,8 @@ def test_compare_alias_module(rich_extra, no_env, capsys):
 
 
 @pytest.mark.parametrize("bad", [["--batch", "1,,2"], ["--batch", "0"], ["--context", "4Q"], ["--moe-m", ""],
-                                 ["--only", "decode,train"], ["--kinds", "mla"], ["--moe-format", "w4a8"]])
+                                 ["--only", "decode,train"], ["--kinds", "mla"], ["--moe-format", "w4a8"],
+                                 ["--moe-weights", "gaussian"]])
 def test_compare_rejects_bad_lists(no_env, bad, capsys):
     with pytest.raises(SystemExit) as e:
         compare("--dry-run", *bad)
@@ -458,6 +459,23 @@ def test_random_mxfp4_experts_are_vllms_deepseek_v4_layout():
     assert traffic.WEIGHT_BYTES == {"bf16": 2.0, "nvfp4": 9 / 16, "mxfp4": 17 / 32}
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_moe_weights_kinds_give_the_same_layout(fmt):
+    """compare --moe-weights: both kinds give the experts in the same layout (the quantized
+    ones may carry more, such as NVFP4's activation input scales); the codes are the
+    random_experts draw, the quantized ones quantized_experts'."""
+    codes = X.moe_weights("codes", fmt, 2, 64, 128, "cpu")
+    quantized = X.moe_weights("quantized", fmt, 2, 64, 128, "cpu")
+    assert set(codes) <= set(quantized)
+    for k, v in codes.items():
+        assert quantized[k].dtype == v.dtype and quantized[k].shape == v.shape, k
+    assert all(torch.equal(v, X.random_experts(fmt, 2, 64, 128, "cpu")[k]) for k, v in codes.items())
+    assert all(torch.equal(v, X.quantized_experts(fmt, 2, 64, 128, "cpu")[k]) for k, v in quantized.items())
+    assert X.MOE_WEIGHTS == ("codes", "quantized")
+    with pytest.raises(ValueError, match="kind must be one of codes, quantized"):
+        X.moe_weights("gaussian", fmt, 2, 64, 128, "cpu")
+
+
 def test_moe_format_names_and_cases():
     from dsv4.moe import modes
 
@@ -482,6 +500,9 @@ def test_compare_dry_run_lists_the_w4a8_row_set(rich_extra, no_env, capsys):
         for M in (1, 64):  # the W4A8 rows at the same models and M as the W4A16 ones
             assert f"{model} NVFP4 W4A16 M={M}" in out and f"{model} MXFP4 W4A8 M={M}" in out
     assert "Humming W4A8" in out and "8 cases listed" in out
+    assert "MoE experts: codes (--moe-weights), the same for both sides" in out
+    assert compare(*argv, "--moe-weights", "quantized") == 0
+    assert "MoE experts: quantized (--moe-weights)" in capsys.readouterr().out
     assert compare(*argv, "--moe-format", "nvfp4") == 0
     out = capsys.readouterr().out
     assert "MXFP4" not in out and "4 cases listed" in out

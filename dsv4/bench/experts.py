@@ -20,7 +20,8 @@ from ..formats import mxfp4
 from ..moe import modes
 from .models import BENCH_EP, ModelShape
 
-__all__ = ["random_nvfp4_experts", "random_mxfp4_experts", "random_experts", "quantized_experts", "MOE_LABELS",
+__all__ = ["random_nvfp4_experts", "random_mxfp4_experts", "random_experts", "quantized_experts", "MOE_WEIGHTS",
+           "moe_weights", "MOE_LABELS",
            "MOE_FORMAT_NAMES", "moe_format_list", "moe_cases", "prepare", "MoeSetup", "act_scales", "moe_routing",
            "dsv4_moe", "moe_bf16_baseline"]
 
@@ -29,9 +30,9 @@ NVFP4_KEYS = ("w13", "w13_scale", "w13_scale_2", "w2", "w2_scale", "w2_scale_2")
 
 def random_nvfp4_experts(E: int, N: int, K: int, device, gen: torch.Generator) -> dict:
     """Random ModelOpt NVFP4 experts in vLLM's stacked layout, drawn directly as codes and
-    e4m3 block scales (timing does not depend on the values, and quantizing float weights
-    for 384 experts of Pro would take longer than a sweep). Values stay O(0.02) like real
-    weights; equal gate/up global scales."""
+    e4m3 block scales (quantizing float weights for 384 experts of Pro takes longer; whether
+    the timing depends on the values is what ``compare --moe-weights quantized`` measures).
+    Values stay O(0.02) like real weights; equal gate/up global scales."""
 
     def codes(*shape):
         return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen, device=device)
@@ -76,6 +77,20 @@ def quantized_experts(fmt: str, E: int, N: int, K: int, device) -> dict:
         parts.append(formats.random_nvfp4_moe_weights(n, N, K, generator=gen, device=device) if fmt == "nvfp4"
                      else mxfp4.random_mxfp4_moe_weights(n, N, K, generator=gen, device=device))
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+# How a benchmark makes its experts (compare --moe-weights): random codes and scale bytes
+# (random_experts) or random normal weights quantized to the format (quantized_experts).
+# Both sides of a side by side run the same experts. Whether the values move the timing (the
+# tensor cores' power draw depends on the operands' bits) is what the choice measures.
+MOE_WEIGHTS = ("codes", "quantized")
+
+
+def moe_weights(kind: str, fmt: str, E: int, N: int, K: int, device) -> dict:
+    """``E`` experts of ``fmt`` made the ``kind`` way of :data:`MOE_WEIGHTS`."""
+    if kind not in MOE_WEIGHTS:
+        raise ValueError(f"dsv4: kind must be one of {', '.join(MOE_WEIGHTS)}, got {kind!r}")
+    return random_experts(fmt, E, N, K, device) if kind == "codes" else quantized_experts(fmt, E, N, K, device)
 
 
 # The MoE cases, (weight format, dsv4 activation mode), and their labels ("NVFP4 W4A16",

@@ -34,7 +34,8 @@ from ...formats.kv_cache import FP8_DS_MLA_VIEW_LAST_DIM
 from .. import traffic
 from ..argtypes import anchor_paths, context_list, int_list, name_list
 from ..cases import PREDECESSORS, DecodePools, QProjection, decode_case, dsv4_decode, prefill_case
-from ..experts import MOE_LABELS, dsv4_moe, moe_cases, moe_format_list, moe_routing, prepare, random_experts
+from ..experts import (MOE_LABELS, MOE_WEIGHTS, dsv4_moe, moe_cases, moe_format_list, moe_routing, moe_weights,
+                       prepare)
 from ..incumbents import MOE_INCUMBENTS
 from ..models import HEAD_DIM, KINDS, MODELS, MOE_MODELS, SCHEDULED, SOFTMAX_SCALE
 from ..report import dump_record
@@ -177,7 +178,7 @@ def prefill_rows(anchors, models, tokens, iters: int, copy_tbps: float, predeces
     return rows
 
 
-def moe_rows(anchors, models, Ms, iters: int, cases=(("nvfp4", "bf16"),)) -> list[dict]:
+def moe_rows(anchors, models, Ms, iters: int, cases=(("nvfp4", "bf16"),), weights: str = "codes") -> list[dict]:
     from ..incumbents import HummingW4A8, HummingW4A16, moe_incumbent_missing
     from ..timing import time_us
 
@@ -188,7 +189,7 @@ def moe_rows(anchors, models, Ms, iters: int, cases=(("nvfp4", "bf16"),)) -> lis
         kind, inc_name = MOE_LABELS[case], MOE_INCUMBENTS[case]
         for mname in models:
             m = MOE_MODELS[mname]
-            w = random_experts(fmt, m.local_experts(), m.moe_inter, m.hidden, dev)
+            w = moe_weights(weights, fmt, m.local_experts(), m.moe_inter, m.hidden, dev)
             prepared = prepare(w, fmt, act)
             hum, why = None, moe_incumbent_missing(anchors, case, ep=m.local_experts() < m.n_experts)
             if why is None:
@@ -277,6 +278,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="MoE row sets: nvfp4 (NVFP4 W4A16 vs Humming W4A16), mxfp4-w4a8 (MXFP4 W4A8 vs Humming "
                          "W4A8), mxfp4-w4a16 (MXFP4 W4A16 vs Humming W4A8, what vLLM runs for MXFP4 "
                          "checkpoints); default nvfp4,mxfp4-w4a8")
+    ap.add_argument("--moe-weights", choices=MOE_WEIGHTS, default="codes",
+                    help="the experts both sides run: codes (random FP4 codes and scale bytes, quick to make; "
+                         "the runs of record) or quantized (random normal weights quantized to the format, as "
+                         "python -m dsv4.bench moe runs them: slower to make, closer to a checkpoint's values); "
+                         "default codes")
     ap.add_argument("--iters", type=int, default=30, help="timed calls per case (at least 30 are run; default 30)")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="decode: also time sparse_mqa_decode(batch_invariant=True) in the same call")
@@ -340,6 +346,8 @@ def run(args: argparse.Namespace) -> int:
     mode = predecessor_line(args)
     if mode:
         head += "\n" + mode
+    if "moe" in args.only:
+        head += f"\nMoE experts: {args.moe_weights} (--moe-weights), the same for both sides"
     if args.dry_run or not gpu:
         rows = _listed(args)
         reason = "--dry-run" if args.dry_run else "no CUDA device"
@@ -372,7 +380,8 @@ def run(args: argparse.Namespace) -> int:
             if "tbps" in r:
                 r["pct_copy"] = 100 * r["tbps"] / ceilings["copy TB/s"]
         if args.json:
-            dump_record(dict(anchors=head, ceilings=ceilings, predecessor=args.predecessor, rows=rows), args.json)
+            dump_record(dict(anchors=head, ceilings=ceilings, predecessor=args.predecessor,
+                             moe_weights=args.moe_weights, rows=rows), args.json)
         if args.markdown:
             with open(args.markdown, "w") as f:
                 f.write(markdown(rows, ceilings))
@@ -386,7 +395,8 @@ def run(args: argparse.Namespace) -> int:
                              predecessor=args.predecessor)
         save()
     if "moe" in args.only:
-        rows += moe_rows(anchors, args.moe_models, args.moe_m, iters, moe_cases(args.moe_format))
+        rows += moe_rows(anchors, args.moe_models, args.moe_m, iters, moe_cases(args.moe_format),
+                         weights=args.moe_weights)
         save()
     print(render(rows, head, ceilings))
     slower = [r for r in rows if "ratio" in r and not math.isnan(r["ratio"]) and r["ratio"] < 1.0]
