@@ -620,11 +620,14 @@ def test_moe_vs_vllm_passes_the_formats_to_compare(rich_extra, no_env, capsys, m
     assert cli.main(base + ["--moe-format", "mxfp4-w4a8"]) == 0
     out = capsys.readouterr().out
     assert "MXFP4 W4A8 M=1" in out and "NVFP4" not in out
+    assert "MoE experts: codes" in out  # compare's default
+    assert cli.main(base + ["--moe-weights", "quantized"]) == 0
+    assert "MoE experts: quantized" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv", [["--moe-format", "mxfp4-w4a8", "--activation", "nvfp4"],
                                   ["--moe-format", "nvfp4,fp8"], ["--variants", "sk=2"], ["--variants", "bn=48"],
-                                  ["--decode", "1,x"],
+                                  ["--decode", "1,x"], ["--moe-weights", "normal"],
                                   ["--models", "flash,v5"]])
 def test_moe_rejects_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as e:

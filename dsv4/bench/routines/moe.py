@@ -12,10 +12,13 @@ in {1, 8, 32, 64, 128}; prefill M in {2048, 8192, 16384}.
 Baseline: bf16 torch._grouped_mm over the dequantized local weights + torch clamped SwiGLU
 (routing sort / gather and the weighted combine in torch too). Per case: us of eager
 calls (4 rotating input sets, the mean of each set's median, L2 evicted before each call,
-dsv4.bench.timing) and, at decode sizes, of CUDA-graph replays; weight bandwidth, useful TFLOP/s
-(dsv4.bench.traffic) and their % of the copy bandwidth and bf16 GEMM rate measured in this
-process; speedup over the baseline; 2-CTA vs 1-CTA at prefill. The 2-CTA / 1-CTA prefill
-modes exist for the bf16 / nvfp4 kernels (MXFP4 W4A16 runs on them), not for W4A8.
+dsv4.bench.timing) and, at decode sizes (every size with --graph), of CUDA-graph replays;
+weight bandwidth, useful TFLOP/s (dsv4.bench.traffic) and their % of the copy bandwidth and
+bf16 GEMM rate measured in this process; speedup over the baseline; 2-CTA vs 1-CTA at
+prefill. The experts are random normal weights quantized to the format (--moe-weights codes:
+random codes and scale bytes, as the compare routine draws them by default). The 2-CTA /
+1-CTA prefill modes exist for the bf16 / nvfp4 kernels (MXFP4 W4A16 runs on them), not for
+W4A8.
 
 --variants times every case under each set of DSV4_MOE_* switches (sk -> DSV4_MOE_SPLITK:
 split-K persistent GEMM grid off/on; pdl -> DSV4_MOE_PDL: programmatic dependent launch
@@ -47,7 +50,7 @@ import torch
 from .. import traffic
 from ..argtypes import name_list
 from ..experts import MOE_LABELS, MoeSetup, dsv4_moe, moe_bf16_baseline, moe_cases, moe_format_list, moe_routing
-from ..experts import ROUTINGS, quantized_experts
+from ..experts import MOE_WEIGHTS, ROUTINGS, moe_weights
 from ..models import MOE_MODELS
 from ..report import Table, dump_record, print_tables, to_markdown
 
@@ -117,6 +120,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--variants", default="", help="';'-separated sets of k=v switches, e.g. 'sk=0,pdl=0;sk=1,pdl=1' "
                                                    f"(k one of {', '.join(SWITCHES)}; v 0 or 1, bn: a token tile)")
     ap.add_argument("--profile", action="store_true", help="per-kernel device times at every size")
+    ap.add_argument("--moe-weights", choices=MOE_WEIGHTS, default=None,
+                    help="the experts: quantized (random normal weights quantized to the format; the default) or "
+                         "codes (random FP4 codes and scale bytes); with --vs vllm passed on to compare, whose "
+                         "default is codes")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time CUDA-graph replay at the prefill sizes (always at the decode sizes)")
     ap.add_argument("--routing", choices=ROUTINGS, default="uniform",
                     help="uniform: random top-k per token (default); balanced: every expert gets M * k / E_global slots "
                          "(the model column says so)")
@@ -209,6 +218,7 @@ def _vs_vllm(args) -> int:
     argv = ["--only", "moe", "--moe-models", ",".join(args.models), "--moe-m", ",".join(map(str, decode + prefill)),
             "--iters", str(args.iters)]
     argv += ["--moe-format", ",".join(args.moe_format)] if args.moe_format else []
+    argv += ["--moe-weights", args.moe_weights] if args.moe_weights else []
     argv += (["--json", args.json] if args.json else []) + (["--anchors", args.anchors] if args.anchors else [])
     return run_routine("compare", argv)
 
@@ -234,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
     copy_tbps, gemm_tflops = copy_bandwidth_tbps(), bf16_gemm_tflops()
     print(f"ceilings in this process: copy {copy_tbps:.2f} TB/s (read+write), bf16 GEMM {gemm_tflops:.0f} TFLOP/s",
           flush=True)
+    print(f"experts: {args.moe_weights or 'quantized'} (--moe-weights)", flush=True)
     rows = []
     for name in args.models:
         for fmt in dict.fromkeys(f for f, _ in cases):
@@ -241,7 +252,8 @@ def run(args: argparse.Namespace) -> int:
             rows += _model_rows(args, MOE_MODELS[name], fmt, acts, decode, prefill, variant, copy_tbps, gemm_tflops)
             torch.cuda.empty_cache()  # the experts of one (model, format) are freed with its rows' frame
     if args.json:
-        dump_record(dict(copy_tbps=copy_tbps, gemm_tflops=gemm_tflops, rows=rows), args.json)
+        weights = args.moe_weights or "quantized"
+        dump_record(dict(copy_tbps=copy_tbps, gemm_tflops=gemm_tflops, moe_weights=weights, rows=rows), args.json)
     t = table(rows, copy_tbps, gemm_tflops)
     print_tables([t])
     if args.markdown:
@@ -255,7 +267,7 @@ def _model_rows(args, m, fmt, acts, decode, prefill, variant, copy_tbps, gemm_tf
 
     K, N, E = m.hidden, m.moe_inter, m.local_experts()
     label = m.moe_name() + ("" if args.routing == "uniform" else f" ({args.routing})")
-    setup = MoeSetup.build(quantized_experts(fmt, E, N, K, "cuda"), fmt, acts)
+    setup = MoeSetup.build(moe_weights(args.moe_weights or "quantized", fmt, E, N, K, "cuda"), fmt, acts)
     rows = []
     for M in decode + prefill:
         sets = [moe_routing(m, M, torch.Generator().manual_seed(seed), "cuda", routing=args.routing)
@@ -282,7 +294,7 @@ def _model_rows(args, m, fmt, acts, decode, prefill, variant, copy_tbps, gemm_tf
             res = {cta: t.us for cta, t in time_us({cta: [lambda i=i, cta=cta: run(i, cta) for i in range(N_SETS)]
                                                       for cta in modes}, iters=args.iters, cuda_graph=False).items()}
             graph_us = None
-            if M in decode:  # decode runs under CUDA graphs in vLLM: time the replay too
+            if M in decode or args.graph:  # decode runs under CUDA graphs in vLLM: time the replay too
                 try:
                     graph_us = time_us({"g": [lambda i=i: run(i, "auto") for i in range(N_SETS)]},
                                        iters=args.iters)["g"].us
