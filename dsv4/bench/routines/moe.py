@@ -226,6 +226,7 @@ def _vs_vllm(args) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.vs:
         return _vs_vllm(args)
+    args.moe_weights = args.moe_weights or "quantized"  # this routine's default (compare's: codes)
     if not torch.cuda.is_available():
         print("dsv4: moe: needs a CUDA device", file=sys.stderr)
         return 1
@@ -244,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     copy_tbps, gemm_tflops = copy_bandwidth_tbps(), bf16_gemm_tflops()
     print(f"ceilings in this process: copy {copy_tbps:.2f} TB/s (read+write), bf16 GEMM {gemm_tflops:.0f} TFLOP/s",
           flush=True)
-    print(f"experts: {args.moe_weights or 'quantized'} (--moe-weights)", flush=True)
+    print(f"experts: {args.moe_weights} (--moe-weights)", flush=True)
     rows = []
     for name in args.models:
         for fmt in dict.fromkeys(f for f, _ in cases):
@@ -252,8 +253,8 @@ def run(args: argparse.Namespace) -> int:
             rows += _model_rows(args, MOE_MODELS[name], fmt, acts, decode, prefill, variant, copy_tbps, gemm_tflops)
             torch.cuda.empty_cache()  # the experts of one (model, format) are freed with its rows' frame
     if args.json:
-        weights = args.moe_weights or "quantized"
-        dump_record(dict(copy_tbps=copy_tbps, gemm_tflops=gemm_tflops, moe_weights=weights, rows=rows), args.json)
+        dump_record(dict(copy_tbps=copy_tbps, gemm_tflops=gemm_tflops, moe_weights=args.moe_weights, rows=rows),
+                    args.json)
     t = table(rows, copy_tbps, gemm_tflops)
     print_tables([t])
     if args.markdown:
@@ -267,7 +268,7 @@ def _model_rows(args, m, fmt, acts, decode, prefill, variant, copy_tbps, gemm_tf
 
     K, N, E = m.hidden, m.moe_inter, m.local_experts()
     label = m.moe_name() + ("" if args.routing == "uniform" else f" ({args.routing})")
-    setup = MoeSetup.build(moe_weights(args.moe_weights or "quantized", fmt, E, N, K, "cuda"), fmt, acts)
+    setup = MoeSetup.build(moe_weights(args.moe_weights, fmt, E, N, K, "cuda"), fmt, acts)
     rows = []
     for M in decode + prefill:
         sets = [moe_routing(m, M, torch.Generator().manual_seed(seed), "cuda", routing=args.routing)
