@@ -97,7 +97,7 @@ QUANT_NAME = "deepseek_v4_fp8"
 def mxfp4_claimed() -> bool:
     """DSV4_MOE_MXFP4=1 claims MXFP4 routed experts (DeepSeek's native checkpoints) for
     dsv4. Off by default until dsv4's MXFP4 MoE measures ahead of the Humming W4A8 call
-    vLLM runs for them at every size (not yet: V4-Pro at M = 512 and 8192 on an H100, and
+    vLLM runs for them at every size (not yet: V4-Pro at M = 8192 on an H100, 0.992x, and
     M >= 2048 in the H200 run of record; docs/perf.md, "Routed-expert MoE (MXFP4)"), so they
     stay on vLLM's kernels with one log line (README "Left to vLLM"). A switch of
     dsv4._env: unset or empty, 0 or 1; anything else is an error naming it."""
