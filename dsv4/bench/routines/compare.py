@@ -178,7 +178,7 @@ def prefill_rows(anchors, models, tokens, iters: int, copy_tbps: float, predeces
     return rows
 
 
-def moe_rows(anchors, models, Ms, iters: int, cases=(("nvfp4", "bf16"),), weights: str = "codes") -> list[dict]:
+def moe_rows(anchors, models, Ms, iters: int, cases=(("nvfp4", "bf16"),), *, weights: str) -> list[dict]:
     from ..incumbents import HummingW4A8, HummingW4A16, moe_incumbent_missing
     from ..timing import time_us
 
