@@ -38,13 +38,14 @@ sys.path.insert(0, str(ROOT))
 from dsv4.formats.kv_cache import HEAD_DIM  # noqa: E402
 
 # (model, kind, context, batches): V4-Pro CSA / HCA at 4K and 128K over the compare's batches,
-# V4-Pro SWA, V4-Flash HCA 4K and CSA 4K at a few batches.
+# V4-Pro HCA 32K, V4-Pro SWA, V4-Flash HCA 4K and CSA 4K at a few batches.
 PRO_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 GROUPS = [
     ("pro", "csa", 4096, PRO_BATCHES),
     ("pro", "csa", 131072, PRO_BATCHES),
     ("pro", "hca", 4096, PRO_BATCHES),
     ("pro", "hca", 131072, PRO_BATCHES),
+    ("pro", "hca", 32768, (16, 32, 64)),
     ("pro", "swa", 4096, (1, 32, 128)),
     ("flash", "hca", 4096, (16, 32, 64)),
     ("flash", "csa", 4096, (8, 16, 32)),

@@ -975,6 +975,50 @@ def test_ring32_rule():
             _ring32(*args)
 
 
+def _plan(base_ctas, max_tiles, sms=132, priced=True, forced_splits=None, forced_ring32=None):
+    return tuple(torch.ops.dsv4_testing.sparse_mqa_ring32_plan(base_ctas, max_tiles, sms, priced, forced_splits,
+                                                               forced_ring32))
+
+
+@needs_ext
+def test_ring32_plan_prices_whole_tile_splits():
+    """attention::plan_ring32 (default mode, 128-head fp8, unpaired): where the ring runs at the
+    pairs' split count, the count priced again with whole-tile splits (the ring's boundaries,
+    token_tiles<kNumSrc, true>) and kept if the ring still runs at it. V4-Pro on 132 SMs,
+    B = 1..256: CSA / HCA 128K (18 tiles) 9, 9, 9, 6, 4, 2 splits (the pairs' rule: 5 and 3 at
+    B = 8 / 16, items of 4 and 6 tiles; now 3 and 5), then today's kernel unsplit; HCA 32K
+    (6 tiles) 2 splits at B = 32 (was one item of 6 tiles); HCA 4K and SWA as the pairs' rule
+    (docs/perf-history/2026-12-08-attention-ring32-tile-splits.md)."""
+    want = {"V4-Pro CSA": ((9, 9, 9, 6, 4, 2, 1, 1, 1), (2,) * 6 + (0,) * 3),
+            "V4-Pro HCA 4K": ((2, 2, 2, 2, 2, 1, 1, 1, 1), (2,) * 9),
+            "V4-Pro HCA 32K": ((3, 3, 3, 3, 3, 2, 1, 1, 1), (2,) * 9),
+            "V4-Pro SWA": ((1,) * 9, (2,) * 9)}
+    for name, (splits, ring) in want.items():
+        h, tiles, _, _ = SPLIT_CASES[name]
+        got = [_plan(b * h // 64, tiles) for b in SPLIT_BATCHES]
+        assert tuple(s for s, _ in got) == splits, name
+        assert tuple(r for _, r in got) == ring, name
+    for base in (1, 2, 3, 8, 16, 32, 37, 64, 66, 128, 300):
+        for tiles in range(0, 40):
+            s_pairs = _splits(base, tiles)
+            s, r = _plan(base, tiles)
+            if _ring32(tiles, s_pairs) == 0:
+                assert (s, r) == (s_pairs, 0), (base, tiles)  # today's kernel: the pairs' count
+            else:  # the ring, items of at most 9 tiles, never a second wave, no empty split
+                assert r == 2 and -(-tiles // s) <= 9 and (s == 1 or base * s <= 132), (base, tiles, s)
+                assert 1 <= s <= max(1, (tiles + 1) // 2), (base, tiles, s)
+            # a forced or unpriced split count is kept; a forced kernel is kept
+            assert _plan(base, tiles, forced_splits=3) == (_splits(base, tiles, forced=3),
+                                                            _ring32(tiles, _splits(base, tiles, forced=3)))
+            assert _plan(base, tiles, priced=False)[0] == _splits(base, tiles, priced=False)
+            assert _plan(base, tiles, forced_ring32=0) == (s_pairs, 0)
+            assert _plan(base, tiles, forced_ring32=1)[1] == 1
+    for args, kw in (((0, 4), {}), ((1, -1), {}), ((1, 4, 0), {}), ((1, 4), {"forced_splits": 65}),
+                     ((1, 4), {"forced_ring32": 3})):
+        with pytest.raises(RuntimeError, match="dsv4: sparse_mqa_ring32_plan takes"):
+            _plan(*args, **kw)
+
+
 # ----------------------------------------------------------------------------------------
 # GPU: the development switches of csrc/common/env.h (read once per process, so each
 # setting runs in a child process) keep every result right

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cmath>
 #include <optional>
+#include <tuple>
 
 #include "attention/sparse_mqa.cuh"
 #include "attention/sparse_mqa_ring32.cuh"
@@ -234,6 +235,9 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   const bool pair = kind == CacheKind::kFp8 && H == 128 && env::switches().attn_crossover.value_or(false);
   // Resident CTAs: the persistent grid's bound and the split rule's wave.
   const int ctas = pair ? (one ? pair_ctas<1>(sms) : pair_ctas<2>(sms)) : sms;
+  // Calls the ring of 32-key tiles may run (fp8 rows, 128 heads, unpaired; see below).
+  const bool ring32_kind = kind == CacheKind::kFp8 && H == 128 && !pair;
+  int ring32_planned = -1;  // set by plan_ring32 in default mode
   if (batch_invariant) {
     // Splits of a fixed number of key pairs each, and always the split path (partials +
     // the ordered combine, in which empty splits add nothing), so that a token's result
@@ -247,10 +251,19 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
     p.pairs_per_split = attention::kInvariantPairsPerSplit;
     p.num_splits = static_cast<int>(std::max<int64_t>(2, splits));
   } else {
-    // The cost model's count (sparse_mqa_splits.h), or DSV4_ATTN_SPLITS's, clamped to the tile pairs.
+    // The cost model's count (sparse_mqa_splits.h), or DSV4_ATTN_SPLITS's, clamped to the tile
+    // pairs; for a call the ring of 32-key tiles may run, with the ring's kernel choice
+    // (attention::plan_ring32, below).
     p.pairs_per_split = 0;
-    p.num_splits = attention::choose_splits(base, max_tiles, ctas, env::switches().attn_priced_splits.value_or(true),
-                                            env::switches().attn_splits);
+    const bool priced = env::switches().attn_priced_splits.value_or(true);
+    if (ring32_kind) {
+      const attention::Ring32Plan plan = attention::plan_ring32(base, max_tiles, ctas, priced, env::switches().attn_splits,
+                                                                env::switches().attn_ring32);
+      p.num_splits = plan.splits;
+      ring32_planned = plan.ring32;
+    } else {
+      p.num_splits = attention::choose_splits(base, max_tiles, ctas, priced, env::switches().attn_splits);
+    }
   }
   p.splits_div = FastDivmod(static_cast<uint32_t>(p.num_splits));
   p.sq_div = FastDivmod(static_cast<uint32_t>(s_q));
@@ -294,10 +307,11 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   // same kernel with the producer's loads one half-step ahead (kLoadsAhead, bitwise the same
   // results). Unset: attention::pick_ring32's rule (sparse_mqa_splits.h), value 2 where the
   // longest work item has at most 9 tiles of 64 keys, today's kernel otherwise (the look-back
-  // of docs/perf-history/2026-12-07-attention-ring32.md). 64-head calls keep the kernel above.
-  const int ring32 = kind == CacheKind::kFp8 && H == 128 && !pair
-                         ? attention::pick_ring32(max_tiles, p.num_splits, env::switches().attn_ring32)
-                         : 0;
+  // of docs/perf-history/2026-12-07-attention-ring32.md); in default mode with the split count
+  // plan_ring32 chose with it. 64-head calls keep the kernel above.
+  const int ring32 = !ring32_kind           ? 0
+                     : ring32_planned >= 0 ? ring32_planned
+                                           : attention::pick_ring32(max_tiles, p.num_splits, env::switches().attn_ring32);
   if (pair) {
     one ? launch_main<true, 1, 0, true>(p, grid, stream, pdl) : launch_main<true, 2, 0, true>(p, grid, stream, pdl);
   } else if (ring32 == 2) {  // the producer's loads one half-step ahead (same results as 1)
@@ -399,6 +413,28 @@ TORCH_LIBRARY_FRAGMENT(dsv4_testing, m) {
                       forced.value_or(0));
           const std::optional<int> f = forced.has_value() ? std::optional<int>(static_cast<int>(*forced)) : std::nullopt;
           return dsv4::attention::choose_splits(base_ctas, max_tiles, static_cast<int>(sms), priced, f);
+        });
+  // attention::plan_ring32: (split count, DSV4_ATTN_RING32 value) of a default-mode 128-head fp8
+  // call (not paired); the arguments stand for DSV4_ATTN_PRICED_SPLITS, DSV4_ATTN_SPLITS and
+  // DSV4_ATTN_RING32, never read from the environment.
+  m.def("sparse_mqa_ring32_plan(int base_ctas, int max_tiles, int sms, bool priced, int? forced_splits=None, "
+        "int? forced_ring32=None) -> (int, int)",
+        [](int64_t base_ctas, int64_t max_tiles, int64_t sms, bool priced, std::optional<int64_t> forced_splits,
+           std::optional<int64_t> forced_ring32) -> std::tuple<int64_t, int64_t> {
+          TORCH_CHECK(base_ctas > 0 && max_tiles >= 0 && sms > 0, "dsv4: sparse_mqa_ring32_plan takes base_ctas > 0, "
+                      "max_tiles >= 0, sms > 0, got ", base_ctas, ", ", max_tiles, ", ", sms);
+          TORCH_CHECK(!forced_splits.has_value() || (*forced_splits >= 1 && *forced_splits <= dsv4::attention::kMaxSplits),
+                      "dsv4: sparse_mqa_ring32_plan takes forced_splits in [1, ", dsv4::attention::kMaxSplits,
+                      "] or None, got ", forced_splits.value_or(0));
+          TORCH_CHECK(!forced_ring32.has_value() || (*forced_ring32 >= 0 && *forced_ring32 <= 2),
+                      "dsv4: sparse_mqa_ring32_plan takes forced_ring32 in {0, 1, 2} or None, got ",
+                      forced_ring32.value_or(-1));
+          auto opt = [](std::optional<int64_t> v) {
+            return v.has_value() ? std::optional<int>(static_cast<int>(*v)) : std::nullopt;
+          };
+          const auto plan = dsv4::attention::plan_ring32(base_ctas, max_tiles, static_cast<int>(sms), priced,
+                                                         opt(forced_splits), opt(forced_ring32));
+          return {plan.splits, plan.ring32};
         });
   // The DSV4_ATTN_RING32 value a 128-head fp8 call (not paired) runs with, for `max_tiles`
   // and `num_splits` as the launcher computes them; `forced` stands for DSV4_ATTN_RING32

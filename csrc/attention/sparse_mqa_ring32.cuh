@@ -15,12 +15,13 @@
 // its own S and softmax, half of O, P handed over through smem), at twice the max / P
 // exchanges per 64 keys and S as m64n32k16 (Q re-read per 32 keys).
 //
-// What stays as today: kTileKeys = 64 is the unit of the schedule (token tiles, splits in
-// pairs of tiles, pick_splits / choose_splits, the combine), so split boundaries and the
-// combine are unchanged; an item's rounds are its tiles t1 - t0 (an odd count needs no empty
-// tile here: the half-empty last pair of a split is one round fewer; a split that starts
-// past the token's last tile has none, ring32_rounds). Round 0 of every item
-// is filled by the producer (no cooperative first round under this switch).
+// What stays as today: kTileKeys = 64 is the unit of the schedule (token tiles, the split
+// count of pick_splits / choose_splits, the combine); an item's rounds are its tiles t1 - t0
+// (an odd count needs no empty tile here), so a default-mode split takes whole tiles, not
+// pairs (token_tiles<kNumSrc, true>: 18 tiles in 4 splits are 4, 5, 4, 5, not 4, 4, 4, 6);
+// batch-invariant splits keep their fixed pairs (a split that starts past the token's last
+// tile has no round, ring32_rounds). Round 0 of every item is filled by the producer (no
+// cooperative first round under this switch).
 //
 // Buffers and barriers (all indices in this file):
 //   buffer   sb = 2 set + c (c = consumer = sub-tile: tile rows 32 c .. 32 c + 31), 32 KB each,
@@ -348,7 +349,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_ring32_kernel(cons
     int round_base = 0;
     for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
       const WorkItem wi = work_item(p, item);
-      const TokenTiles tt = token_tiles<kNumSrc>(p, wi.b, wi.split);
+      const TokenTiles tt = token_tiles<kNumSrc, true>(p, wi.b, wi.split);
       if constexpr (kLoadsAhead == 0) {
         producer_loop_ring32<kNumSrc>(p, tt, wi.b, wi.i, smem, round_base);
       } else {
@@ -462,7 +463,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_fwd_ring32_kernel(cons
   int round_base = 0;  // rounds of the CTA's earlier items: the barrier phases continue
   for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
     const WorkItem wi = work_item(p, item);
-    const int rounds = ring32_rounds(token_tiles<kNumSrc>(p, wi.b, wi.split));
+    const int rounds = ring32_rounds(token_tiles<kNumSrc, true>(p, wi.b, wi.split));
     const int h0 = wi.hb * kHeadsPerCta + r0, h1 = h0 + 8;
     float sink0, sink1;
     start_item(p, rounds, h0, h1, o, m0, m1, l0, l1, sink0, sink1);

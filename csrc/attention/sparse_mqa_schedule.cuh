@@ -14,12 +14,18 @@ namespace attention {
 struct TokenTiles {
   int len[2];    // valid prefix of each list
   int ntile[2];  // tiles of each list
-  int t0, t1;    // this split's tile range [t0, t1) over the concatenated lists; t0 even
+  int t0, t1;    // this split's tile range [t0, t1) over the concatenated lists (t0 even
+                 // unless kTileSplits)
 };
 
 // kNumSrc: the sources the kernel instance reads, 1 (p.num_src == 1 only, so a one-source
 // call skips the second list's loads and selects) or 2 (either; p.num_src decides).
-template <int kNumSrc>
+// kTileSplits: a default-mode split takes whole 64-key tiles rather than pairs, for the ring
+// of 32-key tiles, whose round is one tile (sparse_mqa_ring32.cuh): 18 tiles in 4 splits are
+// 4, 5, 4, 5 tiles instead of 4, 4, 4, 6 (docs/perf-history/2026-12-08-attention-ring32-tile-splits.md).
+// The split count stays the pairs' (pick_splits), so no split of the longest token is empty;
+// batch-invariant boundaries stay at fixed pairs.
+template <int kNumSrc, bool kTileSplits = false>
 __device__ __forceinline__ TokenTiles token_tiles(const SparseMqaParams& p, int b, int split) {
   static_assert(kNumSrc == 1 || kNumSrc == 2, "one or two sources");
   TokenTiles tt;
@@ -39,10 +45,16 @@ __device__ __forceinline__ TokenTiles token_tiles(const SparseMqaParams& p, int 
   // Splits take whole pairs of tiles (one round each); only the last pair may be half empty.
   const int n = tt.ntile[0] + tt.ntile[1];
   const int pairs = (n + 1) / 2;
-  // Unsigned 32-bit: pairs <= 2^25 (two int32 lists of 64-key tiles) and num_splits <= 64,
-  // so the products stay below 2^31, where FastDivmod is exact; a 64-bit division is a
-  // subroutine call, a far jump that a cold instruction cache pays for, and a 32-bit one
-  // ~20 instructions.
+  // Unsigned 32-bit: tiles <= 2^25 (the launcher takes topk < 2^30 per list) and
+  // num_splits <= 64, so the products stay within 2^31, where FastDivmod is exact (it is for
+  // any n < 2^32); a 64-bit division is a subroutine call, a far jump that a cold instruction
+  // cache pays for, and a 32-bit one ~20 instructions.
+  if (kTileSplits && p.pairs_per_split == 0) {
+    const uint32_t un = static_cast<uint32_t>(n);
+    tt.t0 = static_cast<int>(p.splits_div.div(un * static_cast<uint32_t>(split)));
+    tt.t1 = static_cast<int>(p.splits_div.div(un * static_cast<uint32_t>(split + 1)));
+    return tt;
+  }
   int p0, p1;
   if (p.pairs_per_split > 0) {  // batch-invariant: boundaries at fixed key positions
     p0 = min(split * p.pairs_per_split, pairs);

@@ -47,8 +47,10 @@ inline int64_t tile_pairs(int64_t tiles) { return (tiles + 1) / 2; }
 // Split count for `base_ctas` (token, head block) work items whose longest index lists hold
 // `max_tiles` 64-key tiles in all, on `sms` SMs. `priced`: the cost model above; otherwise
 // the earlier rule, which counted a CTA's tiles plus one and nothing for a split itself
-// (kept for the A/B through DSV4_ATTN_PRICED_SPLITS=0).
-inline int pick_splits(int64_t base_ctas, int64_t max_tiles, int sms, bool priced = true) {
+// (kept for the A/B through DSV4_ATTN_PRICED_SPLITS=0). `tile_splits`: the splits take whole
+// tiles (the ring of 32-key tiles, token_tiles<kNumSrc, true>), so a CTA's chain is
+// ceil(tiles / s) tiles at half a round's price each; the count stays at most the pairs.
+inline int pick_splits(int64_t base_ctas, int64_t max_tiles, int sms, bool priced = true, bool tile_splits = false) {
   const int64_t max_pairs = tile_pairs(max_tiles);
   if (base_ctas >= sms || max_pairs <= 1) return 1;
   int best = 1;
@@ -61,7 +63,7 @@ inline int pick_splits(int64_t base_ctas, int64_t max_tiles, int sms, bool price
     // 4K B=32 5 splits 43.0 against 4 splits 35.2), which the wave term alone underprices.
     if (priced && s > 1 && base_ctas * s > sms) break;
     const double waves = std::ceil(double(base_ctas * s) / sms);
-    const double rounds = std::ceil(double(max_pairs) / s);
+    const double rounds = tile_splits ? 0.5 * std::ceil(double(max_tiles) / s) : std::ceil(double(max_pairs) / s);
     double cost;
     if (priced) {
       cost = waves * (kSplitRoundUs * rounds + kSplitItemUs);
@@ -113,6 +115,27 @@ inline int pick_ring32(int64_t max_tiles, int num_splits, std::optional<int> for
   const int64_t splits = std::max(num_splits, 1);
   const int64_t item_tiles = (max_tiles + splits - 1) / splits;
   return item_tiles <= kRing32MaxTiles ? 2 : 0;
+}
+
+// The split count and DSV4_ATTN_RING32 value of a default-mode 128-head fp8 call that is not
+// paired. Where the rule puts the call on the ring (at the pairs' split count), the count is
+// priced again with the ring's whole-tile splits (pick_splits, tile_splits) and taken if the
+// ring's rule still holds at it: V4-Pro CSA at B = 8 / 16 gets 6 / 4 splits of 3 / 5 tiles
+// instead of 5 / 3 splits of 4 / 6 tiles, HCA 32K at B = 32 two splits of 3 tiles instead
+// of one item of 6 (docs/perf-history/2026-12-08-attention-ring32-tile-splits.md). A forced
+// or unpriced split count (DSV4_ATTN_SPLITS, DSV4_ATTN_PRICED_SPLITS=0) is kept as it is.
+struct Ring32Plan {
+  int splits, ring32;
+};
+inline Ring32Plan plan_ring32(int64_t base_ctas, int64_t max_tiles, int sms, bool priced,
+                              std::optional<int> forced_splits, std::optional<int> forced_ring32) {
+  Ring32Plan plan{choose_splits(base_ctas, max_tiles, sms, priced, forced_splits), 0};
+  plan.ring32 = pick_ring32(max_tiles, plan.splits, forced_ring32);
+  if (plan.ring32 == 0 || !priced || forced_splits.has_value()) return plan;
+  const int s = pick_splits(base_ctas, max_tiles, sms, true, true);
+  const int r = pick_ring32(max_tiles, s, forced_ring32);
+  if (r != 0) plan = {s, r};
+  return plan;
 }
 
 }  // namespace attention
