@@ -982,8 +982,8 @@ def _plan(base_ctas, max_tiles, sms=132, priced=True, forced_splits=None, forced
 
 @needs_ext
 def test_ring32_plan_prices_whole_tile_splits():
-    """attention::plan_ring32 (default mode, 128-head fp8, unpaired): where the ring runs at the
-    pairs' split count, the count priced again with whole-tile splits (the ring's boundaries,
+    """attention::plan_ring32 (DSV4_ATTN_TILE_SPLITS=1; default mode, 128-head fp8, unpaired):
+    where the ring runs at the pairs' split count, the count priced again with whole-tile splits (the ring's boundaries,
     token_tiles<kNumSrc, true>) and kept if the ring still runs at it. V4-Pro on 132 SMs,
     B = 1..256: CSA / HCA 128K (18 tiles) 9, 9, 9, 6, 4, 2 splits (the pairs' rule: 5 and 3 at
     B = 8 / 16, items of 4 and 6 tiles; now 3 and 5), then today's kernel unsplit; HCA 32K
@@ -1054,10 +1054,10 @@ def child_switch_cases() -> None:
                                  {"DSV4_ATTN_COOP_PREFETCH": "0"}, {"DSV4_ATTN_FIRST_PV_INIT": "0"},
                                  {"DSV4_ATTN_SPLITS": "3"}, {"DSV4_ATTN_SPLITS": "16"},
                                  {"DSV4_ATTN_CROSSOVER": "1"}, {"DSV4_ATTN_ROW_PREFETCH": "1"},
-                                 {"DSV4_ATTN_RING32": "1"}, {"DSV4_ATTN_RING32": "2"}],
+                                 {"DSV4_ATTN_RING32": "1"}, {"DSV4_ATTN_RING32": "2"}, {"DSV4_ATTN_TILE_SPLITS": "1"}],
                          ids=["splits0", "pdl0", "specialize0", "main_pdl0", "coop0", "producer_ahead0",
                               "coop_prefetch0", "first_pv_init0", "forced_splits3", "forced_splits16", "crossover1",
-                              "row_prefetch1", "ring32_1", "ring32_2"])
+                              "row_prefetch1", "ring32_1", "ring32_2", "tile_splits1"])
 def test_development_switches_keep_results(env):
     proc = _child(env, "child_switch_cases()")
     assert proc.returncode == 0 and "switch cases passed" in proc.stdout, \
@@ -1248,7 +1248,8 @@ def test_crossover_is_bitwise_todays(tmp_path, env):
 # odd counts of 32-key sub-tiles and of tiles) and values past the list (clamped); skipped
 # (-1) and out-of-range entries are sprinkled in, open every tile, fill a whole tile and a
 # whole 32-key sub-tile, over caches whose every unused slot reads as NaN; outputs start as
-# NaN.
+# NaN. Under DSV4_ATTN_TILE_SPLITS=1 the splits start at odd tiles too (ragged lengths, and
+# 18 tiles in 4 forced splits: 4, 5, 4, 5).
 RING32_CASES = [
     (1, 1, 128, 1024, 64, 64),    # CSA 4K, one token: many splits
     (3, 1, 128, 1024, 64, 64),
@@ -1329,8 +1330,9 @@ def child_ring32_cases(batch_invariant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "invariant"])
-@pytest.mark.parametrize("env", [{}, {"DSV4_ATTN_SPLITS": "3"}, {"DSV4_ATTN_FIRST_PV_INIT": "0"}],
-                         ids=["rule", "forced_splits3", "first_pv_init0"])
+@pytest.mark.parametrize("env", [{}, {"DSV4_ATTN_SPLITS": "3"}, {"DSV4_ATTN_FIRST_PV_INIT": "0"},
+                                 {"DSV4_ATTN_TILE_SPLITS": "1"}, {"DSV4_ATTN_TILE_SPLITS": "1", "DSV4_ATTN_SPLITS": "4"}],
+                         ids=["rule", "forced_splits3", "first_pv_init0", "tile_splits1", "tile_splits1_forced4"])
 def test_ring32_matches_reference(env, batch_invariant):
     proc = _child({**env, "DSV4_ATTN_RING32": "1"}, f"child_ring32_cases({batch_invariant})")
     assert proc.returncode == 0 and "ring32 cases passed" in proc.stdout, \
@@ -1347,7 +1349,8 @@ def ring32_outputs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("env", [{}, {"DSV4_ATTN_SPLITS": "3"}], ids=["rule", "forced_splits3"])
+@pytest.mark.parametrize("env", [{}, {"DSV4_ATTN_SPLITS": "3"}, {"DSV4_ATTN_TILE_SPLITS": "1"}],
+                         ids=["rule", "forced_splits3", "tile_splits1"])
 def test_ring32_loads_ahead_bitwise(tmp_path, env):
     _bitwise_across_processes(tmp_path, "ring32_outputs", {**env, "DSV4_ATTN_RING32": "1"},
                               {**env, "DSV4_ATTN_RING32": "2"})

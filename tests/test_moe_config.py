@@ -38,7 +38,7 @@ CHOICES = {"DSV4_MOE_BLOCK_N": "`8`, `16`, `64`", "DSV4_MOE_GEMM2_ROWS": "`1`, `
 ATTN_OVERRIDES = ("DSV4_ATTN_PRICED_SPLITS", "DSV4_ATTN_PDL", "DSV4_ATTN_SPECIALIZE", "DSV4_ATTN_MAIN_PDL",
                   "DSV4_ATTN_COOP_ROUND", "DSV4_ATTN_PRODUCER_AHEAD", "DSV4_ATTN_COOP_PREFETCH",
                   "DSV4_ATTN_FIRST_PV_INIT", "DSV4_ATTN_CROSSOVER",
-                  "DSV4_ATTN_ROW_PREFETCH")  # csrc/attention (tests/test_attention.py)
+                  "DSV4_ATTN_ROW_PREFETCH", "DSV4_ATTN_TILE_SPLITS")  # csrc/attention (tests/test_attention.py)
 ATTN_CHOICES = {"DSV4_ATTN_SPLITS": "`1`, `2`, `3`, `4`, `5`, `6`, `7`, `8`, `9`, `10`, `12`, `16`",
                 "DSV4_ATTN_RING32": "`0`, `1`, `2`"}
 VARIABLES = OVERRIDES + tuple(CHOICES) + ("DSV4_PRINT_CONFIG",) + ATTN_OVERRIDES + tuple(ATTN_CHOICES)

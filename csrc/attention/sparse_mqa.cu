@@ -3,7 +3,8 @@
 // launch. Development switches (csrc/common/env.h, README "Environment variables"):
 // DSV4_ATTN_PRICED_SPLITS, DSV4_ATTN_PDL, DSV4_ATTN_SPECIALIZE, DSV4_ATTN_MAIN_PDL,
 // DSV4_ATTN_COOP_ROUND, DSV4_ATTN_PRODUCER_AHEAD, DSV4_ATTN_COOP_PREFETCH,
-// DSV4_ATTN_FIRST_PV_INIT, DSV4_ATTN_CROSSOVER, DSV4_ATTN_ROW_PREFETCH, DSV4_ATTN_RING32.
+// DSV4_ATTN_FIRST_PV_INIT, DSV4_ATTN_CROSSOVER, DSV4_ATTN_ROW_PREFETCH, DSV4_ATTN_RING32,
+// DSV4_ATTN_TILE_SPLITS.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -238,6 +239,10 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   // Calls the ring of 32-key tiles may run (fp8 rows, 128 heads, unpaired; see below).
   const bool ring32_kind = kind == CacheKind::kFp8 && H == 128 && !pair;
   int ring32_planned = -1;  // set by plan_ring32 in default mode
+  // DSV4_ATTN_TILE_SPLITS=1: the ring's default-mode splits take whole tiles, and their count is
+  // priced so (attention::plan_ring32); off by default until measured
+  // (docs/perf-history/2026-12-08-attention-ring32-tile-splits.md).
+  p.tile_splits = env::switches().attn_tile_splits.value_or(false);
   if (batch_invariant) {
     // Splits of a fixed number of key pairs each, and always the split path (partials +
     // the ordered combine, in which empty splits add nothing), so that a token's result
@@ -252,11 +257,11 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
     p.num_splits = static_cast<int>(std::max<int64_t>(2, splits));
   } else {
     // The cost model's count (sparse_mqa_splits.h), or DSV4_ATTN_SPLITS's, clamped to the tile
-    // pairs; for a call the ring of 32-key tiles may run, with the ring's kernel choice
-    // (attention::plan_ring32, below).
+    // pairs; under DSV4_ATTN_TILE_SPLITS=1, for a call the ring of 32-key tiles may run, with
+    // the ring's kernel choice (attention::plan_ring32).
     p.pairs_per_split = 0;
     const bool priced = env::switches().attn_priced_splits.value_or(true);
-    if (ring32_kind) {
+    if (ring32_kind && p.tile_splits) {
       const attention::Ring32Plan plan = attention::plan_ring32(base, max_tiles, ctas, priced, env::switches().attn_splits,
                                                                 env::switches().attn_ring32);
       p.num_splits = plan.splits;
@@ -307,8 +312,9 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   // same kernel with the producer's loads one half-step ahead (kLoadsAhead, bitwise the same
   // results). Unset: attention::pick_ring32's rule (sparse_mqa_splits.h), value 2 where the
   // longest work item has at most 9 tiles of 64 keys, today's kernel otherwise (the look-back
-  // of docs/perf-history/2026-12-07-attention-ring32.md); in default mode with the split count
-  // plan_ring32 chose with it. 64-head calls keep the kernel above.
+  // of docs/perf-history/2026-12-07-attention-ring32.md); under DSV4_ATTN_TILE_SPLITS=1 in
+  // default mode, with the split count plan_ring32 chose with it. 64-head calls keep the
+  // kernel above.
   const int ring32 = !ring32_kind           ? 0
                      : ring32_planned >= 0 ? ring32_planned
                                            : attention::pick_ring32(max_tiles, p.num_splits, env::switches().attn_ring32);

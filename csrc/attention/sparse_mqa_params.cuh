@@ -55,6 +55,7 @@ struct SparseMqaParams {
   bool coop_prefetch;     // the cooperative round also sends round 1's rows into L2 (DSV4_ATTN_COOP_PREFETCH)
   bool first_pv_init;       // O set by each item's first PV (scale-d = 0), not cleared (DSV4_ATTN_FIRST_PV_INIT)
   bool row_prefetch;        // bf16 rows: the next round's rows sent to L2 a round ahead (DSV4_ATTN_ROW_PREFETCH)
+  bool tile_splits;         // the ring's default-mode splits at whole tiles (DSV4_ATTN_TILE_SPLITS; token_tiles)
 };
 
 }  // namespace attention

@@ -17,11 +17,11 @@
 //
 // What stays as today: kTileKeys = 64 is the unit of the schedule (token tiles, the split
 // count of pick_splits / choose_splits, the combine); an item's rounds are its tiles t1 - t0
-// (an odd count needs no empty tile here), so a default-mode split takes whole tiles, not
-// pairs (token_tiles<kNumSrc, true>: 18 tiles in 4 splits are 4, 5, 4, 5, not 4, 4, 4, 6);
-// batch-invariant splits keep their fixed pairs (a split that starts past the token's last
-// tile has no round, ring32_rounds). Round 0 of every item is filled by the producer (no
-// cooperative first round under this switch).
+// (an odd count needs no empty tile here), so under DSV4_ATTN_TILE_SPLITS=1 a default-mode
+// split takes whole tiles, not pairs (token_tiles<kNumSrc, true>: 18 tiles in 4 splits are
+// 4, 5, 4, 5, not 4, 4, 4, 6); batch-invariant splits keep their fixed pairs (a split that
+// starts past the token's last tile has no round, ring32_rounds). Round 0 of every item is
+// filled by the producer (no cooperative first round under this switch).
 //
 // Buffers and barriers (all indices in this file):
 //   buffer   sb = 2 set + c (c = consumer = sub-tile: tile rows 32 c .. 32 c + 31), 32 KB each,

@@ -15,16 +15,17 @@ struct TokenTiles {
   int len[2];    // valid prefix of each list
   int ntile[2];  // tiles of each list
   int t0, t1;    // this split's tile range [t0, t1) over the concatenated lists (t0 even
-                 // unless kTileSplits)
+                 // unless kTileSplits and p.tile_splits)
 };
 
 // kNumSrc: the sources the kernel instance reads, 1 (p.num_src == 1 only, so a one-source
 // call skips the second list's loads and selects) or 2 (either; p.num_src decides).
-// kTileSplits: a default-mode split takes whole 64-key tiles rather than pairs, for the ring
-// of 32-key tiles, whose round is one tile (sparse_mqa_ring32.cuh): 18 tiles in 4 splits are
-// 4, 5, 4, 5 tiles instead of 4, 4, 4, 6 (docs/perf-history/2026-12-08-attention-ring32-tile-splits.md).
-// The split count stays the pairs' (pick_splits), so no split of the longest token is empty;
-// batch-invariant boundaries stay at fixed pairs.
+// kTileSplits (the ring of 32-key tiles, whose round is one tile: sparse_mqa_ring32.cuh) with
+// p.tile_splits (DSV4_ATTN_TILE_SPLITS=1): a default-mode split takes whole 64-key tiles
+// rather than pairs: 18 tiles in 4 splits are 4, 5, 4, 5 tiles instead of 4, 4, 4, 6
+// (docs/perf-history/2026-12-08-attention-ring32-tile-splits.md). The split count is at most
+// the pairs (pick_splits), so no split of the longest token is empty; batch-invariant
+// boundaries stay at fixed pairs.
 template <int kNumSrc, bool kTileSplits = false>
 __device__ __forceinline__ TokenTiles token_tiles(const SparseMqaParams& p, int b, int split) {
   static_assert(kNumSrc == 1 || kNumSrc == 2, "one or two sources");
@@ -49,7 +50,7 @@ __device__ __forceinline__ TokenTiles token_tiles(const SparseMqaParams& p, int 
   // num_splits <= 64, so the products stay within 2^31, where FastDivmod is exact (it is for
   // any n < 2^32); a 64-bit division is a subroutine call, a far jump that a cold instruction
   // cache pays for, and a 32-bit one ~20 instructions.
-  if (kTileSplits && p.pairs_per_split == 0) {
+  if (kTileSplits && p.tile_splits && p.pairs_per_split == 0) {
     const uint32_t un = static_cast<uint32_t>(n);
     tt.t0 = static_cast<int>(p.splits_div.div(un * static_cast<uint32_t>(split)));
     tt.t1 = static_cast<int>(p.splits_div.div(un * static_cast<uint32_t>(split + 1)));

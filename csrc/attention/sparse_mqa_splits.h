@@ -118,12 +118,13 @@ inline int pick_ring32(int64_t max_tiles, int num_splits, std::optional<int> for
 }
 
 // The split count and DSV4_ATTN_RING32 value of a default-mode 128-head fp8 call that is not
-// paired. Where the rule puts the call on the ring (at the pairs' split count), the count is
-// priced again with the ring's whole-tile splits (pick_splits, tile_splits) and taken if the
-// ring's rule still holds at it: V4-Pro CSA at B = 8 / 16 gets 6 / 4 splits of 3 / 5 tiles
-// instead of 5 / 3 splits of 4 / 6 tiles, HCA 32K at B = 32 two splits of 3 tiles instead
-// of one item of 6 (docs/perf-history/2026-12-08-attention-ring32-tile-splits.md). A forced
-// or unpriced split count (DSV4_ATTN_SPLITS, DSV4_ATTN_PRICED_SPLITS=0) is kept as it is.
+// paired, under DSV4_ATTN_TILE_SPLITS=1 (the ring's splits at whole tiles, token_tiles).
+// Where the rule puts the call on the ring (at the pairs' split count), the count is priced
+// again with whole-tile splits (pick_splits, tile_splits) and taken if the ring's rule still
+// holds at it: V4-Pro CSA at B = 8 / 16 gets 6 / 4 splits of 3 / 5 tiles instead of 5 / 3
+// splits of up to 4 / 6 tiles, HCA 32K at B = 32 two splits of 3 tiles instead of one item
+// of 6 (docs/perf-history/2026-12-08-attention-ring32-tile-splits.md). A forced or unpriced
+// split count (DSV4_ATTN_SPLITS, DSV4_ATTN_PRICED_SPLITS=0) is kept as it is.
 struct Ring32Plan {
   int splits, ring32;
 };

@@ -73,6 +73,7 @@ struct Switches {
   std::optional<int> attn_ring32;  // DSV4_ATTN_RING32: 1 = 128-head fp8 calls on the two-round ring of 32-key tiles,
                                    // 2 = the same with the producer's loads one half-step ahead, 0 = today's
                                    // kernel; unset: attention::pick_ring32's rule (sparse_mqa_splits.h)
+  std::optional<bool> attn_tile_splits;  // DSV4_ATTN_TILE_SPLITS: 1 = the ring's splits at whole tiles (plan_ring32)
 };
 
 inline Switches read_switches() {
@@ -104,6 +105,7 @@ inline Switches read_switches() {
   s.attn_crossover = get("DSV4_ATTN_CROSSOVER");
   s.attn_row_prefetch = get("DSV4_ATTN_ROW_PREFETCH");
   s.attn_ring32 = parse_int_choice("DSV4_ATTN_RING32", std::getenv("DSV4_ATTN_RING32"), {0, 1, 2});
+  s.attn_tile_splits = get("DSV4_ATTN_TILE_SPLITS");
   return s;
 }
 
