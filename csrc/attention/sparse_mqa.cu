@@ -238,7 +238,7 @@ at::Tensor run(const at::Tensor& q4, const at::Tensor& out4, SparseMqaParams& p,
   const int ctas = pair ? (one ? pair_ctas<1>(sms) : pair_ctas<2>(sms)) : sms;
   // Calls the ring of 32-key tiles may run (fp8 rows, 128 heads, unpaired; see below).
   const bool ring32_kind = kind == CacheKind::kFp8 && H == 128 && !pair;
-  int ring32_planned = -1;  // set by plan_ring32 in default mode
+  int ring32_planned = -1;  // set by plan_ring32 (DSV4_ATTN_TILE_SPLITS=1, default mode)
   // DSV4_ATTN_TILE_SPLITS=1: the ring's default-mode splits take whole tiles, and their count is
   // priced so (attention::plan_ring32); off by default until measured
   // (docs/perf-history/2026-12-08-attention-ring32-tile-splits.md).
