@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cmath>
 #include <optional>
+#include <string>
 #include <tuple>
 
 #include "attention/sparse_mqa.cuh"
@@ -405,6 +406,26 @@ TORCH_LIBRARY_IMPL(dsv4, CUDA, m) {
   m.impl("sparse_mqa_prefill", &dsv4::sparse_mqa_prefill);
 }
 
+namespace {
+
+// The test ops' shared argument checks; each error names the op and the argument.
+void check_split_shape(const char* op, int64_t base_ctas, int64_t max_tiles, int64_t sms) {
+  TORCH_CHECK(base_ctas > 0 && max_tiles >= 0 && sms > 0, "dsv4: ", op, " takes base_ctas > 0, max_tiles >= 0, sms > 0, got ",
+              base_ctas, ", ", max_tiles, ", ", sms);
+}
+// An optional override argument (None: unset) in [lo, hi], written `range` in the error, as the
+// std::optional<int> the host rules take.
+std::optional<int> checked_override(const char* op, const char* arg, std::optional<int64_t> v, int64_t lo, int64_t hi,
+                                    const std::string& range) {
+  if (!v.has_value()) return std::nullopt;
+  TORCH_CHECK(*v >= lo && *v <= hi, "dsv4: ", op, " takes ", arg, " in ", range, " or None, got ", *v);
+  return static_cast<int>(*v);
+}
+const std::string kSplitsRange = "[1, " + std::to_string(dsv4::attention::kMaxSplits) + "]";
+const std::string kRing32Range = "{0, 1, 2}";
+
+}  // namespace
+
 // Test-only (dsv4_testing, tests/test_attention.py): the split count a default-mode call
 // gets, without a GPU: `priced` stands for DSV4_ATTN_PRICED_SPLITS, `forced` for
 // DSV4_ATTN_SPLITS (None: unset; any count >= 1 here), both given, never read from the
@@ -412,12 +433,9 @@ TORCH_LIBRARY_IMPL(dsv4, CUDA, m) {
 TORCH_LIBRARY_FRAGMENT(dsv4_testing, m) {
   m.def("sparse_mqa_num_splits(int base_ctas, int max_tiles, int sms, bool priced, int? forced=None) -> int",
         [](int64_t base_ctas, int64_t max_tiles, int64_t sms, bool priced, std::optional<int64_t> forced) -> int64_t {
-          TORCH_CHECK(base_ctas > 0 && max_tiles >= 0 && sms > 0, "dsv4: sparse_mqa_num_splits takes base_ctas > 0, "
-                      "max_tiles >= 0, sms > 0, got ", base_ctas, ", ", max_tiles, ", ", sms);
-          TORCH_CHECK(!forced.has_value() || (*forced >= 1 && *forced <= dsv4::attention::kMaxSplits),
-                      "dsv4: sparse_mqa_num_splits takes forced in [1, ", dsv4::attention::kMaxSplits, "] or None, got ",
-                      forced.value_or(0));
-          const std::optional<int> f = forced.has_value() ? std::optional<int>(static_cast<int>(*forced)) : std::nullopt;
+          constexpr const char* op = "sparse_mqa_num_splits";
+          check_split_shape(op, base_ctas, max_tiles, sms);
+          const std::optional<int> f = checked_override(op, "forced", forced, 1, dsv4::attention::kMaxSplits, kSplitsRange);
           return dsv4::attention::choose_splits(base_ctas, max_tiles, static_cast<int>(sms), priced, f);
         });
   // attention::plan_ring32: (split count, DSV4_ATTN_RING32 value) of a default-mode 128-head fp8
@@ -427,19 +445,12 @@ TORCH_LIBRARY_FRAGMENT(dsv4_testing, m) {
         "int? forced_ring32=None) -> (int, int)",
         [](int64_t base_ctas, int64_t max_tiles, int64_t sms, bool priced, std::optional<int64_t> forced_splits,
            std::optional<int64_t> forced_ring32) -> std::tuple<int64_t, int64_t> {
-          TORCH_CHECK(base_ctas > 0 && max_tiles >= 0 && sms > 0, "dsv4: sparse_mqa_ring32_plan takes base_ctas > 0, "
-                      "max_tiles >= 0, sms > 0, got ", base_ctas, ", ", max_tiles, ", ", sms);
-          TORCH_CHECK(!forced_splits.has_value() || (*forced_splits >= 1 && *forced_splits <= dsv4::attention::kMaxSplits),
-                      "dsv4: sparse_mqa_ring32_plan takes forced_splits in [1, ", dsv4::attention::kMaxSplits,
-                      "] or None, got ", forced_splits.value_or(0));
-          TORCH_CHECK(!forced_ring32.has_value() || (*forced_ring32 >= 0 && *forced_ring32 <= 2),
-                      "dsv4: sparse_mqa_ring32_plan takes forced_ring32 in {0, 1, 2} or None, got ",
-                      forced_ring32.value_or(-1));
-          auto opt = [](std::optional<int64_t> v) {
-            return v.has_value() ? std::optional<int>(static_cast<int>(*v)) : std::nullopt;
-          };
-          const auto plan = dsv4::attention::plan_ring32(base_ctas, max_tiles, static_cast<int>(sms), priced,
-                                                         opt(forced_splits), opt(forced_ring32));
+          constexpr const char* op = "sparse_mqa_ring32_plan";
+          check_split_shape(op, base_ctas, max_tiles, sms);
+          const std::optional<int> fs =
+              checked_override(op, "forced_splits", forced_splits, 1, dsv4::attention::kMaxSplits, kSplitsRange);
+          const std::optional<int> fr = checked_override(op, "forced_ring32", forced_ring32, 0, 2, kRing32Range);
+          const auto plan = dsv4::attention::plan_ring32(base_ctas, max_tiles, static_cast<int>(sms), priced, fs, fr);
           return {plan.splits, plan.ring32};
         });
   // The DSV4_ATTN_RING32 value a 128-head fp8 call (not paired) runs with, for `max_tiles`
@@ -450,9 +461,7 @@ TORCH_LIBRARY_FRAGMENT(dsv4_testing, m) {
           TORCH_CHECK(max_tiles >= 0 && num_splits >= 1 && num_splits <= dsv4::attention::kMaxSplits,
                       "dsv4: sparse_mqa_ring32 takes max_tiles >= 0, num_splits in [1, ", dsv4::attention::kMaxSplits,
                       "], got ", max_tiles, ", ", num_splits);
-          TORCH_CHECK(!forced.has_value() || (*forced >= 0 && *forced <= 2),
-                      "dsv4: sparse_mqa_ring32 takes forced in {0, 1, 2} or None, got ", forced.value_or(-1));
-          const std::optional<int> f = forced.has_value() ? std::optional<int>(static_cast<int>(*forced)) : std::nullopt;
+          const std::optional<int> f = checked_override("sparse_mqa_ring32", "forced", forced, 0, 2, kRing32Range);
           return dsv4::attention::pick_ring32(max_tiles, static_cast<int>(num_splits), f);
         });
 }
